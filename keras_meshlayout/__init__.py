@@ -1,0 +1,60 @@
+"""keras_meshlayout: named meshes and checked layout rules for Keras on JAX.
+
+Example:
+    >>> import keras_meshlayout as kml
+    >>> kml.emulate_devices(8)
+    >>> mesh = kml.Mesh.parse("2x4")
+    >>> rules = kml.LayoutRules([(r".*dense_1/kernel", (None, "model"))])
+    >>> dist = kml.ModelParallel(mesh, rules, batch_axis="data")
+"""
+
+import importlib.metadata
+import os
+
+if "keras" not in __import__("sys").modules:
+    # The backend is fixed at Keras's first import: choose JAX unless told otherwise.
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+
+from ._backend import emulate_devices as emulate_devices
+from ._distribution import ModelParallel as ModelParallel
+from ._errors import DevicesAlreadyInitializedError as DevicesAlreadyInitializedError
+from ._errors import IndivisibleBatchError as IndivisibleBatchError
+from ._errors import IndivisibleShapeError as IndivisibleShapeError
+from ._errors import IndivisibleShapeWarning as IndivisibleShapeWarning
+from ._errors import InvalidMeshError as InvalidMeshError
+from ._errors import InvalidRuleError as InvalidRuleError
+from ._errors import MeshLayoutError as MeshLayoutError
+from ._errors import MeshLayoutWarning as MeshLayoutWarning
+from ._errors import RankMismatchError as RankMismatchError
+from ._errors import UnmatchedRuleWarning as UnmatchedRuleWarning
+from ._errors import UnsupportedBackendError as UnsupportedBackendError
+from ._mesh import Mesh as Mesh
+from ._plan import Plan as Plan
+from ._resolve import DEFAULT_REPLICATE_BELOW as DEFAULT_REPLICATE_BELOW
+from ._resolve import Resolution as Resolution
+from ._rules import LayoutRules as LayoutRules
+from ._rules import Rule as Rule
+
+__version__ = importlib.metadata.version("keras_meshlayout")
+
+__all__ = [
+    "DEFAULT_REPLICATE_BELOW",
+    "DevicesAlreadyInitializedError",
+    "IndivisibleBatchError",
+    "IndivisibleShapeError",
+    "IndivisibleShapeWarning",
+    "InvalidMeshError",
+    "InvalidRuleError",
+    "LayoutRules",
+    "Mesh",
+    "MeshLayoutError",
+    "MeshLayoutWarning",
+    "ModelParallel",
+    "Plan",
+    "RankMismatchError",
+    "Resolution",
+    "Rule",
+    "UnmatchedRuleWarning",
+    "UnsupportedBackendError",
+    "emulate_devices",
+]

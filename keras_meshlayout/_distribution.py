@@ -1,0 +1,187 @@
+"""`ModelParallel`: Keras's model-parallel distribution with shape-checked layouts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import keras
+
+from ._backend import require_jax_backend
+from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError
+from ._plan import Plan, plan_model
+from ._resolve import DEFAULT_REPLICATE_BELOW, IndivisiblePolicy, Resolution, check_policy, resolve
+from ._rules import LayoutRules
+
+__all__ = ["ModelParallel"]
+
+
+class ModelParallel(keras.distribution.ModelParallel):
+    """Data and tensor parallelism over a named mesh, with every layout checked.
+
+    The batch is split over `batch_axis`; each variable gets the layout of the
+    first rule whose pattern matches its path, checked against its shape when
+    Keras creates it:
+
+    - a rule of the wrong rank is a `RankMismatchError` naming both;
+    - a dimension that does not divide by its mesh axis is replicated with a
+      warning and a recorded reason (`on_indivisible="replicate"`), or is an
+      `IndivisibleShapeError` (`on_indivisible="error"`);
+    - variables smaller than `replicate_below` elements stay replicated, so a
+      small classifier head needs no rule of its own;
+    - variables no rule matches are replicated;
+    - optimizer slots take exactly their parameter's layout.
+
+    It is a `keras.distribution.ModelParallel`: set it with
+    `keras.distribution.set_distribution` (or use `scope()`) before building
+    the model, then train with `model.fit` as usual. `plan(model)` shows what
+    every variable got and why.
+
+    Args:
+        mesh: The device mesh (a `kml.Mesh` or any `keras.distribution.DeviceMesh`).
+        rules: A `LayoutRules`, a Keras `LayoutMap` (its keys become rules in
+            insertion order), or `(pattern, axes)` pairs. `None`: no rules
+            (pure data parallelism).
+        batch_axis: Mesh axis the batch is split over. Defaults to the first.
+        on_indivisible: `"replicate"` (default) or `"error"`.
+        replicate_below: Variables with fewer elements stay replicated.
+            Defaults to 4096 (16 KiB in float32); 0 disables the threshold.
+        auto_shard_dataset: As in Keras, for multi-process input pipelines.
+
+    Raises:
+        InvalidMeshError: `batch_axis` is not an axis of the mesh.
+        InvalidRuleError: a rule does not fit the mesh.
+        UnsupportedBackendError: Keras does not run on JAX.
+
+    Example:
+        >>> import keras, keras_meshlayout as kml
+        >>> mesh = kml.Mesh(data=2, model=4)
+        >>> rules = kml.LayoutRules([(r".*dense/kernel", (None, "model"))])
+        >>> dist = kml.ModelParallel(mesh, rules, batch_axis="data")
+        >>> with dist.scope():
+        ...     model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256)])
+        >>> model.weights[0].value.sharding.spec
+        PartitionSpec(None, 'model')
+    """
+
+    def __init__(
+        self,
+        mesh: keras.distribution.DeviceMesh,
+        rules: LayoutRules | keras.distribution.LayoutMap | Iterable[tuple[str, Sequence[str | None]]] | None = None,
+        *,
+        batch_axis: str | None = None,
+        on_indivisible: IndivisiblePolicy = "replicate",
+        replicate_below: int = DEFAULT_REPLICATE_BELOW,
+        auto_shard_dataset: bool = True,
+    ) -> None:
+        require_jax_backend()
+        if not isinstance(mesh, keras.distribution.DeviceMesh):
+            raise InvalidMeshError(
+                "ModelParallel needs a mesh (kml.Mesh or keras.distribution.DeviceMesh) as its "
+                f"first argument. Received: {mesh!r}. Example: kml.ModelParallel("
+                'kml.Mesh(data=2, model=4), rules, batch_axis="data").'
+            )
+        check_policy(on_indivisible, replicate_below)
+        batch_axis = mesh.axis_names[0] if batch_axis is None else batch_axis
+        if batch_axis not in mesh.axis_names:
+            raise InvalidMeshError(
+                f"batch_axis={batch_axis!r} is not an axis of the mesh, which has axes "
+                f"{tuple(mesh.axis_names)} (shape {tuple(mesh.shape)}). Fix: pass one of them."
+            )
+        super().__init__(
+            layout_map=_as_rules(rules).bind(mesh),
+            batch_dim_name=batch_axis,
+            auto_shard_dataset=auto_shard_dataset,
+        )
+        self._on_indivisible = on_indivisible
+        self._replicate_below = replicate_below
+        self._axis_sizes = dict(zip(mesh.axis_names, mesh.shape))
+
+    @property
+    def rules(self) -> LayoutRules:
+        """The layout rules, bound to the mesh."""
+        return self._layout_map
+
+    @property
+    def batch_axis(self) -> str:
+        """The mesh axis the batch is split over."""
+        return self.batch_dim_name
+
+    @property
+    def on_indivisible(self) -> IndivisiblePolicy:
+        return self._on_indivisible
+
+    @property
+    def replicate_below(self) -> int:
+        return self._replicate_below
+
+    def resolve(self, path: str, shape: Sequence[int], dtype: Any = "float32", *, warn: bool = True) -> Resolution:
+        """Resolves the layout of a variable with this path, shape and dtype.
+
+        This is exactly what happens when Keras creates such a variable under
+        this distribution; nothing is allocated.
+        """
+        return resolve(
+            path,
+            shape,
+            dtype,
+            self._layout_map,
+            self._axis_sizes,
+            on_indivisible=self._on_indivisible,
+            replicate_below=self._replicate_below,
+            warn=warn,
+        )
+
+    def plan(self, model: keras.Model) -> Plan:
+        """What every variable of `model` (and of its optimizer, once built) got, and why.
+
+        Issues an `UnmatchedRuleWarning` for rules that matched no variable.
+        """
+        return plan_model(self, model)
+
+    # -- keras.distribution.Distribution --------------------------------------
+
+    def get_variable_layout(self, variable: keras.Variable) -> keras.distribution.TensorLayout:
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout  # optimizer slots: their parameter's layout
+        resolution = self.resolve(variable.path, variable.shape, variable.dtype)
+        return keras.distribution.TensorLayout(resolution.axes, self.device_mesh)
+
+    def get_data_layout(self, data_shape: Sequence[int]) -> keras.distribution.TensorLayout:
+        if len(data_shape) == 0:
+            return keras.distribution.TensorLayout((), self.device_mesh)
+        axis_size = self._axis_sizes[self.batch_dim_name]
+        global_batch = int(data_shape[0]) * self.num_processes
+        if global_batch % axis_size:
+            raise IndivisibleBatchError(
+                f"A batch of {global_batch} samples (input shape {tuple(data_shape)}) cannot be "
+                f"split over batch axis {self.batch_dim_name!r} of size {axis_size}: "
+                f"{global_batch} is not a multiple of {axis_size}. Fix: use a batch_size that is "
+                f"a multiple of {axis_size}; for a short last batch, make the number of samples "
+                f"a multiple of the batch size or drop the remainder."
+            )
+        return super().get_data_layout(data_shape)
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelParallel({self.device_mesh!r}, rules={len(self._layout_map)}, "
+            f"batch_axis={self.batch_dim_name!r}, on_indivisible={self._on_indivisible!r}, "
+            f"replicate_below={self._replicate_below})"
+        )
+
+    __str__ = __repr__
+
+
+def _as_rules(rules: Any) -> LayoutRules:
+    if rules is None:
+        return LayoutRules()
+    if isinstance(rules, LayoutRules):
+        return rules
+    if isinstance(rules, keras.distribution.LayoutMap):
+        return LayoutRules([(key, rules[key]) for key in rules])
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+        raise InvalidRuleError(
+            "rules must be a kml.LayoutRules, a keras.distribution.LayoutMap or a list of "
+            f"(pattern, axes) pairs. Received: {rules!r}."
+        )
+    return LayoutRules(rules)

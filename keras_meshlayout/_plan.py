@@ -1,0 +1,254 @@
+"""The plan: what every variable of a model got, and why, as a table or as data."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._errors import UnmatchedRuleWarning
+from ._resolve import Resolution
+from ._rules import Axes, Rule
+
+if TYPE_CHECKING:
+    import keras
+    import rich.console
+
+    from ._distribution import ModelParallel
+
+__all__ = ["Plan", "plan_model", "format_bytes", "format_axes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The resolved layout of every variable of a model on a mesh.
+
+    Attributes:
+        axis_sizes: Mesh axis sizes by name.
+        batch_axis: Mesh axis the batch is split over.
+        entries: One `Resolution` per variable: model weights first, then
+            optimizer variables when the optimizer is built.
+        unmatched_rules: Variable rules that matched no variable (likely typos).
+        on_indivisible: The divisibility policy in force.
+        replicate_below: The small-variable threshold in force.
+
+    `str(plan)` (or `print(plan)`) renders a table; `plan.to_dict()` gives the
+    same content as JSON-serialisable data; `plan[path]` looks up one variable.
+    """
+
+    axis_sizes: Mapping[str, int]
+    batch_axis: str
+    entries: tuple[Resolution, ...]
+    unmatched_rules: tuple[Rule, ...] = ()
+    on_indivisible: str = "replicate"
+    replicate_below: int = 0
+
+    @property
+    def device_count(self) -> int:
+        count = 1
+        for size in self.axis_sizes.values():
+            count *= size
+        return count
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Bytes of all variables held by each device."""
+        return sum(entry.bytes_per_device for entry in self.entries)
+
+    @property
+    def replicated_bytes(self) -> int:
+        """Bytes per device if every variable were replicated."""
+        return sum(entry.nbytes for entry in self.entries)
+
+    @property
+    def warnings(self) -> list[str]:
+        """Human-readable warnings: rules that matched nothing."""
+        return [
+            f"{rule.describe()} matched no variable: check the pattern for a typo "
+            "(it is matched with re.fullmatch against variable.path)."
+            for rule in self.unmatched_rules
+        ]
+
+    def __getitem__(self, path: str) -> Resolution:
+        for entry in self.entries:
+            if entry.path == path:
+                return entry
+        raise KeyError(f"No variable with path {path!r} in this plan.")
+
+    def __iter__(self) -> Iterator[Resolution]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-serialisable data."""
+        return {
+            "mesh": dict(self.axis_sizes),
+            "batch_axis": self.batch_axis,
+            "on_indivisible": self.on_indivisible,
+            "replicate_below": self.replicate_below,
+            "variables": [entry.to_dict() for entry in self.entries],
+            "totals": {
+                "bytes_per_device": self.bytes_per_device,
+                "replicated_bytes_per_device": self.replicated_bytes,
+            },
+            "unmatched_rules": [{"index": r.index, "pattern": r.pattern, "axes": list(r.axes)} for r in self.unmatched_rules],
+            "warnings": self.warnings,
+        }
+
+    def __rich_console__(self, console: rich.console.Console, options: Any) -> Iterator[Any]:
+        from rich.table import Table
+        from rich.text import Text
+
+        mesh = " × ".join(f"{name}={size}" for name, size in self.axis_sizes.items())
+        table = Table(
+            title=f"Layout plan on mesh {mesh} ({self.device_count} devices), batch over {self.batch_axis!r}",
+            title_justify="left",
+        )
+        for column, justify in [
+            ("variable", "left"),
+            ("shape", "left"),
+            ("dtype", "left"),
+            ("rule", "left"),
+            ("layout", "left"),
+            ("per device", "right"),
+            ("why", "left"),
+        ]:
+            table.add_column(column, justify=justify, overflow="fold")
+        for entry in self.entries:
+            table.add_row(
+                entry.path,
+                format_axes(entry.shape),
+                entry.dtype,
+                _rule_cell(entry),
+                Text(format_axes(entry.axes), style="bold green" if not entry.replicated else ""),
+                format_bytes(entry.bytes_per_device),
+                _why_cell(entry),
+            )
+        yield table
+        saved = 1 - self.bytes_per_device / self.replicated_bytes if self.replicated_bytes else 0.0
+        yield Text(
+            f"Variables per device: {format_bytes(self.bytes_per_device)} "
+            f"(fully replicated: {format_bytes(self.replicated_bytes)}, {saved:.0%} saved)"
+        )
+        for line in self.warnings:
+            yield Text(f"warning: {line}", style="yellow")
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=160, force_terminal=False, color_system=None).print(self)
+        return buffer.getvalue().rstrip("\n")
+
+
+def plan_model(distribution: ModelParallel, model: keras.Model) -> Plan:
+    """Builds the plan of `model` under `distribution` (see `ModelParallel.plan`)."""
+    params = {w.path.replace("/", "_"): w for w in model.weights}
+    entries = [_model_entry(distribution, w) for w in model.weights]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        for variable in optimizer.variables:
+            parent = _slot_parent(variable, params)
+            if parent is None:
+                entries.append(_model_entry(distribution, variable))
+            else:
+                entries.append(_slot_entry(distribution, variable, parent))
+    unmatched = distribution.rules.unmatched(w.path for w in model.weights)
+    plan = Plan(
+        axis_sizes=dict(zip(distribution.device_mesh.axis_names, distribution.device_mesh.shape)),
+        batch_axis=distribution.batch_dim_name,
+        entries=tuple(entries),
+        unmatched_rules=tuple(unmatched),
+        on_indivisible=distribution.on_indivisible,
+        replicate_below=distribution.replicate_below,
+    )
+    for message in plan.warnings:
+        warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
+    return plan
+
+
+def _model_entry(distribution: ModelParallel, variable: keras.Variable) -> Resolution:
+    resolution = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False)
+    actual = _actual_axes(variable)
+    if actual is None or actual == resolution.axes:
+        return resolution
+    return _with_axes(
+        resolution,
+        actual,
+        source="preset",
+        reason="layout fixed on the variable before this distribution resolved it",
+        axis_sizes=distribution._axis_sizes,
+    )
+
+
+def _slot_entry(distribution: ModelParallel, variable: keras.Variable, parent: keras.Variable) -> Resolution:
+    axes = _actual_axes(variable)
+    if axes is None:
+        axes = _actual_axes(parent) or distribution.resolve(parent.path, parent.shape, parent.dtype, warn=False).axes
+    base = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False)
+    base = dataclasses.replace(base, rule=None, requested=None)
+    return _with_axes(base, axes, source="parameter", reason=f"follows {parent.path}", axis_sizes=distribution._axis_sizes)
+
+
+def _with_axes(
+    resolution: Resolution, axes: Axes, *, source: str, reason: str, axis_sizes: Mapping[str, int]
+) -> Resolution:
+    shards = 1
+    for axis in axes:
+        if axis is not None:
+            shards *= axis_sizes[axis]
+    return dataclasses.replace(resolution, axes=axes, shards=shards, source=source, reasons=(reason,))
+
+
+def _actual_axes(variable: keras.Variable) -> Axes | None:
+    layout = getattr(variable, "_layout", None)
+    axes = getattr(layout, "axes", None)
+    return None if axes is None else tuple(axes)
+
+
+def _slot_parent(variable: keras.Variable, params: Mapping[str, keras.Variable]) -> keras.Variable | None:
+    """The model weight an optimizer slot was made from (Keras names it `<path>_<slot>`)."""
+    best = None
+    for prefix, param in params.items():
+        if variable.name.startswith(prefix + "_") and tuple(param.shape) == tuple(variable.shape):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, param)
+    return None if best is None else best[1]
+
+
+def _rule_cell(entry: Resolution) -> str:
+    if entry.source == "parameter":
+        return "(slot)"
+    if entry.rule is None:
+        return "-"
+    return f"#{entry.rule.index} {entry.rule.pattern}"
+
+
+def _why_cell(entry: Resolution) -> str:
+    if entry.reasons:
+        requested = "" if entry.requested is None else f"asked {format_axes(entry.requested)}: "
+        return requested + "; ".join(entry.reasons)
+    if entry.source == "default":
+        return "no rule matched"
+    return ""
+
+
+def format_axes(axes: tuple) -> str:
+    """`(None, 'model')` → `(None, model)`; `(256, 128)` → `(256, 128)`."""
+    inner = ", ".join("None" if a is None else str(a) for a in axes)
+    return f"({inner},)" if len(axes) == 1 else f"({inner})"
+
+
+def format_bytes(count: float) -> str:
+    """Bytes in binary units: `format_bytes(1536)` → `'1.5 KiB'`."""
+    if abs(count) < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if abs(count) < 1024:
+            break
+    return f"{count:.1f} {unit}"

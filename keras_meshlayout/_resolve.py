@@ -1,0 +1,227 @@
+"""Resolving one variable's layout from its path and shape.
+
+This is where a rule meets a real shape: the rank check, the small-variable
+threshold and the divisibility check (and the `on_indivisible` policy) all live
+here, as pure functions of the path, shape, dtype, rules and mesh axis sizes.
+`kml.ModelParallel` calls `resolve` for every variable Keras creates, and the
+plan calls the same function, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from ._errors import (
+    IndivisibleShapeError,
+    IndivisibleShapeWarning,
+    InvalidRuleError,
+    RankMismatchError,
+)
+from ._rules import Axes, LayoutRules, Rule
+
+__all__ = ["Resolution", "resolve", "DEFAULT_REPLICATE_BELOW", "IndivisiblePolicy"]
+
+#: Variables with fewer elements than this stay replicated (16 KiB in float32):
+#: splitting them saves less memory than the collectives they add cost in latency.
+DEFAULT_REPLICATE_BELOW = 4096
+
+IndivisiblePolicy = Literal["replicate", "error"]
+POLICIES = ("replicate", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """What one variable got, and why.
+
+    Attributes:
+        path: The variable path, e.g. `"sequential/dense_1/kernel"`.
+        shape: The variable shape.
+        dtype: The variable dtype name.
+        rule: The rule that matched, or `None`.
+        requested: The matching rule's axes, or `None` when no rule matched.
+        axes: The final layout, one mesh-axis name or `None` per dimension.
+        reasons: Why `axes` differs from `requested`, one line per change.
+        shards: Number of pieces the variable is split into (1 = replicated).
+        nbytes: Size of the whole variable in bytes.
+        source: Where the layout came from: `"rule"`, `"default"` (no rule
+            matched), or `"parameter"` for an optimizer slot, which follows its
+            parameter, or `"preset"` for a layout fixed on the variable itself.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    rule: Rule | None
+    requested: Axes | None
+    axes: Axes
+    reasons: tuple[str, ...] = ()
+    shards: int = 1
+    nbytes: int = 0
+    source: str = "rule"
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Bytes of this variable held by each device."""
+        return self.nbytes // self.shards
+
+    @property
+    def replicated(self) -> bool:
+        return self.shards == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "rule": None if self.rule is None else {"index": self.rule.index, "pattern": self.rule.pattern},
+            "requested": None if self.requested is None else list(self.requested),
+            "axes": list(self.axes),
+            "reasons": list(self.reasons),
+            "source": self.source,
+            "shards": self.shards,
+            "bytes": self.nbytes,
+            "bytes_per_device": self.bytes_per_device,
+        }
+
+
+def resolve(
+    path: str,
+    shape: Sequence[int],
+    dtype: Any,
+    rules: LayoutRules,
+    axis_sizes: Mapping[str, int],
+    *,
+    on_indivisible: IndivisiblePolicy = "replicate",
+    replicate_below: int = DEFAULT_REPLICATE_BELOW,
+    warn: bool = True,
+) -> Resolution:
+    """Resolves the layout of one variable.
+
+    In order: the first matching rule gives the requested layout (no match:
+    replicated); its rank must equal the variable's; a variable with fewer than
+    `replicate_below` elements stays replicated; every sharded dimension must
+    divide by its mesh axis size, or else, by `on_indivisible`, that dimension
+    is replicated (with an `IndivisibleShapeWarning`) or an error is raised.
+
+    Args:
+        path: Variable path.
+        shape: Variable shape.
+        dtype: Variable dtype (anything `numpy.dtype` or Keras understands).
+        rules: The layout rules.
+        axis_sizes: Mesh axis sizes by name.
+        on_indivisible: `"replicate"` or `"error"`.
+        replicate_below: Element count under which variables stay replicated.
+        warn: Whether to warn when a dimension is replicated for divisibility.
+
+    Returns:
+        The `Resolution`.
+
+    Raises:
+        RankMismatchError: the matching rule's layout has the wrong rank.
+        IndivisibleShapeError: a dimension does not divide and the policy is
+            `"error"`.
+        InvalidRuleError: the matching rule names an axis not in `axis_sizes`.
+
+    Example:
+        >>> import keras_meshlayout as kml
+        >>> from keras_meshlayout._resolve import resolve
+        >>> rules = kml.LayoutRules([(r".*kernel", (None, "model"))])
+        >>> resolve("d/kernel", (256, 128), "float32", rules, {"data": 2, "model": 4}).axes
+        (None, 'model')
+        >>> res = resolve("d/kernel", (256, 10), "float32", rules, {"data": 2, "model": 4},
+        ...               replicate_below=0, warn=False)
+        >>> res.axes, res.reasons
+        ((None, None), ("dimension 1 (size 10) does not divide by mesh axis 'model' (size 4)",))
+    """
+    shape = tuple(int(d) for d in shape)
+    dtype_name = _dtype_name(dtype)
+    nbytes = math.prod(shape) * _itemsize(dtype_name)
+    replicated = (None,) * len(shape)
+    rule = rules.match(path)
+    if rule is None:
+        return Resolution(path, shape, dtype_name, None, None, replicated, nbytes=nbytes, source="default")
+
+    requested = rule.axes
+    if len(requested) != len(shape):
+        raise RankMismatchError(
+            f"Variable {path!r} has shape {shape} (rank {len(shape)}), but the first rule "
+            f"matching it, {rule.describe()}, gives a layout of rank {len(requested)}. A layout "
+            f"needs one entry per dimension. Fix: give this rule {len(shape)} entries, or make "
+            f"its pattern more specific (e.g. end it in '/kernel' or '/bias') and add a rule "
+            f"of rank {len(shape)} for {path!r}."
+        )
+    for axis in requested:
+        if axis is not None and axis not in axis_sizes:
+            raise InvalidRuleError(
+                f"Layout {rule.describe()}, matching variable {path!r}, names mesh axis "
+                f"{axis!r}, but the mesh has axes {tuple(axis_sizes)}. Fix: use one of those "
+                "or None."
+            )
+    if all(axis is None for axis in requested):
+        return Resolution(path, shape, dtype_name, rule, requested, requested, nbytes=nbytes)
+
+    size = math.prod(shape)
+    if size < replicate_below:
+        reason = f"small: {size} elements < replicate_below={replicate_below}"
+        return Resolution(path, shape, dtype_name, rule, requested, replicated, (reason,), nbytes=nbytes)
+
+    final: list[str | None] = list(requested)
+    reasons: list[str] = []
+    for dim, axis in enumerate(requested):
+        if axis is None or shape[dim] % axis_sizes[axis] == 0:
+            continue
+        if on_indivisible == "error":
+            raise IndivisibleShapeError(
+                f"Variable {path!r} has shape {shape}; {rule.describe()} splits dimension {dim} "
+                f"(size {shape[dim]}) over mesh axis {axis!r} of size {axis_sizes[axis]}, and "
+                f"{shape[dim]} is not a multiple of {axis_sizes[axis]}. Fix: choose a mesh whose "
+                f"{axis!r} axis divides {shape[dim]}, change the layer size, put None on "
+                f"dimension {dim} in this rule, or pass on_indivisible='replicate' to replicate "
+                "that dimension instead."
+            )
+        final[dim] = None
+        reasons.append(
+            f"dimension {dim} (size {shape[dim]}) does not divide by mesh axis {axis!r} "
+            f"(size {axis_sizes[axis]})"
+        )
+        if warn:
+            warnings.warn(
+                f"Variable {path!r} (shape {shape}) is replicated on dimension {dim}: size "
+                f"{shape[dim]} does not divide by mesh axis {axis!r} of size {axis_sizes[axis]} "
+                f"({rule.describe()}). It costs {axis_sizes[axis]}x the memory it would take "
+                "sharded. Pass on_indivisible='error' to make this an error.",
+                IndivisibleShapeWarning,
+                stacklevel=3,
+            )
+    axes = tuple(final)
+    shards = math.prod(axis_sizes[a] for a in axes if a is not None)
+    return Resolution(path, shape, dtype_name, rule, requested, axes, tuple(reasons), shards, nbytes)
+
+
+def check_policy(on_indivisible: str, replicate_below: int) -> None:
+    """Validates the resolution options once, where the user passed them."""
+    if on_indivisible not in POLICIES:
+        raise ValueError(
+            f"on_indivisible must be one of {POLICIES}. Received: on_indivisible={on_indivisible!r}."
+        )
+    if isinstance(replicate_below, bool) or not isinstance(replicate_below, int) or replicate_below < 0:
+        raise ValueError(
+            "replicate_below must be a non-negative integer element count (0 shards even the "
+            f"smallest variables). Received: replicate_below={replicate_below!r}."
+        )
+
+
+def _dtype_name(dtype: Any) -> str:
+    import keras
+
+    return keras.backend.standardize_dtype(dtype)
+
+
+def _itemsize(dtype_name: str) -> int:
+    import jax.numpy as jnp  # knows bfloat16 and the float8 types; starts no backend
+
+    return jnp.dtype(dtype_name).itemsize

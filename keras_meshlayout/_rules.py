@@ -1,0 +1,248 @@
+"""Ordered layout rules: regex patterns over variable paths, first match wins."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Union
+
+import keras
+
+from ._errors import InvalidRuleError
+
+__all__ = ["LayoutRules", "Rule", "Axes"]
+
+#: One entry per tensor dimension: a mesh-axis name, or `None` to replicate.
+Axes = tuple[Union[str, None], ...]
+
+#: Keras asks for the layout of a layer's output under `<layer path>/output`.
+OUTPUT_SUFFIX = "/output"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One layout rule.
+
+    Attributes:
+        index: Position of the rule in its `LayoutRules`, from 0.
+        pattern: The regular expression, matched with `re.fullmatch`.
+        axes: One mesh-axis name or `None` per tensor dimension.
+    """
+
+    index: int
+    pattern: str
+    axes: Axes
+    regex: re.Pattern = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def for_outputs(self) -> bool:
+        """Whether the rule lays out layer outputs (its pattern ends in `/output`)."""
+        return self.pattern.endswith(OUTPUT_SUFFIX)
+
+    def describe(self) -> str:
+        return f"rule #{self.index} {self.pattern!r} -> {self.axes!r}"
+
+
+class LayoutRules(keras.distribution.LayoutMap):
+    """An ordered list of `(pattern, axes)` rules mapping variable paths to layouts.
+
+    Each pattern is matched with `re.fullmatch` against `variable.path` (e.g.
+    `"sequential/dense_1/kernel"`); the first rule that matches wins, whatever
+    the Keras version. Each layout has one entry per tensor dimension: the name
+    of the mesh axis that dimension is split over, or `None` to keep it whole.
+    Variables that no rule matches are replicated.
+
+    Rules whose pattern ends in `/output` lay out layer outputs (Keras asks for
+    `<layer path>/output`); all other rules lay out variables.
+
+    `LayoutRules` is a `keras.distribution.LayoutMap`. Bound to a mesh (pass
+    `mesh=` or call `bind`) it also works with Keras's own `ModelParallel`;
+    `kml.ModelParallel` binds it for you and adds shape checks.
+
+    Args:
+        rules: `(pattern, axes)` pairs in priority order, or a mapping of
+            pattern to axes (kept in its order).
+        mesh: Optional mesh to validate against and to build layouts on.
+
+    Raises:
+        InvalidRuleError: a pattern is not a valid regular expression or is
+            repeated, a layout entry is not a string or `None`, a mesh axis
+            appears twice in one layout, or (with `mesh`) an axis is unknown.
+
+    Example:
+        >>> import keras_meshlayout as kml
+        >>> rules = kml.LayoutRules([
+        ...     (r".*dense_1/kernel", (None, "model")),
+        ...     (r".*dense_1/.*", ("model",)),
+        ... ])
+        >>> rules.match("mlp/dense_1/kernel").index
+        0
+        >>> rules.match("mlp/dense_1/bias").axes
+        ('model',)
+        >>> rules.match("mlp/dense_2/kernel") is None
+        True
+    """
+
+    def __init__(
+        self,
+        rules: Iterable[tuple[str, Sequence[str | None]]] | Mapping[str, Sequence[str | None]] = (),
+        *,
+        mesh: keras.distribution.DeviceMesh | None = None,
+    ) -> None:
+        super().__init__(mesh)
+        self._rules: list[Rule] = []
+        self._layouts: dict[int, keras.distribution.TensorLayout] = {}
+        items = rules.items() if isinstance(rules, Mapping) else rules
+        for entry in items:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise InvalidRuleError(
+                    f"Each layout rule must be a (pattern, axes) pair, e.g. "
+                    f"(r'.*dense_1/kernel', (None, 'model')). Received: {entry!r}."
+                )
+            self[entry[0]] = entry[1]
+        if mesh is not None:
+            self.validate(mesh)
+
+    # -- the rules ------------------------------------------------------------
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """The rules, in priority order."""
+        return tuple(self._rules)
+
+    def match(self, path: str) -> Rule | None:
+        """Returns the first rule whose pattern fully matches `path`, or `None`.
+
+        Paths ending in `/output` (layer outputs) only match output rules; all
+        other paths only match variable rules.
+        """
+        for_outputs = path.endswith(OUTPUT_SUFFIX)
+        for rule in self._rules:
+            if rule.for_outputs == for_outputs and rule.regex.fullmatch(path):
+                return rule
+        return None
+
+    def unmatched(self, paths: Iterable[str]) -> list[Rule]:
+        """The variable rules that match none of `paths`: likely typos."""
+        hit = {rule.index for rule in map(self.match, paths) if rule is not None}
+        return [r for r in self._rules if not r.for_outputs and r.index not in hit]
+
+    def validate(self, mesh: keras.distribution.DeviceMesh) -> None:
+        """Checks every rule against `mesh`.
+
+        Raises:
+            InvalidRuleError: a rule names an axis that `mesh` does not have.
+        """
+        known = tuple(mesh.axis_names)
+        for rule in self._rules:
+            unknown = [axis for axis in rule.axes if axis is not None and axis not in known]
+            if unknown:
+                raise InvalidRuleError(
+                    f"Layout {rule.describe()} names mesh axis {unknown[0]!r}, but the mesh "
+                    f"has axes {known} (shape {tuple(mesh.shape)}). Fix: use one of "
+                    f"{known} or None for each dimension, or add the axis to the mesh."
+                )
+
+    def bind(self, mesh: keras.distribution.DeviceMesh) -> LayoutRules:
+        """Returns these rules validated and bound to `mesh`.
+
+        Returns `self` when already bound to `mesh`.
+
+        Raises:
+            InvalidRuleError: a rule does not fit the mesh, or these rules are
+                already bound to a different mesh.
+        """
+        if self.device_mesh is mesh:
+            return self
+        if self.device_mesh is not None:
+            raise InvalidRuleError(
+                f"These layout rules are bound to {self.device_mesh!r} and cannot be used "
+                f"with {mesh!r}. Fix: build the rules without mesh= and let "
+                "kml.ModelParallel bind them, or call bind() on an unbound copy."
+            )
+        return LayoutRules([(r.pattern, r.axes) for r in self._rules], mesh=mesh)
+
+    # -- keras.distribution.LayoutMap ---------------------------------------
+
+    def __getitem__(self, key: str) -> keras.distribution.TensorLayout | None:
+        """The layout of the first rule matching `key`, or `None`."""
+        rule = self.match(key)
+        if rule is None:
+            return None
+        if self.device_mesh is None:
+            return keras.distribution.TensorLayout(rule.axes)
+        if rule.index not in self._layouts:
+            self._layouts[rule.index] = keras.distribution.TensorLayout(rule.axes, self.device_mesh)
+        return self._layouts[rule.index]
+
+    def __setitem__(self, pattern: str, axes: Sequence[str | None]) -> None:
+        """Appends a rule; it has the lowest priority so far."""
+        self._rules.append(_make_rule(len(self._rules), pattern, axes, self._rules))
+        if self.device_mesh is not None:
+            self.validate(self.device_mesh)
+
+    def __delitem__(self, pattern: str) -> None:
+        kept = [r for r in self._rules if r.pattern != pattern]
+        if len(kept) == len(self._rules):
+            raise KeyError(pattern)
+        self._rules = [dataclasses.replace(r, index=i) for i, r in enumerate(kept)]
+        self._layouts.clear()
+
+    def __iter__(self) -> Iterator[str]:
+        return (rule.pattern for rule in self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"({r.pattern!r}, {r.axes!r})" for r in self._rules)
+        return f"LayoutRules([{inner}])"
+
+    __str__ = __repr__
+
+
+def _make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule]) -> Rule:
+    """Validates one `(pattern, axes)` pair on its own, with no mesh at hand."""
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidRuleError(
+            f"Layout rule #{index} needs a non-empty regex string as its pattern. "
+            f"Received: pattern={pattern!r}."
+        )
+    try:
+        regex = re.compile(pattern)
+    except re.error as err:
+        raise InvalidRuleError(
+            f"Layout rule #{index} pattern {pattern!r} is not a valid regular expression: "
+            f"{err}. Fix the pattern; to match a literal character such as '[' or '(', "
+            "escape it with a backslash."
+        ) from None
+    for rule in earlier:
+        if rule.pattern == pattern:
+            raise InvalidRuleError(
+                f"Layout rule #{index} repeats the pattern {pattern!r} of rule #{rule.index}; "
+                "since the first match wins it could never apply. Remove one of them."
+            )
+    if isinstance(axes, keras.distribution.TensorLayout):
+        axes = axes.axes
+    if isinstance(axes, str) or not isinstance(axes, (tuple, list)):
+        raise InvalidRuleError(
+            f"Layout rule #{index} {pattern!r} needs a tuple of axes, one mesh-axis name or "
+            f"None per tensor dimension, e.g. (None, 'model'). Received: axes={axes!r}."
+        )
+    axes = tuple(axes)
+    for axis in axes:
+        if axis is not None and not isinstance(axis, str):
+            raise InvalidRuleError(
+                f"Layout rule #{index} {pattern!r} has entry {axis!r} in axes {axes!r}; each "
+                "entry must be a mesh-axis name (a string) or None."
+            )
+    named = [axis for axis in axes if axis is not None]
+    for axis in named:
+        if named.count(axis) > 1:
+            raise InvalidRuleError(
+                f"Layout rule #{index} {pattern!r} uses mesh axis {axis!r} on more than one "
+                f"dimension in axes {axes!r}. A mesh axis can split only one dimension of a "
+                f"tensor. Fix: keep {axis!r} on one dimension and put None on the others."
+            )
+    return Rule(index=index, pattern=pattern, axes=axes, regex=regex)
