@@ -59,9 +59,10 @@ class ModelParallel(keras.distribution.ModelParallel):
         >>> rules = kml.LayoutRules([(r".*dense/kernel", (None, "model"))])
         >>> dist = kml.ModelParallel(mesh, rules, batch_axis="data")
         >>> with dist.scope():
-        ...     model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256)])
+        ...     model = keras.Sequential(
+        ...         [keras.Input((32,)), keras.layers.Dense(256, name="dense")], name="mlp")
         >>> model.weights[0].value.sharding.spec
-        PartitionSpec(None, 'model')
+        P(None, 'model')
     """
 
     def __init__(
@@ -135,7 +136,31 @@ class ModelParallel(keras.distribution.ModelParallel):
     def plan(self, model: keras.Model) -> Plan:
         """What every variable of `model` (and of its optimizer, once built) got, and why.
 
-        Issues an `UnmatchedRuleWarning` for rules that matched no variable.
+        Nothing is allocated or moved: the plan re-runs the resolution that
+        `get_variable_layout` runs when Keras creates each variable, and reports
+        a layout already fixed on a variable where there is one.
+
+        Args:
+            model: A built Keras model.
+
+        Returns:
+            The `Plan`; `print(plan)` shows a table, `plan.to_dict()` gives data.
+
+        Warns:
+            UnmatchedRuleWarning: for each rule that matched no variable.
+
+        Example:
+            >>> import keras, keras_meshlayout as kml
+            >>> dist = kml.ModelParallel(kml.Mesh(data=2, model=4),
+            ...                          [(r".*dense/kernel", (None, "model"))])
+            >>> with dist.scope():
+            ...     model = keras.Sequential(
+            ...         [keras.Input((32,)), keras.layers.Dense(256, name="dense")], name="mlp")
+            >>> plan = dist.plan(model)
+            >>> plan["mlp/dense/kernel"].axes
+            (None, 'model')
+            >>> plan.bytes_per_device, plan.replicated_bytes
+            (9216, 33792)
         """
         return plan_model(self, model)
 
