@@ -60,9 +60,7 @@ def emulate_devices(count: int = 8) -> None:
     """
     require_jax_backend()
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(
-            f"emulate_devices needs a positive integer device count. Received: count={count!r}."
-        )
+        raise ValueError(f"emulate_devices needs a positive integer device count. Received: count={count!r}.")
     import jax
 
     if backends_started():

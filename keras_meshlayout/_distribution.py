@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -68,7 +69,10 @@ class ModelParallel(keras.distribution.ModelParallel):
     def __init__(
         self,
         mesh: keras.distribution.DeviceMesh,
-        rules: LayoutRules | keras.distribution.LayoutMap | Iterable[tuple[str, Sequence[str | None]]] | None = None,
+        rules: LayoutRules
+        | keras.distribution.LayoutMap
+        | Iterable[tuple[str, Sequence[str | None]]]
+        | None = None,
         *,
         batch_axis: str | None = None,
         on_indivisible: IndivisiblePolicy = "replicate",
@@ -96,12 +100,18 @@ class ModelParallel(keras.distribution.ModelParallel):
         )
         self._on_indivisible = on_indivisible
         self._replicate_below = replicate_below
-        self._axis_sizes = dict(zip(mesh.axis_names, mesh.shape))
+        self._axis_sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+        _install_batch_check()
 
     @property
     def rules(self) -> LayoutRules:
         """The layout rules, bound to the mesh."""
         return self._layout_map
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        """Mesh axis sizes by name."""
+        return dict(self._axis_sizes)
 
     @property
     def batch_axis(self) -> str:
@@ -116,7 +126,9 @@ class ModelParallel(keras.distribution.ModelParallel):
     def replicate_below(self) -> int:
         return self._replicate_below
 
-    def resolve(self, path: str, shape: Sequence[int], dtype: Any = "float32", *, warn: bool = True) -> Resolution:
+    def resolve(
+        self, path: str, shape: Sequence[int], dtype: Any = "float32", *, warn: bool = True
+    ) -> Resolution:
         """Resolves the layout of a variable with this path, shape and dtype.
 
         This is exactly what happens when Keras creates such a variable under
@@ -175,6 +187,16 @@ class ModelParallel(keras.distribution.ModelParallel):
     def get_data_layout(self, data_shape: Sequence[int]) -> keras.distribution.TensorLayout:
         if len(data_shape) == 0:
             return keras.distribution.TensorLayout((), self.device_mesh)
+        self.check_batch(data_shape)
+        return super().get_data_layout(data_shape)
+
+    def check_batch(self, data_shape: Sequence[int]) -> None:
+        """Raises `IndivisibleBatchError` unless this batch splits over the batch axis.
+
+        Keras computes the input layout from the first batch of an epoch and
+        reuses it, so `kml` also checks every later batch (a short last batch
+        included) before it reaches JAX.
+        """
         axis_size = self._axis_sizes[self.batch_dim_name]
         global_batch = int(data_shape[0]) * self.num_processes
         if global_batch % axis_size:
@@ -182,10 +204,9 @@ class ModelParallel(keras.distribution.ModelParallel):
                 f"A batch of {global_batch} samples (input shape {tuple(data_shape)}) cannot be "
                 f"split over batch axis {self.batch_dim_name!r} of size {axis_size}: "
                 f"{global_batch} is not a multiple of {axis_size}. Fix: use a batch_size that is "
-                f"a multiple of {axis_size}; for a short last batch, make the number of samples "
-                f"a multiple of the batch size or drop the remainder."
+                f"a multiple of {axis_size}. If this is the short last batch of an epoch, make "
+                "the number of samples a multiple of the batch size, or drop the remainder."
             )
-        return super().get_data_layout(data_shape)
 
     def __repr__(self) -> str:
         return (
@@ -195,6 +216,33 @@ class ModelParallel(keras.distribution.ModelParallel):
         )
 
     __str__ = __repr__
+
+
+def _install_batch_check() -> None:
+    """Checks every input batch under a `kml.ModelParallel` before JAX splits it.
+
+    Keras's JAX trainer derives the input sharding from the first batch of an
+    epoch and applies it to all later ones, so a short last batch that does not
+    divide by the batch axis would otherwise fail inside JAX with an
+    `IndivisibleError` naming neither the batch size nor the axis. Keras looks
+    `distribute_data_input` up on its backend module for every batch; wrapping it
+    there adds our check and changes nothing for other distributions.
+    """
+    from keras.src.backend.jax import distribution_lib as backend_lib
+
+    original = backend_lib.distribute_data_input
+    if getattr(original, "_kml_checked", False):
+        return
+
+    @functools.wraps(original)
+    def distribute_data_input(per_process_batch, layout, batch_dim_name):
+        current = keras.distribution.distribution()
+        if isinstance(current, ModelParallel) and getattr(per_process_batch, "ndim", 0) > 0:
+            current.check_batch(per_process_batch.shape)
+        return original(per_process_batch, layout, batch_dim_name)
+
+    distribute_data_input._kml_checked = True
+    backend_lib.distribute_data_input = distribute_data_input
 
 
 def _as_rules(rules: Any) -> LayoutRules:

@@ -77,8 +77,7 @@ class Mesh(keras.distribution.DeviceMesh):
         named = dict(axes) if axes is not None else axis_sizes
         if not named:
             raise InvalidMeshError(
-                "A mesh needs at least one axis. Received no axes. "
-                "Example: kml.Mesh(data=2, model=4)."
+                "A mesh needs at least one axis. Received no axes. Example: kml.Mesh(data=2, model=4)."
             )
         for name in named:
             if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
@@ -88,9 +87,7 @@ class Mesh(keras.distribution.DeviceMesh):
                 )
         devices = list(jax.devices() if devices is None else devices)
         shape = _infer_sizes(named, len(devices))
-        grid = mesh_utils.create_device_mesh(
-            shape, devices=devices, allow_split_physical_axes=True
-        )
+        grid = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
         super().__init__(shape=shape, axis_names=tuple(named), devices=grid)
         self._backend_mesh = jax.sharding.Mesh(self.devices, self.axis_names)
 
@@ -124,7 +121,7 @@ class Mesh(keras.distribution.DeviceMesh):
     @property
     def axis_sizes(self) -> dict[str, int]:
         """Axis sizes by name, in mesh order."""
-        return dict(zip(self.axis_names, self.shape))
+        return dict(zip(self.axis_names, self.shape, strict=True))
 
     @property
     def size(self) -> int:
@@ -158,9 +155,7 @@ def _parse_spec(spec: str) -> dict[str, int]:
         for part in text.split(","):
             name, sep, size = part.partition("=")
             if not sep or not name:
-                raise InvalidMeshError(
-                    f"Mesh spec {spec!r} has a malformed entry {part!r}. {_SPEC_HELP}"
-                )
+                raise InvalidMeshError(f"Mesh spec {spec!r} has a malformed entry {part!r}. {_SPEC_HELP}")
             if name in named:
                 raise InvalidMeshError(
                     f"Mesh spec {spec!r} names axis {name!r} twice. Each axis needs its own name."
@@ -174,7 +169,7 @@ def _parse_spec(spec: str) -> dict[str, int]:
             f"{len(POSITIONAL_AXIS_NAMES)} have default names {POSITIONAL_AXIS_NAMES}. "
             'Name them instead, e.g. "data=2,model=2,expert=2".'
         )
-    return dict(zip(POSITIONAL_AXIS_NAMES, sizes))
+    return dict(zip(POSITIONAL_AXIS_NAMES, sizes, strict=False))
 
 
 def _parse_size(text: str, spec: str) -> int:
@@ -190,9 +185,7 @@ def _infer_sizes(named: Mapping[str, int], device_count: int) -> tuple[int, ...]
     """Checks the sizes and fills in a `-1` from the device count."""
     for name, size in named.items():
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-            raise InvalidMeshError(
-                f"Mesh axis {name!r} needs an integer size. Received: {name}={size!r}."
-            )
+            raise InvalidMeshError(f"Mesh axis {name!r} needs an integer size. Received: {name}={size!r}.")
         if size < 1 and size != -1:
             raise InvalidMeshError(
                 f"Mesh axis {name!r} has size {size}; sizes must be positive, or -1 "

@@ -95,7 +95,9 @@ class Plan:
                 "bytes_per_device": self.bytes_per_device,
                 "replicated_bytes_per_device": self.replicated_bytes,
             },
-            "unmatched_rules": [{"index": r.index, "pattern": r.pattern, "axes": list(r.axes)} for r in self.unmatched_rules],
+            "unmatched_rules": [
+                {"index": r.index, "pattern": r.pattern, "axes": list(r.axes)} for r in self.unmatched_rules
+            ],
             "warnings": self.warnings,
         }
 
@@ -159,7 +161,7 @@ def plan_model(distribution: ModelParallel, model: keras.Model) -> Plan:
                 entries.append(_slot_entry(distribution, variable, parent))
     unmatched = distribution.rules.unmatched(w.path for w in model.weights)
     plan = Plan(
-        axis_sizes=dict(zip(distribution.device_mesh.axis_names, distribution.device_mesh.shape)),
+        axis_sizes=distribution.axis_sizes,
         batch_axis=distribution.batch_dim_name,
         entries=tuple(entries),
         unmatched_rules=tuple(unmatched),
@@ -181,17 +183,22 @@ def _model_entry(distribution: ModelParallel, variable: keras.Variable) -> Resol
         actual,
         source="preset",
         reason="layout fixed on the variable before this distribution resolved it",
-        axis_sizes=distribution._axis_sizes,
+        axis_sizes=distribution.axis_sizes,
     )
 
 
 def _slot_entry(distribution: ModelParallel, variable: keras.Variable, parent: keras.Variable) -> Resolution:
     axes = _actual_axes(variable)
     if axes is None:
-        axes = _actual_axes(parent) or distribution.resolve(parent.path, parent.shape, parent.dtype, warn=False).axes
+        axes = (
+            _actual_axes(parent)
+            or distribution.resolve(parent.path, parent.shape, parent.dtype, warn=False).axes
+        )
     base = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False)
     base = dataclasses.replace(base, rule=None, requested=None)
-    return _with_axes(base, axes, source="parameter", reason=f"follows {parent.path}", axis_sizes=distribution._axis_sizes)
+    return _with_axes(
+        base, axes, source="parameter", reason=f"follows {parent.path}", axis_sizes=distribution.axis_sizes
+    )
 
 
 def _with_axes(
@@ -245,10 +252,9 @@ def format_axes(axes: tuple) -> str:
 
 def format_bytes(count: float) -> str:
     """Bytes in binary units: `format_bytes(1536)` → `'1.5 KiB'`."""
-    if abs(count) < 1024:
-        return f"{count:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    power = 0
+    while abs(count) >= 1024 and power < len(units) - 1:
         count /= 1024
-        if abs(count) < 1024:
-            break
-    return f"{count:.1f} {unit}"
+        power += 1
+    return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Union
 
 import keras
 
@@ -14,7 +13,7 @@ from ._errors import InvalidRuleError
 __all__ = ["LayoutRules", "Rule", "Axes"]
 
 #: One entry per tensor dimension: a mesh-axis name, or `None` to replicate.
-Axes = tuple[Union[str, None], ...]
+Axes = tuple[str | None, ...]
 
 #: Keras asks for the layout of a layer's output under `<layer path>/output`.
 OUTPUT_SUFFIX = "/output"

@@ -7,10 +7,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-import keras  # noqa: E402
-import pytest  # noqa: E402
+import keras
+import pytest
 
-import keras_meshlayout as kml  # noqa: E402
+import keras_meshlayout as kml
 
 kml.emulate_devices(8)
 

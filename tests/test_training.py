@@ -92,7 +92,7 @@ class Reference:
         keras.utils.set_random_seed(42)
         self.initial = build().get_weights()
         self.trained = train(build, self.initial, data).get_weights()
-        moved = max(np.abs(a - b).max() for a, b in zip(self.initial, self.trained))
+        moved = max(np.abs(a - b).max() for a, b in zip(self.initial, self.trained, strict=True))
         assert moved > 1e-3, "training must change the weights for the comparison to mean anything"
 
 
@@ -126,7 +126,7 @@ def _trim(spec: PartitionSpec) -> tuple:
 
 
 def assert_same_weights(model: keras.Model, expected: list[np.ndarray]) -> None:
-    for variable, want in zip(model.weights, expected):
+    for variable, want in zip(model.weights, expected, strict=True):
         np.testing.assert_allclose(np.asarray(variable.value), want, atol=1e-5, rtol=0, err_msg=variable.path)
 
 
@@ -216,7 +216,9 @@ def test_plain_keras_model_parallel_uses_first_match(mlp_reference):
 def test_plan_renders_and_serialises(mlp_reference):
     import json
 
-    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), MLP_RULES + [(r".*hiden_3/kernel", (None, "model"))])
+    distribution = kml.ModelParallel(
+        kml.Mesh(data=2, model=4), [*MLP_RULES, (r".*hiden_3/kernel", (None, "model"))]
+    )
     with distribution.scope():
         model = build_mlp()
     with pytest.warns(kml.UnmatchedRuleWarning, match=r"rule #3 '\.\*hiden_3/kernel'"):
@@ -245,3 +247,19 @@ def test_plan_renders_and_serialises(mlp_reference):
     replicated = sum(int(np.prod(w.shape)) * 4 for w in model.weights)
     assert plan.replicated_bytes == replicated
     assert jax.device_count() == 8
+
+
+def test_short_last_batch_is_a_clear_error():
+    """Regression: Keras reuses the first batch's sharding for a short last batch.
+
+    100 samples in batches of 64 leave a last batch of 36, which does not split
+    over 8 devices; JAX alone raises an `IndivisibleError` naming no axis.
+    """
+    distribution = kml.ModelParallel(kml.Mesh(data=8))
+    keras.distribution.set_distribution(distribution)
+    model = build_mlp()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = mlp_data()
+    with pytest.raises(kml.IndivisibleBatchError, match=r"36 samples .* batch axis 'data' of size 8"):
+        model.fit(x[:100], y[:100], batch_size=64, verbose=0)
+    model.fit(x[:128], y[:128], batch_size=64, verbose=0)  # whole batches train as usual

@@ -1,0 +1,98 @@
+"""`kml.LayoutRules`: ordered, full-match rules that behave as a Keras `LayoutMap`."""
+
+from __future__ import annotations
+
+import keras
+import pytest
+
+import keras_meshlayout as kml
+
+RULES = [
+    (r".*dense_1/kernel", (None, "model")),
+    (r".*dense_1/.*", ("model",)),
+    (r".*/kernel", ("model", None)),
+    (r".*dense_1/output", ("data", "model")),
+]
+
+
+@pytest.mark.parametrize(
+    "path, index",
+    [
+        ("mlp/dense_1/kernel", 0),  # rules 0 and 2 match: the first wins
+        ("mlp/dense_1/bias", 1),
+        ("mlp/dense_2/kernel", 2),
+        ("mlp/dense_2/bias", None),
+        ("dense_1/kernel", 0),
+        ("mlp/dense_1/kernel_extra", 1),  # full match: '.*dense_1/kernel' does not match a longer path
+        ("mlp/dense_10/kernel", 2),
+        ("mlp/dense_1/output", 3),  # layer outputs only match output rules
+        ("mlp/dense_2/output", None),
+    ],
+)
+def test_first_full_match_wins(path, index):
+    rule = kml.LayoutRules(RULES).match(path)
+    assert (rule.index if rule else None) == index
+
+
+def test_fullmatch_not_search():
+    """Keras before 3.14 used re.search; we always use re.fullmatch."""
+    rules = kml.LayoutRules([(r"dense", (None,))])
+    assert rules.match("mlp/dense/bias") is None
+    assert rules.match("dense") is not None
+
+
+def test_is_an_ordered_mutable_layout_map():
+    mesh = kml.Mesh(data=2, model=4)
+    rules = kml.LayoutRules(RULES[:2], mesh=mesh)
+    assert isinstance(rules, keras.distribution.LayoutMap)
+    rules[r".*bias"] = ("model",)
+    assert list(rules) == [RULES[0][0], RULES[1][0], r".*bias"]
+    assert len(rules) == 3
+    del rules[RULES[1][0]]
+    assert [r.index for r in rules.rules] == [0, 1]
+    assert rules.match("mlp/dense_1/bias").pattern == r".*bias"
+    layout = rules["mlp/dense_1/kernel"]
+    assert isinstance(layout, keras.distribution.TensorLayout)
+    assert (layout.axes, layout.device_mesh) == ((None, "model"), mesh)
+    assert rules["nothing/matches"] is None
+    assert rules.get("nothing/matches") is None
+    with pytest.raises(KeyError):
+        del rules["not a pattern"]
+
+
+def test_accepts_mappings_and_tensor_layouts():
+    rules = kml.LayoutRules(
+        {r".*kernel": keras.distribution.TensorLayout((None, "model")), r".*bias": ["model"]}
+    )
+    assert [r.axes for r in rules.rules] == [(None, "model"), ("model",)]
+
+
+def test_keras_layout_map_becomes_rules_in_insertion_order():
+    mesh = kml.Mesh(data=2, model=4)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*dense.*kernel"] = (None, "model")
+    layout_map[r".*kernel"] = ("model", None)
+    distribution = kml.ModelParallel(mesh, layout_map)
+    assert [(r.pattern, r.axes) for r in distribution.rules.rules] == [
+        (r".*dense.*kernel", (None, "model")),
+        (r".*kernel", ("model", None)),
+    ]
+    # Keras's own map raises on two matches; the converted rules take the first.
+    assert distribution.rules["mlp/dense/kernel"].axes == (None, "model")
+
+
+def test_bind_and_tensor_layouts_for_outputs():
+    mesh = kml.Mesh(data=2, model=4)
+    rules = kml.LayoutRules(RULES)
+    assert rules.device_mesh is None
+    bound = rules.bind(mesh)
+    assert bound.bind(mesh) is bound and bound.device_mesh is mesh
+    distribution = kml.ModelParallel(mesh, bound)
+    assert distribution.get_tensor_layout("mlp/dense_1/output").axes == ("data", "model")
+    assert distribution.get_tensor_layout("mlp/dense_2/output") is None
+
+
+def test_unmatched_lists_variable_rules_that_hit_nothing():
+    rules = kml.LayoutRules([*RULES, (r".*dense_3/kernel", (None, "model"))])
+    unmatched = rules.unmatched(["mlp/dense_1/kernel", "mlp/dense_2/kernel"])
+    assert [r.index for r in unmatched] == [1, 4]  # output rules are not variable rules
