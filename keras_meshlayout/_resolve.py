@@ -150,7 +150,7 @@ def resolve(
         raise RankMismatchError(
             f"Variable {path!r} has shape {shape} (rank {len(shape)}), but the first rule "
             f"matching it, {rule.describe()}, gives a layout of rank {len(requested)}. A layout "
-            f"needs one entry per dimension. Fix: give this rule {len(shape)} entries, or make "
+            f"needs one entry per dimension. Fix: give this rule {_entries(len(shape))}, or make "
             f"its pattern more specific (e.g. end it in '/kernel' or '/bias') and add a rule "
             f"of rank {len(shape)} for {path!r}."
         )
@@ -225,3 +225,7 @@ def _itemsize(dtype_name: str) -> int:
     import jax.numpy as jnp  # knows bfloat16 and the float8 types; starts no backend
 
     return jnp.dtype(dtype_name).itemsize
+
+
+def _entries(count: int) -> str:
+    return "1 entry" if count == 1 else f"{count} entries"

@@ -152,34 +152,55 @@ class LayoutRules(keras.distribution.LayoutMap):
             InvalidRuleError: a rule does not fit the mesh, or these rules are
                 already bound to a different mesh.
         """
-        if self.device_mesh is mesh:
+        if self._device_mesh is mesh:
             return self
-        if self.device_mesh is not None:
+        if self._device_mesh is not None:
             raise InvalidRuleError(
-                f"These layout rules are bound to {self.device_mesh!r} and cannot be used "
+                f"These layout rules are bound to {self._device_mesh!r} and cannot be used "
                 f"with {mesh!r}. Fix: build the rules without mesh= and let "
                 "kml.ModelParallel bind them, or call bind() on an unbound copy."
             )
         return LayoutRules([(r.pattern, r.axes) for r in self._rules], mesh=mesh)
 
+    @property
+    def mesh(self) -> keras.distribution.DeviceMesh | None:
+        """The mesh these rules are bound to, or `None`."""
+        return self._device_mesh
+
     # -- keras.distribution.LayoutMap ---------------------------------------
+
+    @property
+    def device_mesh(self) -> keras.distribution.DeviceMesh:
+        """The bound mesh, as Keras's `ModelParallel` reads it.
+
+        Raises:
+            InvalidRuleError: the rules are not bound to a mesh.
+        """
+        if self._device_mesh is None:
+            raise InvalidRuleError(
+                "These layout rules are not bound to a mesh, so Keras cannot build layouts "
+                "from them. Fix: pass them to kml.ModelParallel(mesh, rules), or bind them "
+                "first: keras.distribution.ModelParallel(layout_map=rules.bind(mesh)) or "
+                "kml.LayoutRules([...], mesh=mesh)."
+            )
+        return self._device_mesh
 
     def __getitem__(self, key: str) -> keras.distribution.TensorLayout | None:
         """The layout of the first rule matching `key`, or `None`."""
         rule = self.match(key)
         if rule is None:
             return None
-        if self.device_mesh is None:
+        if self._device_mesh is None:
             return keras.distribution.TensorLayout(rule.axes)
         if rule.index not in self._layouts:
-            self._layouts[rule.index] = keras.distribution.TensorLayout(rule.axes, self.device_mesh)
+            self._layouts[rule.index] = keras.distribution.TensorLayout(rule.axes, self._device_mesh)
         return self._layouts[rule.index]
 
     def __setitem__(self, pattern: str, axes: Sequence[str | None]) -> None:
         """Appends a rule; it has the lowest priority so far."""
         self._rules.append(_make_rule(len(self._rules), pattern, axes, self._rules))
-        if self.device_mesh is not None:
-            self.validate(self.device_mesh)
+        if self._device_mesh is not None:
+            self.validate(self._device_mesh)
 
     def __delitem__(self, pattern: str) -> None:
         kept = [r for r in self._rules if r.pattern != pattern]

@@ -84,7 +84,7 @@ def test_keras_layout_map_becomes_rules_in_insertion_order():
 def test_bind_and_tensor_layouts_for_outputs():
     mesh = kml.Mesh(data=2, model=4)
     rules = kml.LayoutRules(RULES)
-    assert rules.device_mesh is None
+    assert rules.mesh is None
     bound = rules.bind(mesh)
     assert bound.bind(mesh) is bound and bound.device_mesh is mesh
     distribution = kml.ModelParallel(mesh, bound)
@@ -96,3 +96,9 @@ def test_unmatched_lists_variable_rules_that_hit_nothing():
     rules = kml.LayoutRules([*RULES, (r".*dense_3/kernel", (None, "model"))])
     unmatched = rules.unmatched(["mlp/dense_1/kernel", "mlp/dense_2/kernel"])
     assert [r.index for r in unmatched] == [1, 4]  # output rules are not variable rules
+
+
+def test_unbound_rules_handed_to_keras_say_how_to_bind():
+    rules = kml.LayoutRules([(r".*kernel", (None, "model"))])
+    with pytest.raises(kml.InvalidRuleError, match=r"not bound to a mesh.*rules\.bind\(mesh\)"):
+        keras.distribution.ModelParallel(layout_map=rules, batch_dim_name="data")
