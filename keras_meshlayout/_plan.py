@@ -144,7 +144,7 @@ class Plan:
 
         buffer = io.StringIO()
         Console(file=buffer, width=160, force_terminal=False, color_system=None).print(self)
-        return buffer.getvalue().rstrip("\n")
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
 
 
 def plan_model(distribution: ModelParallel, model: keras.Model) -> Plan:

@@ -1,0 +1,65 @@
+"""The recipes and the demo run end to end, as a user runs them, in fresh processes.
+
+Each run is a new Python process started from a temporary directory with an
+environment that has no XLA_FLAGS or KERAS_BACKEND, so the script itself must
+choose the JAX backend and emulate its devices, exactly as on a user's machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.py"))
+# The first line of the plan table and its totals line (see keras_meshlayout/_plan.py).
+PLAN_MARKERS = (
+    "Layout plan on mesh data=2",
+    "model=4 (8 devices), batch over 'data'",
+    "Variables per device:",
+)
+TIMEOUT_S = 300
+
+
+def run_fresh(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Runs `args` in `cwd` with this environment minus JAX and Keras settings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env["PYTHONIOENCODING"] = "utf-8"
+    return subprocess.run(
+        args, cwd=cwd, env=env, capture_output=True, text=True, encoding="utf-8", timeout=TIMEOUT_S
+    )
+
+
+def assert_ran_with_plan(result: subprocess.CompletedProcess) -> None:
+    output = f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+    assert result.returncode == 0, f"exit status {result.returncode}\n{output}"
+    for marker in PLAN_MARKERS:
+        assert marker in result.stdout, f"{marker!r} not in the output\n{output}"
+
+
+def test_there_are_recipes():
+    assert RECIPES, "recipes/ holds no *.py script"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[path.name for path in RECIPES])
+def test_recipe_runs(recipe: Path, tmp_path: Path):
+    result = run_fresh([sys.executable, str(recipe), "--epochs", "2", "--steps", "4"], cwd=tmp_path)
+    assert_ran_with_plan(result)
+
+
+def test_python_m_demo(tmp_path: Path):
+    result = run_fresh([sys.executable, "-m", "keras_meshlayout", "demo", "--steps", "4"], cwd=tmp_path)
+    assert_ran_with_plan(result)
+
+
+def test_console_script_demo(tmp_path: Path):
+    script = Path(sys.executable).parent / ("keras-meshlayout.exe" if os.name == "nt" else "keras-meshlayout")
+    assert script.exists(), (
+        f"The console script {script} is missing: install the package (pip install .) into the "
+        f"environment of {sys.executable}."
+    )
+    result = run_fresh([str(script), "demo", "--steps", "4"], cwd=tmp_path)
+    assert_ran_with_plan(result)
