@@ -22,6 +22,7 @@ from ._errors import IndivisibleBatchError as IndivisibleBatchError
 from ._errors import IndivisibleShapeError as IndivisibleShapeError
 from ._errors import IndivisibleShapeWarning as IndivisibleShapeWarning
 from ._errors import InvalidMeshError as InvalidMeshError
+from ._errors import InvalidOptionError as InvalidOptionError
 from ._errors import InvalidRuleError as InvalidRuleError
 from ._errors import MeshLayoutError as MeshLayoutError
 from ._errors import MeshLayoutWarning as MeshLayoutWarning
@@ -44,6 +45,7 @@ __all__ = [
     "IndivisibleShapeError",
     "IndivisibleShapeWarning",
     "InvalidMeshError",
+    "InvalidOptionError",
     "InvalidRuleError",
     "LayoutRules",
     "Mesh",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 
 import keras
 
-from ._errors import DevicesAlreadyInitializedError, UnsupportedBackendError
+from ._errors import DevicesAlreadyInitializedError, InvalidOptionError, UnsupportedBackendError
 
 _XLA_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -49,7 +50,7 @@ def emulate_devices(count: int = 8) -> None:
         DevicesAlreadyInitializedError: JAX already started with a different
             number of CPU devices.
         UnsupportedBackendError: Keras does not run on JAX.
-        ValueError: `count` is not a positive integer.
+        InvalidOptionError: `count` is not a positive integer.
 
     Example:
         >>> import keras_meshlayout as kml
@@ -59,8 +60,10 @@ def emulate_devices(count: int = 8) -> None:
         8
     """
     require_jax_backend()
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"emulate_devices needs a positive integer device count. Received: count={count!r}.")
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+        raise InvalidOptionError(
+            f"emulate_devices needs a positive integer device count. Received: count={count!r}."
+        )
     import jax
 
     if backends_started():
@@ -78,4 +81,4 @@ def emulate_devices(count: int = 8) -> None:
     flags = _XLA_DEVICE_COUNT_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).split()
     flags.append(f"--xla_force_host_platform_device_count={count}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
-    jax.config.update("jax_num_cpu_devices", count)
+    jax.config.update("jax_num_cpu_devices", int(count))

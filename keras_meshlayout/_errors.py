@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "MeshLayoutError",
+    "InvalidOptionError",
     "InvalidMeshError",
     "InvalidRuleError",
     "RankMismatchError",
@@ -25,6 +26,15 @@ __all__ = [
 
 class MeshLayoutError(ValueError):
     """Base class of every error raised by keras_meshlayout."""
+
+
+class InvalidOptionError(MeshLayoutError):
+    """An option has a value outside its documented range.
+
+    Raised for `on_indivisible` other than `"replicate"` or `"error"`, a
+    negative or non-integer `replicate_below`, or a device count for
+    `emulate_devices` that is not a positive integer.
+    """
 
 
 class InvalidMeshError(MeshLayoutError):

@@ -74,6 +74,12 @@ class Mesh(keras.distribution.DeviceMesh):
                 "Give the mesh axes either as a mapping or as keyword arguments, not both. "
                 f"Received: axes={dict(axes)!r}, axis_sizes={axis_sizes!r}."
             )
+        if axes is not None and not isinstance(axes, Mapping):
+            raise InvalidMeshError(
+                "Mesh axes go in as keywords, kml.Mesh(data=2, model=4), or as a mapping, "
+                f'kml.Mesh({{"data": 2, "model": 4}}). Received: {axes!r}. For a spec string use '
+                "kml.Mesh.parse."
+            )
         named = dict(axes) if axes is not None else axis_sizes
         if not named:
             raise InvalidMeshError(
@@ -173,12 +179,11 @@ def _parse_spec(spec: str) -> dict[str, int]:
 
 
 def _parse_size(text: str, spec: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
+    if not re.fullmatch(r"-?[0-9]+", text):
         raise InvalidMeshError(
             f"Mesh spec {spec!r} has axis size {text!r}, which is not an integer. {_SPEC_HELP}"
-        ) from None
+        )
+    return int(text)
 
 
 def _infer_sizes(named: Mapping[str, int], device_count: int) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from typing import Any, Literal
 from ._errors import (
     IndivisibleShapeError,
     IndivisibleShapeWarning,
+    InvalidOptionError,
     InvalidRuleError,
     RankMismatchError,
 )
@@ -205,11 +207,15 @@ def resolve(
 def check_policy(on_indivisible: str, replicate_below: int) -> None:
     """Validates the resolution options once, where the user passed them."""
     if on_indivisible not in POLICIES:
-        raise ValueError(
+        raise InvalidOptionError(
             f"on_indivisible must be one of {POLICIES}. Received: on_indivisible={on_indivisible!r}."
         )
-    if isinstance(replicate_below, bool) or not isinstance(replicate_below, int) or replicate_below < 0:
-        raise ValueError(
+    if (
+        isinstance(replicate_below, bool)
+        or not isinstance(replicate_below, numbers.Integral)
+        or replicate_below < 0
+    ):
+        raise InvalidOptionError(
             "replicate_below must be a non-negative integer element count (0 shards even the "
             f"smallest variables). Received: replicate_below={replicate_below!r}."
         )

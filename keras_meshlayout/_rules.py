@@ -89,6 +89,16 @@ class LayoutRules(keras.distribution.LayoutMap):
         *,
         mesh: keras.distribution.DeviceMesh | None = None,
     ) -> None:
+        if mesh is not None and not isinstance(mesh, keras.distribution.DeviceMesh):
+            raise InvalidRuleError(
+                f"mesh= must be a kml.Mesh or keras.distribution.DeviceMesh. Received: mesh={mesh!r}. "
+                'For a spec string, use mesh=kml.Mesh.parse("2x4").'
+            )
+        if isinstance(rules, (str, bytes)) or not isinstance(rules, (Iterable, Mapping)):
+            raise InvalidRuleError(
+                "Layout rules must be a list of (pattern, axes) pairs or a mapping of pattern to "
+                f"axes. Received: {rules!r}."
+            )
         super().__init__(mesh)
         self._rules: list[Rule] = []
         self._layouts: dict[int, keras.distribution.TensorLayout] = {}
@@ -133,15 +143,8 @@ class LayoutRules(keras.distribution.LayoutMap):
         Raises:
             InvalidRuleError: a rule names an axis that `mesh` does not have.
         """
-        known = tuple(mesh.axis_names)
         for rule in self._rules:
-            unknown = [axis for axis in rule.axes if axis is not None and axis not in known]
-            if unknown:
-                raise InvalidRuleError(
-                    f"Layout {rule.describe()} names mesh axis {unknown[0]!r}, but the mesh "
-                    f"has axes {known} (shape {tuple(mesh.shape)}). Fix: use one of "
-                    f"{known} or None for each dimension, or add the axis to the mesh."
-                )
+            _check_axes_in_mesh(rule, mesh)
 
     def bind(self, mesh: keras.distribution.DeviceMesh) -> LayoutRules:
         """Returns these rules validated and bound to `mesh`.
@@ -152,7 +155,9 @@ class LayoutRules(keras.distribution.LayoutMap):
             InvalidRuleError: a rule does not fit the mesh, or these rules are
                 already bound to a different mesh.
         """
-        if self._device_mesh is mesh:
+        if self._device_mesh is mesh or (
+            self._device_mesh is not None and same_mesh(self._device_mesh, mesh)
+        ):
             return self
         if self._device_mesh is not None:
             raise InvalidRuleError(
@@ -198,9 +203,10 @@ class LayoutRules(keras.distribution.LayoutMap):
 
     def __setitem__(self, pattern: str, axes: Sequence[str | None]) -> None:
         """Appends a rule; it has the lowest priority so far."""
-        self._rules.append(_make_rule(len(self._rules), pattern, axes, self._rules))
+        rule = _make_rule(len(self._rules), pattern, axes, self._rules)
         if self._device_mesh is not None:
-            self.validate(self._device_mesh)
+            _check_axes_in_mesh(rule, self._device_mesh)
+        self._rules.append(rule)
 
     def __delitem__(self, pattern: str) -> None:
         kept = [r for r in self._rules if r.pattern != pattern]
@@ -220,6 +226,24 @@ class LayoutRules(keras.distribution.LayoutMap):
         return f"LayoutRules([{inner}])"
 
     __str__ = __repr__
+
+
+def same_mesh(a: keras.distribution.DeviceMesh, b: keras.distribution.DeviceMesh) -> bool:
+    """Whether two meshes have the same axes, sizes and device placement."""
+    if tuple(a.axis_names) != tuple(b.axis_names) or tuple(a.shape) != tuple(b.shape):
+        return False
+    return [str(d) for d in a.devices.flat] == [str(d) for d in b.devices.flat]
+
+
+def _check_axes_in_mesh(rule: Rule, mesh: keras.distribution.DeviceMesh) -> None:
+    known = tuple(mesh.axis_names)
+    unknown = [axis for axis in rule.axes if axis is not None and axis not in known]
+    if unknown:
+        raise InvalidRuleError(
+            f"Layout {rule.describe()} names mesh axis {unknown[0]!r}, but the mesh "
+            f"has axes {known} (shape {tuple(mesh.shape)}). Fix: use one of "
+            f"{known} or None for each dimension, or add the axis to the mesh."
+        )
 
 
 def _make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule]) -> Rule:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
 import pytest
 
 import keras_meshlayout as kml
@@ -102,3 +103,38 @@ def test_unbound_rules_handed_to_keras_say_how_to_bind():
     rules = kml.LayoutRules([(r".*kernel", (None, "model"))])
     with pytest.raises(kml.InvalidRuleError, match=r"not bound to a mesh.*rules\.bind\(mesh\)"):
         keras.distribution.ModelParallel(layout_map=rules, batch_dim_name="data")
+
+
+def test_rejected_rule_is_not_kept():
+    """Regression: a rule naming an unknown axis used to be appended before validation."""
+    rules = kml.LayoutRules([(r".*a", ("model",))], mesh=kml.Mesh(data=2, model=4))
+    with pytest.raises(kml.InvalidRuleError, match="'expert'"):
+        rules[r".*b"] = ("expert",)
+    assert list(rules) == [r".*a"]
+    assert rules["x/b"] is None
+
+
+def test_equal_meshes_bind_the_same_rules():
+    rules = kml.LayoutRules([(r".*a", ("model",))], mesh=kml.Mesh(data=2, model=4))
+    assert rules.bind(kml.Mesh(data=2, model=4)) is rules
+    with pytest.raises(kml.InvalidRuleError, match="bound to Mesh"):
+        rules.bind(kml.Mesh(data=4, model=2))
+
+
+@pytest.mark.parametrize(
+    "build, error",
+    [
+        (lambda: kml.LayoutRules([], mesh="2x4"), kml.InvalidRuleError),
+        (lambda: kml.LayoutRules(5), kml.InvalidRuleError),
+        (lambda: kml.Mesh(["data"]), kml.InvalidMeshError),
+        (lambda: kml.Mesh.parse("1_0"), kml.InvalidMeshError),
+        (lambda: kml.ModelParallel(kml.Mesh(data=8), replicate_below=np.int64(0)), None),
+    ],
+    ids=["mesh-string", "rules-int", "mesh-list", "underscore-size", "numpy-int-accepted"],
+)
+def test_wrong_argument_types_get_our_errors(build, error):
+    if error is None:
+        build()
+        return
+    with pytest.raises(error):
+        build()

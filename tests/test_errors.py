@@ -1,0 +1,851 @@
+"""Every bad input gets a keras_meshlayout error that says what, why and how to fix it.
+
+The tables below hold one row per bad input. Each row names the error class it
+must raise and fragments its message must contain: the values received, the
+variable path, the rule, the mesh axis and sizes, and the fix. The model rows
+build real Keras models on real meshes of the 8 emulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+import keras_meshlayout as kml
+
+
+class Case(NamedTuple):
+    """One bad input and what it must raise.
+
+    Attributes:
+        id: Test id.
+        make: Called with no arguments; must raise `error`.
+        error: The expected error class (matched exactly, not as a base class).
+        fragments: Substrings the error message must contain.
+    """
+
+    id: str
+    make: Callable[[], Any]
+    error: type[Exception]
+    fragments: tuple[str, ...]
+
+
+@functools.cache
+def mesh(spec: str) -> kml.Mesh:
+    """Returns the mesh for `spec`, built once per test session.
+
+    Args:
+        spec: A `kml.Mesh.parse` spec, e.g. `"data=2,model=4"`.
+    """
+    return kml.Mesh.parse(spec)
+
+
+def assert_message(error: BaseException, fragments: tuple[str, ...]) -> None:
+    """Asserts that the message of `error` contains every fragment.
+
+    Args:
+        error: The raised error.
+        fragments: Substrings the message must contain.
+    """
+    message = str(error)
+    missing = [fragment for fragment in fragments if fragment not in message]
+    assert not missing, f"message lacks {missing!r}:\n{message}"
+
+
+def raises_case(case: Case) -> None:
+    """Runs `case.make` and checks the error class and message.
+
+    Args:
+        case: The row to check.
+    """
+    with pytest.raises(kml.MeshLayoutError) as info:
+        case.make()
+    assert type(info.value) is case.error, f"{type(info.value).__name__}: {info.value}"
+    assert_message(info.value, case.fragments)
+
+
+SPEC_HELP = 'Write it as "2x4"'
+
+MESH_CASES = [
+    Case(
+        "size-zero",
+        lambda: kml.Mesh(data=0, model=8),
+        kml.InvalidMeshError,
+        ("'data'", "size 0", "{'data': 0, 'model': 8}", "sizes must be positive, or -1"),
+    ),
+    Case(
+        "size-negative",
+        lambda: kml.Mesh(data=-2, model=4),
+        kml.InvalidMeshError,
+        ("'data'", "size -2", "{'data': -2, 'model': 4}", "sizes must be positive, or -1"),
+    ),
+    Case(
+        "two-inferred",
+        lambda: kml.Mesh(data=-1, model=-1),
+        kml.InvalidMeshError,
+        (
+            "Only one mesh axis can have size -1",
+            "['data', 'model']",
+            "{'data': -1, 'model': -1}",
+            "Give all but one axis an explicit size",
+        ),
+    ),
+    Case(
+        "product-too-small",
+        lambda: kml.Mesh(data=2, model=2),
+        kml.InvalidMeshError,
+        ("{'data': 2, 'model': 2}", "needs 4 devices", "8 are available", "use -1 for one axis"),
+    ),
+    Case(
+        "product-too-large",
+        lambda: kml.Mesh(data=4, model=4),
+        kml.InvalidMeshError,
+        ("{'data': 4, 'model': 4}", "needs 16 devices", "8 are available", "use -1 for one axis"),
+    ),
+    Case(
+        "cannot-infer",
+        lambda: kml.Mesh(data=-1, model=3),
+        kml.InvalidMeshError,
+        (
+            "Cannot infer the size of mesh axis 'data'",
+            "use 3 devices",
+            "8 available",
+            "{'data': -1, 'model': 3}",
+            "Choose sizes whose product divides 8",
+        ),
+    ),
+    Case(
+        "float-size",
+        lambda: kml.Mesh(data=2.0, model=4),
+        kml.InvalidMeshError,
+        ("'data'", "needs an integer size", "data=2.0"),
+    ),
+    Case(
+        "string-size",
+        lambda: kml.Mesh(data="2", model=4),
+        kml.InvalidMeshError,
+        ("'data'", "needs an integer size", "data='2'"),
+    ),
+    Case(
+        "bool-size",
+        lambda: kml.Mesh(data=True, model=8),
+        kml.InvalidMeshError,
+        ("'data'", "needs an integer size", "data=True"),
+    ),
+    Case(
+        "bad-axis-name",
+        lambda: kml.Mesh({"1x": 8}),
+        kml.InvalidMeshError,
+        ("must be identifiers such as 'data' or 'model'", "'1x'", "{'1x': 8}"),
+    ),
+    Case(
+        "axis-name-with-dash",
+        lambda: kml.Mesh({"data": 2, "tensor-parallel": 4}),
+        kml.InvalidMeshError,
+        ("must be identifiers", "'tensor-parallel'"),
+    ),
+    Case(
+        "mapping-and-kwargs",
+        lambda: kml.Mesh({"data": 8}, model=1),
+        kml.InvalidMeshError,
+        (
+            "either as a mapping or as keyword arguments, not both",
+            "axes={'data': 8}",
+            "axis_sizes={'model': 1}",
+        ),
+    ),
+    Case(
+        "no-axes",
+        lambda: kml.Mesh(),
+        kml.InvalidMeshError,
+        ("at least one axis", "Received no axes", "kml.Mesh(data=2, model=4)"),
+    ),
+    Case(
+        "empty-mapping",
+        lambda: kml.Mesh({}),
+        kml.InvalidMeshError,
+        ("at least one axis", "Received no axes"),
+    ),
+    Case(
+        "parse-empty",
+        lambda: kml.Mesh.parse(""),
+        kml.InvalidMeshError,
+        ("non-empty string", "Received: ''", SPEC_HELP),
+    ),
+    Case(
+        "parse-blank",
+        lambda: kml.Mesh.parse("   "),
+        kml.InvalidMeshError,
+        ("non-empty string", "Received: '   '", SPEC_HELP),
+    ),
+    Case(
+        "parse-not-a-string",
+        lambda: kml.Mesh.parse(None),
+        kml.InvalidMeshError,
+        ("non-empty string", "Received: None", SPEC_HELP),
+    ),
+    Case(
+        "parse-trailing-x",
+        lambda: kml.Mesh.parse("2x"),
+        kml.InvalidMeshError,
+        ("'2x'", "axis size ''", "not an integer", SPEC_HELP),
+    ),
+    Case(
+        "parse-letters",
+        lambda: kml.Mesh.parse("axb"),
+        kml.InvalidMeshError,
+        ("'axb'", "axis size 'a'", "not an integer", SPEC_HELP),
+    ),
+    Case(
+        "parse-repeated-axis",
+        lambda: kml.Mesh.parse("data=2,data=4"),
+        kml.InvalidMeshError,
+        ("'data=2,data=4'", "names axis 'data' twice", "Each axis needs its own name"),
+    ),
+    Case(
+        "parse-missing-size",
+        lambda: kml.Mesh.parse("data=2,model"),
+        kml.InvalidMeshError,
+        ("'data=2,model'", "malformed entry 'model'", SPEC_HELP),
+    ),
+    Case(
+        "parse-missing-name",
+        lambda: kml.Mesh.parse("data=2,=4"),
+        kml.InvalidMeshError,
+        ("'data=2,=4'", "malformed entry '=4'", SPEC_HELP),
+    ),
+    Case(
+        "parse-trailing-comma",
+        lambda: kml.Mesh.parse("data=2,model=4,"),
+        kml.InvalidMeshError,
+        ("'data=2,model=4,'", "malformed entry ''", SPEC_HELP),
+    ),
+    Case(
+        "parse-three-positional",
+        lambda: kml.Mesh.parse("2x2x2"),
+        kml.InvalidMeshError,
+        (
+            "'2x2x2'",
+            "3 positional axes",
+            "('data', 'model')",
+            'Name them instead, e.g. "data=2,model=2,expert=2"',
+        ),
+    ),
+    Case(
+        "parse-semicolon",
+        lambda: kml.Mesh.parse("data=2;model=4"),
+        kml.InvalidMeshError,
+        ("'data=2;model=4'", "axis size '2;model=4'", "not an integer", SPEC_HELP),
+    ),
+    Case(
+        "parse-named-not-integer",
+        lambda: kml.Mesh.parse("data=2,model=x"),
+        kml.InvalidMeshError,
+        ("'data=2,model=x'", "axis size 'x'", "not an integer"),
+    ),
+    Case(
+        "parse-bad-axis-name",
+        lambda: kml.Mesh.parse("data=2,1m=4"),
+        kml.InvalidMeshError,
+        ("must be identifiers", "'1m'", "{'data': 2, '1m': 4}"),
+    ),
+    Case(
+        "parse-wrong-product",
+        lambda: kml.Mesh.parse("2x2"),
+        kml.InvalidMeshError,
+        ("{'data': 2, 'model': 2}", "needs 4 devices", "8 are available", "use -1 for one axis"),
+    ),
+    Case(
+        "parse-zero",
+        lambda: kml.Mesh.parse("0x8"),
+        kml.InvalidMeshError,
+        ("'data'", "size 0", "sizes must be positive"),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", MESH_CASES, ids=lambda case: case.id)
+def test_bad_mesh(case: Case):
+    raises_case(case)
+
+
+RULE_CASES = [
+    Case(
+        "invalid-regex",
+        lambda: kml.LayoutRules([(r".*dense/kernel", (None, "model")), ("[unclosed", ("model",))]),
+        kml.InvalidRuleError,
+        (
+            "rule #1",
+            "'[unclosed'",
+            "not a valid regular expression",
+            "unterminated character set",
+            "Fix the pattern",
+            "escape it with a backslash",
+        ),
+    ),
+    Case(
+        "empty-pattern",
+        lambda: kml.LayoutRules([("", ("model",))]),
+        kml.InvalidRuleError,
+        ("rule #0", "non-empty regex string", "pattern=''"),
+    ),
+    Case(
+        "pattern-not-a-string",
+        lambda: kml.LayoutRules([(3, ("model",))]),
+        kml.InvalidRuleError,
+        ("rule #0", "non-empty regex string", "pattern=3"),
+    ),
+    Case(
+        "layout-is-a-string",
+        lambda: kml.LayoutRules([(r".*dense/bias", "model")]),
+        kml.InvalidRuleError,
+        ("rule #0", "'.*dense/bias'", "needs a tuple of axes", "axes='model'", "e.g. (None, 'model')"),
+    ),
+    Case(
+        "layout-is-none",
+        lambda: kml.LayoutRules([(r".*dense/bias", None)]),
+        kml.InvalidRuleError,
+        ("rule #0", "'.*dense/bias'", "needs a tuple of axes", "axes=None"),
+    ),
+    Case(
+        "layout-from-mapping-is-a-string",
+        lambda: kml.LayoutRules({r".*dense/kernel": (None, "model"), r".*dense/bias": "model"}),
+        kml.InvalidRuleError,
+        ("rule #1", "'.*dense/bias'", "needs a tuple of axes", "axes='model'"),
+    ),
+    Case(
+        "entry-is-an-int",
+        lambda: kml.LayoutRules([(r".*dense/kernel", (None, 4))]),
+        kml.InvalidRuleError,
+        ("rule #0", "'.*dense/kernel'", "entry 4", "(None, 4)", "a mesh-axis name (a string) or None"),
+    ),
+    Case(
+        "axis-used-twice",
+        lambda: kml.LayoutRules([(r".*dense/kernel", ("model", "model"))]),
+        kml.InvalidRuleError,
+        (
+            "rule #0",
+            "'.*dense/kernel'",
+            "mesh axis 'model' on more than one dimension",
+            "('model', 'model')",
+            "Fix: keep 'model' on one dimension",
+        ),
+    ),
+    Case(
+        "repeated-pattern",
+        lambda: kml.LayoutRules([(r".*/kernel", (None, "model")), (r".*/kernel", ("model", None))]),
+        kml.InvalidRuleError,
+        ("rule #1", "repeats the pattern '.*/kernel' of rule #0", "could never apply", "Remove one of them"),
+    ),
+    Case(
+        "rule-not-a-pair",
+        lambda: kml.LayoutRules([(r".*/kernel",)]),
+        kml.InvalidRuleError,
+        ("(pattern, axes) pair", "Received: ('.*/kernel',)", "e.g. (r'.*dense_1/kernel', (None, 'model'))"),
+    ),
+    Case(
+        "rule-is-a-triple",
+        lambda: kml.LayoutRules([(r".*/kernel", (None, "model"), "extra")]),
+        kml.InvalidRuleError,
+        ("(pattern, axes) pair", "Received: ('.*/kernel', (None, 'model'), 'extra')"),
+    ),
+    Case(
+        "rule-is-a-string",
+        lambda: kml.LayoutRules([r".*/kernel"]),
+        kml.InvalidRuleError,
+        ("(pattern, axes) pair", "Received: '.*/kernel'"),
+    ),
+    Case(
+        "unknown-axis-in-model-parallel",
+        lambda: kml.ModelParallel(mesh("data=2,model=4"), [(r".*/kernel", (None, "expert"))]),
+        kml.InvalidRuleError,
+        (
+            "rule #0 '.*/kernel' -> (None, 'expert')",
+            "names mesh axis 'expert'",
+            "('data', 'model')",
+            "(shape (2, 4))",
+            "Fix: use one of ('data', 'model') or None",
+        ),
+    ),
+    Case(
+        "unknown-axis-in-later-rule",
+        lambda: kml.ModelParallel(
+            mesh("data=2,model=4"),
+            kml.LayoutRules([(r".*/kernel", (None, "model")), (r".*/bias", ("tensor",))]),
+        ),
+        kml.InvalidRuleError,
+        ("rule #1 '.*/bias' -> ('tensor',)", "names mesh axis 'tensor'", "('data', 'model')", "Fix"),
+    ),
+    Case(
+        "unknown-axis-with-mesh-kwarg",
+        lambda: kml.LayoutRules([(r".*/kernel", ("expert", None))], mesh=mesh("data=2,model=4")),
+        kml.InvalidRuleError,
+        (
+            "rule #0 '.*/kernel' -> ('expert', None)",
+            "names mesh axis 'expert'",
+            "('data', 'model')",
+            "(shape (2, 4))",
+            "Fix",
+        ),
+    ),
+    Case(
+        "unknown-axis-added-to-bound-rules",
+        lambda: kml.LayoutRules([(r".*/kernel", (None, "model"))], mesh=mesh("data=2,model=4")).__setitem__(
+            r".*/bias", ("expert",)
+        ),
+        kml.InvalidRuleError,
+        ("rule #1 '.*/bias' -> ('expert',)", "names mesh axis 'expert'", "Fix"),
+    ),
+    Case(
+        "rules-bound-to-another-mesh",
+        lambda: kml.ModelParallel(
+            mesh("data=4,model=2"),
+            kml.LayoutRules([(r".*/kernel", (None, "model"))], mesh=mesh("data=2,model=4")),
+        ),
+        kml.InvalidRuleError,
+        (
+            "bound to Mesh(data=2, model=4)",
+            "cannot be used with Mesh(data=4, model=2)",
+            "Fix: build the rules without mesh=",
+        ),
+    ),
+    Case(
+        "rules-bind-to-another-mesh",
+        lambda: kml.LayoutRules([(r".*/kernel", (None, "model"))], mesh=mesh("data=2,model=4")).bind(
+            mesh("8")
+        ),
+        kml.InvalidRuleError,
+        ("bound to Mesh(data=2, model=4)", "cannot be used with Mesh(data=8)", "Fix"),
+    ),
+    Case(
+        "rules-not-pairs",
+        lambda: kml.ModelParallel(mesh("data=2,model=4"), "kernel"),
+        kml.InvalidRuleError,
+        (
+            "kml.LayoutRules, a keras.distribution.LayoutMap or a list of (pattern, axes) pairs",
+            "Received: 'kernel'",
+        ),
+    ),
+    Case(
+        "unbound-rules-handed-to-keras",
+        lambda: keras.distribution.ModelParallel(
+            layout_map=kml.LayoutRules([(r".*/kernel", (None, "model"))]), batch_dim_name="data"
+        ),
+        kml.InvalidRuleError,
+        ("not bound to a mesh", "Fix: pass them to kml.ModelParallel(mesh, rules)", "rules.bind(mesh)"),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=lambda case: case.id)
+def test_bad_rules(case: Case):
+    raises_case(case)
+
+
+DISTRIBUTION_CASES = [
+    Case(
+        "batch-axis-not-in-mesh",
+        lambda: kml.ModelParallel(mesh("data=2,model=4"), batch_axis="batch"),
+        kml.InvalidMeshError,
+        (
+            "batch_axis='batch'",
+            "not an axis of the mesh",
+            "('data', 'model')",
+            "(shape (2, 4))",
+            "Fix: pass one of them",
+        ),
+    ),
+    Case(
+        "mesh-is-a-spec-string",
+        lambda: kml.ModelParallel("2x4"),
+        kml.InvalidMeshError,
+        ("needs a mesh", "Received: '2x4'", "kml.Mesh(data=2, model=4)"),
+    ),
+    Case(
+        "mesh-is-a-shape",
+        lambda: kml.ModelParallel((2, 4), [(r".*/kernel", (None, "model"))]),
+        kml.InvalidMeshError,
+        ("needs a mesh", "Received: (2, 4)"),
+    ),
+    Case(
+        "mesh-is-none",
+        lambda: kml.ModelParallel(None),
+        kml.InvalidMeshError,
+        ("needs a mesh", "Received: None"),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", DISTRIBUTION_CASES, ids=lambda case: case.id)
+def test_bad_distribution(case: Case):
+    raises_case(case)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragments",
+    [
+        ({"on_indivisible": "ignore"}, ("on_indivisible must be one of ('replicate', 'error')", "'ignore'")),
+        ({"on_indivisible": None}, ("on_indivisible must be one of", "on_indivisible=None")),
+        ({"replicate_below": -1}, ("non-negative integer element count", "replicate_below=-1")),
+        ({"replicate_below": 1.5}, ("non-negative integer element count", "replicate_below=1.5")),
+        ({"replicate_below": True}, ("non-negative integer element count", "replicate_below=True")),
+        ({"replicate_below": "4096"}, ("non-negative integer element count", "replicate_below='4096'")),
+    ],
+    ids=[
+        "on-indivisible-unknown",
+        "on-indivisible-none",
+        "replicate-below-negative",
+        "replicate-below-float",
+        "replicate-below-bool",
+        "replicate-below-string",
+    ],
+)
+def test_bad_policy_is_an_invalid_option_error(kwargs: dict[str, Any], fragments: tuple[str, ...]):
+    with pytest.raises(kml.InvalidOptionError) as info:
+        kml.ModelParallel(mesh("data=2,model=4"), **kwargs)
+    assert_message(info.value, fragments)
+
+
+@pytest.mark.parametrize(
+    "count, error, fragments",
+    [
+        (
+            4,
+            kml.DevicesAlreadyInitializedError,
+            (
+                "emulate_devices(4)",
+                "already started with 8 CPU device(s)",
+                "Fix: call kml.emulate_devices()",
+                "XLA_FLAGS=--xla_force_host_platform_device_count=4",
+            ),
+        ),
+        (0, kml.InvalidOptionError, ("positive integer device count", "count=0")),
+        (2.0, kml.InvalidOptionError, ("positive integer device count", "count=2.0")),
+    ],
+    ids=["after-backend-started", "zero", "float"],
+)
+def test_bad_device_emulation(count: Any, error: type[Exception], fragments: tuple[str, ...]):
+    with pytest.raises(error) as info:
+        kml.emulate_devices(count)
+    assert_message(info.value, fragments)
+
+
+def test_emulating_the_running_count_again_is_harmless():
+    kml.emulate_devices(8)
+
+
+# -- a real model meets the rules ---------------------------------------------
+
+
+def build_mlp(
+    distribution: kml.ModelParallel, *, features: int = 8, hidden: int = 16, head: int = 8
+) -> keras.Model:
+    """Builds a tiny `features -> hidden -> head` MLP named `mlp` under `distribution`.
+
+    Its variables are `mlp/hidden/kernel`, `mlp/hidden/bias`, `mlp/head/kernel`
+    and `mlp/head/bias`.
+
+    Args:
+        distribution: The distribution whose scope the model is built in.
+        features: Input features.
+        hidden: Units of the `hidden` Dense layer.
+        head: Units of the `head` Dense layer.
+
+    Returns:
+        The built model.
+    """
+    with distribution.scope():
+        return keras.Sequential(
+            [
+                keras.Input((features,)),
+                keras.layers.Dense(hidden, activation="relu", name="hidden"),
+                keras.layers.Dense(head, name="head"),
+            ],
+            name="mlp",
+        )
+
+
+class ModelCase(NamedTuple):
+    """A model whose variables do not fit its rules.
+
+    Attributes:
+        id: Test id.
+        mesh: Mesh spec.
+        rules: The layout rules.
+        sizes: Keyword arguments of `build_mlp`.
+        error: The expected error class.
+        fragments: Substrings the error message must contain.
+    """
+
+    id: str
+    mesh: str
+    rules: list[tuple[str, tuple[str | None, ...]]]
+    sizes: dict[str, int]
+    error: type[Exception]
+    fragments: tuple[str, ...]
+
+
+MODEL_CASES = [
+    ModelCase(
+        "rank-2-rule-matches-bias",
+        "data=2,model=4",
+        [(r".*hidden.*", (None, "model"))],
+        {},
+        kml.RankMismatchError,
+        (
+            "'mlp/hidden/bias'",
+            "shape (16,)",
+            "(rank 1)",
+            "rule #0 '.*hidden.*' -> (None, 'model')",
+            "layout of rank 2",
+            "Fix: give this rule 1 entry,",
+            "end it in '/kernel' or '/bias'",
+        ),
+    ),
+    ModelCase(
+        "rank-1-rule-matches-kernel",
+        "data=2,model=4",
+        [(r".*/bias", ("model",)), (r"mlp/head/.*", ("model",))],
+        {},
+        kml.RankMismatchError,
+        (
+            "'mlp/head/kernel'",
+            "shape (16, 8)",
+            "(rank 2)",
+            "rule #1 'mlp/head/.*' -> ('model',)",
+            "layout of rank 1",
+            "Fix",
+        ),
+    ),
+    ModelCase(
+        "output-features-indivisible",
+        "data=2,model=4",
+        [(r".*/kernel", (None, "model"))],
+        {"hidden": 10},
+        kml.IndivisibleShapeError,
+        (
+            "'mlp/hidden/kernel'",
+            "shape (8, 10)",
+            "rule #0 '.*/kernel' -> (None, 'model')",
+            "dimension 1 (size 10)",
+            "mesh axis 'model' of size 4",
+            "10 is not a multiple of 4",
+            "Fix:",
+            "on_indivisible='replicate'",
+        ),
+    ),
+    ModelCase(
+        "input-features-indivisible",
+        "data=4,model=2",
+        [(r"mlp/head/kernel", ("data", None))],
+        {"hidden": 6},
+        kml.IndivisibleShapeError,
+        (
+            "'mlp/head/kernel'",
+            "shape (6, 8)",
+            "rule #0 'mlp/head/kernel' -> ('data', None)",
+            "dimension 0 (size 6)",
+            "mesh axis 'data' of size 4",
+            "6 is not a multiple of 4",
+            "put None on dimension 0",
+        ),
+    ),
+    ModelCase(
+        "indivisible-on-3d-mesh",
+        "a=2,b=2,c=2",
+        [(r".*hidden/kernel", ("b", "c")), (r".*hidden/bias", ("c",))],
+        {"hidden": 7},
+        kml.IndivisibleShapeError,
+        (
+            "'mlp/hidden/kernel'",
+            "shape (8, 7)",
+            "dimension 1 (size 7)",
+            "mesh axis 'c' of size 2",
+            "7 is not a multiple of 2",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=lambda case: case.id)
+def test_model_does_not_fit_rules(case: ModelCase):
+    distribution = kml.ModelParallel(mesh(case.mesh), case.rules, on_indivisible="error", replicate_below=0)
+    with pytest.raises(kml.MeshLayoutError) as info:
+        build_mlp(distribution, **case.sizes)
+    assert type(info.value) is case.error, f"{type(info.value).__name__}: {info.value}"
+    assert_message(info.value, case.fragments)
+
+
+def test_rank_mismatch_is_an_error_under_the_replicate_policy_too():
+    distribution = kml.ModelParallel(
+        mesh("data=2,model=4"), [(r".*hidden.*", (None, "model"))], replicate_below=0
+    )
+    with pytest.raises(kml.RankMismatchError, match=r"'mlp/hidden/bias'"):
+        build_mlp(distribution)
+
+
+def test_indivisible_dimension_is_replicated_with_a_warning():
+    distribution = kml.ModelParallel(
+        mesh("data=2,model=4"), [(r".*/kernel", (None, "model"))], replicate_below=0
+    )
+    with pytest.warns(kml.IndivisibleShapeWarning) as record:
+        model = build_mlp(distribution, hidden=16, head=10)
+
+    assert len(record) == 1, [str(w.message) for w in record]
+    assert_message(
+        record[0].message,
+        (
+            "'mlp/head/kernel'",
+            "(shape (16, 10))",
+            "replicated on dimension 1",
+            "size 10",
+            "mesh axis 'model' of size 4",
+            "rule #0 '.*/kernel' -> (None, 'model')",
+            "costs 4x the memory",
+            "on_indivisible='error'",
+        ),
+    )
+
+    plan = distribution.plan(model)
+    head = plan["mlp/head/kernel"]
+    assert head.requested == (None, "model")
+    assert head.axes == (None, None)
+    assert head.shards == 1
+    assert head.reasons == ("dimension 1 (size 10) does not divide by mesh axis 'model' (size 4)",)
+    (recorded,) = [entry for entry in plan.to_dict()["variables"] if entry["path"] == "mlp/head/kernel"]
+    assert recorded["reasons"] == list(head.reasons)
+    assert recorded["axes"] == [None, None]
+    # The divisible kernel next to it is still split.
+    assert plan["mlp/hidden/kernel"].axes == (None, "model")
+    assert plan["mlp/hidden/kernel"].shards == 4
+
+    variables = {variable.path: variable for variable in model.weights}
+    assert variables["mlp/head/kernel"].value.sharding.spec == PartitionSpec(None, None)
+    assert variables["mlp/hidden/kernel"].value.sharding.spec == PartitionSpec(None, "model")
+    assert variables["mlp/head/kernel"].value.sharding.shard_shape((16, 10)) == (16, 10)
+
+
+# -- a batch that does not split ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, batch_axis, batch_size, fragments",
+    [
+        (
+            "data=4,model=2",
+            None,
+            6,
+            (
+                "A batch of 6 samples",
+                "batch axis 'data' of size 4",
+                "6 is not a multiple of 4",
+                "Fix: use a batch_size that is a multiple of 4",
+            ),
+        ),
+        (
+            "data=2,model=4",
+            "data",
+            5,
+            ("A batch of 5 samples", "batch axis 'data' of size 2", "5 is not a multiple of 2", "Fix"),
+        ),
+        (
+            "data=2,model=4",
+            "model",
+            6,
+            ("A batch of 6 samples", "batch axis 'model' of size 4", "6 is not a multiple of 4", "Fix"),
+        ),
+    ],
+    ids=["batch-6-on-data-4", "batch-5-on-data-2", "batch-6-on-model-4"],
+)
+def test_fit_rejects_indivisible_batch_before_training(
+    spec: str, batch_axis: str | None, batch_size: int, fragments: tuple[str, ...]
+):
+    distribution = kml.ModelParallel(
+        mesh(spec), [(r".*hidden/kernel", (None, "model"))], batch_axis=batch_axis, replicate_below=0
+    )
+    model = build_mlp(distribution)
+    with distribution.scope():
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    before = {variable.path: np.array(variable.value) for variable in model.weights}
+    x = np.ones((batch_size * 2, 8), "float32")
+    y = np.ones((batch_size * 2, 8), "float32")
+
+    with distribution.scope(), pytest.raises(kml.IndivisibleBatchError) as info:
+        model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    assert_message(info.value, (*fragments, f"input shape ({batch_size}, 8)"))
+
+    # Nothing the user had is lost: no step ran, and the weights are untouched.
+    assert int(model.optimizer.iterations.numpy()) == 0
+    for variable in model.weights:
+        np.testing.assert_array_equal(np.array(variable.value), before[variable.path], err_msg=variable.path)
+
+
+@pytest.mark.parametrize(
+    "samples, batch_size, short",
+    [(10, 8, 2), (14, 4, 2)],
+    ids=["10-samples-batch-8", "14-samples-batch-4"],
+)
+def test_fit_rejects_a_short_last_batch_that_does_not_split(samples: int, batch_size: int, short: int):
+    # Keras derives the input sharding from the first batch only: the short last
+    # batch must still get an IndivisibleBatchError, not a raw JAX error.
+    distribution = kml.ModelParallel(mesh("data=4,model=2"), [(r".*hidden/kernel", (None, "model"))])
+    model = build_mlp(distribution)
+    with distribution.scope():
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.ones((samples, 8), "float32")
+    y = np.ones((samples, 8), "float32")
+
+    with distribution.scope(), pytest.raises(kml.IndivisibleBatchError) as info:
+        model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    assert_message(
+        info.value,
+        (
+            f"A batch of {short} samples",
+            f"input shape ({short}, 8)",
+            "batch axis 'data' of size 4",
+            f"{short} is not a multiple of 4",
+            "short last batch",
+            "make the number of samples a multiple of the batch size",
+        ),
+    )
+
+
+# -- the error hierarchy --------------------------------------------------------
+
+ERRORS = [
+    kml.InvalidOptionError,
+    kml.InvalidMeshError,
+    kml.InvalidRuleError,
+    kml.RankMismatchError,
+    kml.IndivisibleShapeError,
+    kml.IndivisibleBatchError,
+    kml.UnsupportedBackendError,
+    kml.DevicesAlreadyInitializedError,
+]
+
+WARNINGS = [kml.IndivisibleShapeWarning, kml.UnmatchedRuleWarning]
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda error: error.__name__)
+def test_every_error_is_a_mesh_layout_error_and_a_value_error(error: type[Exception]):
+    assert issubclass(error, kml.MeshLayoutError)
+    assert issubclass(error, ValueError)
+    assert issubclass(kml.MeshLayoutError, ValueError)
+
+
+@pytest.mark.parametrize("warning", WARNINGS, ids=lambda warning: warning.__name__)
+def test_every_warning_is_a_mesh_layout_warning(warning: type[Warning]):
+    assert issubclass(warning, kml.MeshLayoutWarning)
+    assert issubclass(warning, UserWarning)
+
+
+def test_the_tables_cover_every_exported_error_and_warning():
+    exported = {getattr(kml, name) for name in kml.__all__}
+    errors = {item for item in exported if isinstance(item, type) and issubclass(item, BaseException)}
+    assert errors == {*ERRORS, *WARNINGS, kml.MeshLayoutError, kml.MeshLayoutWarning}
