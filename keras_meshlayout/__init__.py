@@ -16,6 +16,9 @@ if "keras" not in __import__("sys").modules:
     os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from ._backend import emulate_devices as emulate_devices
+from ._comm import CommReport as CommReport
+from ._comm import Transfer as Transfer
+from ._comm import comm_report as comm_report
 from ._distribution import ModelParallel as ModelParallel
 from ._errors import DevicesAlreadyInitializedError as DevicesAlreadyInitializedError
 from ._errors import IndivisibleBatchError as IndivisibleBatchError
@@ -39,6 +42,9 @@ from ._rules import Rule as Rule
 __version__ = importlib.metadata.version("keras_meshlayout")
 
 __all__ = [
+    "CommReport",
+    "Transfer",
+    "comm_report",
     "DEFAULT_REPLICATE_BELOW",
     "DevicesAlreadyInitializedError",
     "IndivisibleBatchError",

@@ -8,7 +8,7 @@ from ._backend import emulate_devices
 
 
 def run_demo(steps: int = 20, batch_size: int = 64, seed: int = 0) -> float:
-    """Trains a 32 → 256 → 128 → 10 MLP on a `data=2, model=4` mesh and prints its plan.
+    """Trains a 32 → 256 → 128 → 10 MLP on a `data=2, model=4` mesh; prints its plan and traffic.
 
     Uses the default accelerators when there are at least 8, and otherwise 8
     emulated CPU devices. Returns the final training loss.
@@ -17,6 +17,7 @@ def run_demo(steps: int = 20, batch_size: int = 64, seed: int = 0) -> float:
     import jax
     import keras
 
+    from ._comm import comm_report
     from ._distribution import ModelParallel
     from ._mesh import Mesh
     from ._rules import LayoutRules
@@ -53,4 +54,6 @@ def run_demo(steps: int = 20, batch_size: int = 64, seed: int = 0) -> float:
     print(f"Devices: {len(devices)} × {devices[0].platform}; mesh {mesh}")
     history = model.fit(x, y, batch_size=batch_size, epochs=2, verbose=2)
     print(distribution.plan(model))
+    print()
+    print(comm_report(model, x[:batch_size], y[:batch_size]))
     return float(history.history["loss"][-1])

@@ -27,8 +27,11 @@ from ._rules import Axes, LayoutRules, Rule
 
 __all__ = ["Resolution", "resolve", "DEFAULT_REPLICATE_BELOW", "IndivisiblePolicy"]
 
-#: Variables with fewer elements than this stay replicated (16 KiB in float32):
-#: splitting them saves less memory than the collectives they add cost in latency.
+#: Matrices and higher-rank variables with fewer elements than this stay replicated
+#: (16 KiB in float32): splitting them saves less memory than the collectives they add
+#: cost in latency. Vectors (biases, norm scales) follow their rule whatever their size:
+#: beside a column-parallel kernel a sharded bias costs nothing, a replicated one an
+#: all-gather per step.
 DEFAULT_REPLICATE_BELOW = 4096
 
 IndivisiblePolicy = Literal["replicate", "error"]
@@ -104,8 +107,9 @@ def resolve(
     """Resolves the layout of one variable.
 
     In order: the first matching rule gives the requested layout (no match:
-    replicated); its rank must equal the variable's; a variable with fewer than
-    `replicate_below` elements stays replicated; every sharded dimension must
+    replicated); its rank must equal the variable's; a variable of rank 2 or
+    more with fewer than `replicate_below` elements stays replicated (vectors
+    follow their rule); every sharded dimension must
     divide by its mesh axis size, or else, by `on_indivisible`, that dimension
     is replicated (with an `IndivisibleShapeWarning`) or an error is raised.
 
@@ -167,7 +171,7 @@ def resolve(
         return Resolution(path, shape, dtype_name, rule, requested, requested, nbytes=nbytes)
 
     size = math.prod(shape)
-    if size < replicate_below:
+    if len(shape) >= 2 and size < replicate_below:
         reason = f"small: {size} elements < replicate_below={replicate_below}"
         return Resolution(path, shape, dtype_name, rule, requested, replicated, (reason,), nbytes=nbytes)
 

@@ -1,0 +1,317 @@
+"""The communication report: what one compiled training step sends, and where.
+
+`comm_report` compiles the model's own Keras train step for the current
+distribution, from abstract shapes only (nothing runs, no buffer is donated),
+and reads the partitioned HLO with `_hlo.parse_collectives`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._hlo import Collective, parse_collectives, wire_bytes
+from ._plan import format_bytes
+
+if TYPE_CHECKING:
+    import keras
+    import rich.console
+
+__all__ = ["CommReport", "Transfer", "comm_report"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One array moved by one collective (a combined collective moves several).
+
+    Attributes:
+        collective: Name of the HLO instruction.
+        kind: `all-reduce`, `all-gather`, `reduce-scatter`, `all-to-all` or
+            `collective-permute`.
+        axes: Mesh axes the collective runs over.
+        group_size: Devices per group.
+        shape: Shape of the array (the result, per device).
+        dtype: HLO element type.
+        nbytes: Bytes of the array on each device.
+        wire_bytes: Bytes each device sends for it (ring algorithms).
+        layer: The Keras layer the metadata names (`"attn/query"`), or `""`.
+        phase: `"forward"`, `"backward"` or `"update"` (optimizer and metrics).
+    """
+
+    collective: str
+    kind: str
+    axes: tuple[str, ...]
+    group_size: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    wire_bytes: float
+    layer: str
+    phase: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "axes": list(self.axes), "shape": list(self.shape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CommReport:
+    """The collectives, memory and FLOPs of one compiled training step.
+
+    Attributes:
+        axis_sizes: Mesh axis sizes by name.
+        collectives: Every collective instruction, as parsed.
+        transfers: One `Transfer` per array moved.
+        memory: Per-device bytes from XLA's `memory_analysis()`: `arguments`,
+            `outputs`, `temporaries`, `aliased`, `code`, and `total`.
+        flops_per_device: FLOPs of the partitioned program on one device.
+        flops_unpartitioned: FLOPs of the whole program before partitioning.
+    """
+
+    axis_sizes: Mapping[str, int]
+    collectives: tuple[Collective, ...]
+    transfers: tuple[Transfer, ...]
+    memory: Mapping[str, int]
+    flops_per_device: float
+    flops_unpartitioned: float
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends per step, all collectives together."""
+        return sum(t.wire_bytes for t in self.transfers)
+
+    @property
+    def wire_bytes_by_axis(self) -> dict[str, float]:
+        """Bytes each device sends per step, by the mesh axes of the collective."""
+        totals: dict[str, float] = collections.defaultdict(float)
+        for t in self.transfers:
+            totals["×".join(t.axes) or "-"] += t.wire_bytes
+        return dict(totals)
+
+    def count(self, kind: str) -> int:
+        """Number of collective instructions of `kind`."""
+        return sum(c.kind == kind for c in self.collectives)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mesh": dict(self.axis_sizes),
+            "wire_bytes_per_device": self.wire_bytes,
+            "wire_bytes_by_axis": self.wire_bytes_by_axis,
+            "collectives": {kind: self.count(kind) for kind in sorted({c.kind for c in self.collectives})},
+            "transfers": [t.to_dict() for t in self.transfers],
+            "memory_per_device": dict(self.memory),
+            "flops_per_device": self.flops_per_device,
+            "flops_unpartitioned": self.flops_unpartitioned,
+        }
+
+    def __rich_console__(self, console: rich.console.Console, options: Any) -> Iterator[Any]:
+        from rich.table import Table
+        from rich.text import Text
+
+        mesh = " × ".join(f"{name}={size}" for name, size in self.axis_sizes.items())
+        table = Table(title=f"Communication per training step on mesh {mesh}", title_justify="left")
+        for column, justify in [
+            ("layer", "left"),
+            ("phase", "left"),
+            ("collective", "left"),
+            ("over", "left"),
+            ("arrays", "right"),
+            ("bytes", "right"),
+            ("sent per device", "right"),
+        ]:
+            table.add_column(column, justify=justify)
+        grouped: dict[tuple, list[Transfer]] = collections.defaultdict(list)
+        for t in self.transfers:
+            grouped[(t.layer or "-", t.phase, t.kind, "×".join(t.axes) or "-", t.group_size)].append(t)
+        for (layer, phase, kind, axes, size), items in grouped.items():
+            table.add_row(
+                layer,
+                phase,
+                kind,
+                f"{axes} ({size})",
+                str(len(items)),
+                format_bytes(sum(t.nbytes for t in items)),
+                format_bytes(sum(t.wire_bytes for t in items)),
+            )
+        yield table
+        by_axis = ", ".join(f"{axis}: {format_bytes(b)}" for axis, b in self.wire_bytes_by_axis.items())
+        yield Text(f"Sent per device per step: {format_bytes(self.wire_bytes)} ({by_axis or 'nothing'})")
+        yield Text(
+            f"Memory per device: {format_bytes(self.memory['total'])} (arguments "
+            f"{format_bytes(self.memory['arguments'])}, outputs {format_bytes(self.memory['outputs'])}, "
+            f"temporaries {format_bytes(self.memory['temporaries'])})"
+        )
+        if self.flops_per_device:
+            yield Text(
+                f"FLOPs per device: {self.flops_per_device:.3g} of {self.flops_unpartitioned:.3g} "
+                f"unpartitioned ({self.flops_unpartitioned / self.flops_per_device:.2f}× split)"
+            )
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=140, force_terminal=False, color_system=None).print(self)
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+
+
+def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = None) -> CommReport:
+    """Compiles one training step of `model` and reports what it communicates.
+
+    The step is Keras's own `train_step`, compiled for the current
+    distribution with the shardings Keras gives the model state and the batch.
+    Only shapes are used: nothing runs and no buffer is donated, so the model
+    is untouched. The model must be compiled (`model.compile(...)`).
+
+    Args:
+        model: A compiled Keras model, built under the distribution to study.
+        x: One global batch of inputs (arrays or a structure of arrays).
+        y: The matching targets, if any.
+        sample_weight: Optional sample weights.
+
+    Returns:
+        The `CommReport`. `print(report)` shows a table per layer, phase and
+        collective; `report.to_dict()` gives data.
+
+    Example:
+        >>> import keras, numpy as np, keras_meshlayout as kml
+        >>> dist = kml.ModelParallel(kml.Mesh(data=8))
+        >>> with dist.scope():
+        ...     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4, name="out")])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        ...     report = kml.comm_report(model, np.zeros((32, 16), "float32"), np.zeros((32, 4), "float32"))
+        >>> report.wire_bytes_by_axis["data"] == 2 * 7 / 8 * 4 * (16 * 4 + 4 + 1)
+        True
+    """
+    import jax
+    import keras
+
+    distribution = keras.distribution.distribution()
+    data = (x, y, sample_weight)
+    model._symbolic_build(data_batch=data)
+
+    def abstract(variable: keras.Variable) -> jax.ShapeDtypeStruct:
+        value = variable.value
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+
+    state = (
+        [abstract(v) for v in model.trainable_variables],
+        [abstract(v) for v in model.non_trainable_variables],
+        [abstract(v) for v in model.optimizer.variables],
+        [abstract(v) for v in model.metrics_variables],
+    )
+
+    def abstract_input(array: Any) -> Any:
+        if array is None:
+            return None
+        array = np.asarray(array)
+        sharding = None
+        if distribution is not None:
+            sharding = distribution.get_data_layout(array.shape).backend_layout
+        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
+
+    batch = keras.tree.map_structure(abstract_input, data)
+    out_shardings = None if distribution is None else (None, model._get_state_sharding_spec())
+    lowered = jax.jit(model.train_step, out_shardings=out_shardings).lower(state, batch)
+    compiled = lowered.compile()
+
+    mesh = None if distribution is None else distribution.device_mesh
+    axis_sizes = {} if mesh is None else dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    device_count = 1 if mesh is None else int(np.prod(mesh.shape))
+    collectives = parse_collectives(compiled.as_text(), device_count)
+    layer_names = {layer.name for layer in model._flatten_layers(include_self=False)}
+    transfers = tuple(
+        transfer for collective in collectives for transfer in _transfers(collective, axis_sizes, layer_names)
+    )
+    return CommReport(
+        axis_sizes=axis_sizes,
+        collectives=tuple(collectives),
+        transfers=transfers,
+        memory=_memory(compiled),
+        flops_per_device=_flops(compiled),
+        flops_unpartitioned=_flops(lowered),
+    )
+
+
+def _transfers(
+    collective: Collective, axis_sizes: Mapping[str, int], layer_names: set[str]
+) -> Iterator[Transfer]:
+    axes = _axes_of(collective, axis_sizes)
+    for payload in collective.payloads:
+        yield Transfer(
+            collective=collective.name,
+            kind=collective.kind,
+            axes=axes,
+            group_size=collective.group_size,
+            shape=payload.shape,
+            dtype=payload.dtype,
+            nbytes=payload.nbytes,
+            wire_bytes=wire_bytes(collective.kind, payload.nbytes, collective.group_size),
+            layer=_layer_of(payload.op_name, layer_names),
+            phase=_phase_of(payload.op_name),
+        )
+
+
+def _axes_of(collective: Collective, axis_sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which the devices of one group (or pair) differ."""
+    if not axis_sizes:
+        return ()
+    shape = tuple(axis_sizes.values())
+    if collective.groups is not None:
+        members = [collective.groups[0]]
+    else:
+        members = [list(pair) for pair in collective.pairs]
+    varying = set()
+    for ids in members:
+        coords = np.array(np.unravel_index(np.asarray(ids), shape))
+        varying |= {i for i in range(len(shape)) if len(set(coords[i])) > 1}
+    return tuple(name for i, name in enumerate(axis_sizes) if i in varying)
+
+
+_TOKEN = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
+def _layer_of(op_name: str, layer_names: set[str]) -> str:
+    """`jit(train_step)/transpose(jvp(attn))/query/einsum` → `attn/query`."""
+    layer = "/".join(token for token in _TOKEN.findall(op_name) if token in layer_names)
+    if not layer and "compile_loss" in op_name:
+        return "(loss)"
+    return layer
+
+
+def _phase_of(op_name: str) -> str:
+    if "transpose(" in op_name:
+        return "backward"
+    if "jvp(" in op_name:
+        return "forward"
+    return "update"
+
+
+def _memory(compiled: Any) -> dict[str, int]:
+    stats = compiled.memory_analysis()
+    fields = {
+        "arguments": "argument_size_in_bytes",
+        "outputs": "output_size_in_bytes",
+        "temporaries": "temp_size_in_bytes",
+        "aliased": "alias_size_in_bytes",
+        "code": "generated_code_size_in_bytes",
+    }
+    memory = (
+        {key: int(getattr(stats, attr, 0) or 0) for key, attr in fields.items()}
+        if stats
+        else dict.fromkeys(fields, 0)
+    )
+    memory["total"] = memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
+    return memory
+
+
+def _flops(stage: Any) -> float:
+    costs = stage.cost_analysis()
+    if isinstance(costs, Sequence):  # older JAX: one dict per program
+        costs = costs[0] if costs else {}
+    return float((costs or {}).get("flops", 0.0))
