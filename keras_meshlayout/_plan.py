@@ -236,12 +236,13 @@ def _rule_cell(entry: Resolution) -> str:
 
 
 def _why_cell(entry: Resolution) -> str:
+    note = entry.rule.note if entry.rule is not None else ""
     if entry.reasons:
         requested = "" if entry.requested is None else f"asked {format_axes(entry.requested)}: "
-        return requested + "; ".join(entry.reasons)
+        return "; ".join(filter(None, [note, requested + "; ".join(entry.reasons)]))
     if entry.source == "default":
         return "no rule matched"
-    return ""
+    return note
 
 
 def format_axes(axes: tuple) -> str:

@@ -82,7 +82,9 @@ class Resolution:
             "path": self.path,
             "shape": list(self.shape),
             "dtype": self.dtype,
-            "rule": None if self.rule is None else {"index": self.rule.index, "pattern": self.rule.pattern},
+            "rule": None
+            if self.rule is None
+            else {"index": self.rule.index, "pattern": self.rule.pattern, "note": self.rule.note},
             "requested": None if self.requested is None else list(self.requested),
             "axes": list(self.axes),
             "reasons": list(self.reasons),
@@ -151,11 +153,12 @@ def resolve(
     if rule is None:
         return Resolution(path, shape, dtype_name, None, None, replicated, nbytes=nbytes, source="default")
 
-    requested = rule.axes
-    if len(requested) != len(shape):
+    requested = rule.expand(len(shape))
+    if requested is None:
+        rank = f"at least {len(rule.axes) - 1}" if Ellipsis in rule.axes else str(len(rule.axes))
         raise RankMismatchError(
             f"Variable {path!r} has shape {shape} (rank {len(shape)}), but the first rule "
-            f"matching it, {rule.describe()}, gives a layout of rank {len(requested)}. A layout "
+            f"matching it, {rule.describe()}, gives a layout of rank {rank}. A layout "
             f"needs one entry per dimension. Fix: give this rule {_entries(len(shape))}, or make "
             f"its pattern more specific (e.g. end it in '/kernel' or '/bias') and add a rule "
             f"of rank {len(shape)} for {path!r}."

@@ -12,7 +12,8 @@ from ._errors import InvalidRuleError
 
 __all__ = ["LayoutRules", "Rule", "Axes"]
 
-#: One entry per tensor dimension: a mesh-axis name, or `None` to replicate.
+#: One entry per tensor dimension: a mesh-axis name, or `None` to replicate. A rule
+#: may also hold one `...`, standing for as many `None`s as the variable's rank needs.
 Axes = tuple[str | None, ...]
 
 #: Keras asks for the layout of a layer's output under `<layer path>/output`.
@@ -26,13 +27,34 @@ class Rule:
     Attributes:
         index: Position of the rule in its `LayoutRules`, from 0.
         pattern: The regular expression, matched with `re.fullmatch`.
-        axes: One mesh-axis name or `None` per tensor dimension.
+        axes: One mesh-axis name or `None` per tensor dimension; may hold one
+            `...` for "as many `None`s as needed".
+        note: Why the rule exists (presets and the planner explain themselves
+            here); shown in the plan.
     """
 
     index: int
     pattern: str
     axes: Axes
     regex: re.Pattern = dataclasses.field(repr=False, compare=False)
+    note: str = ""
+
+    def expand(self, rank: int) -> Axes | None:
+        """The layout for a variable of `rank`, or `None` if the rule cannot fit it.
+
+        Example:
+            >>> import keras_meshlayout as kml
+            >>> rule = kml.LayoutRules([(r".*conv.*/kernel", (..., "model"))]).rules[0]
+            >>> rule.expand(4), rule.expand(3), rule.expand(0)
+            ((None, None, None, 'model'), (None, None, 'model'), None)
+        """
+        if Ellipsis not in self.axes:
+            return self.axes if len(self.axes) == rank else None
+        fill = rank - (len(self.axes) - 1)
+        if fill < 0:
+            return None
+        at = self.axes.index(Ellipsis)
+        return self.axes[:at] + (None,) * fill + self.axes[at + 1 :]
 
     @property
     def for_outputs(self) -> bool:
@@ -104,12 +126,13 @@ class LayoutRules(keras.distribution.LayoutMap):
         self._layouts: dict[int, keras.distribution.TensorLayout] = {}
         items = rules.items() if isinstance(rules, Mapping) else rules
         for entry in items:
-            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
                 raise InvalidRuleError(
                     f"Each layout rule must be a (pattern, axes) pair, e.g. "
-                    f"(r'.*dense_1/kernel', (None, 'model')). Received: {entry!r}."
+                    f"(r'.*dense_1/kernel', (None, 'model')), optionally with a note as a "
+                    f"third item. Received: {entry!r}."
                 )
-            self[entry[0]] = entry[1]
+            self._append(*entry)
         if mesh is not None:
             self.validate(mesh)
 
@@ -165,7 +188,7 @@ class LayoutRules(keras.distribution.LayoutMap):
                 f"with {mesh!r}. Fix: build the rules without mesh= and let "
                 "kml.ModelParallel bind them, or call bind() on an unbound copy."
             )
-        return LayoutRules([(r.pattern, r.axes) for r in self._rules], mesh=mesh)
+        return LayoutRules([(r.pattern, r.axes, r.note) for r in self._rules], mesh=mesh)
 
     @property
     def mesh(self) -> keras.distribution.DeviceMesh | None:
@@ -195,6 +218,12 @@ class LayoutRules(keras.distribution.LayoutMap):
         rule = self.match(key)
         if rule is None:
             return None
+        if Ellipsis in rule.axes:
+            raise InvalidRuleError(
+                f"Layout {rule.describe()} matches {key!r} but uses '...', which needs the "
+                "variable's rank; Keras's own ModelParallel asks by path alone. Fix: use "
+                "kml.ModelParallel, or spell out one entry per dimension."
+            )
         if self._device_mesh is None:
             return keras.distribution.TensorLayout(rule.axes)
         if rule.index not in self._layouts:
@@ -203,7 +232,10 @@ class LayoutRules(keras.distribution.LayoutMap):
 
     def __setitem__(self, pattern: str, axes: Sequence[str | None]) -> None:
         """Appends a rule; it has the lowest priority so far."""
-        rule = _make_rule(len(self._rules), pattern, axes, self._rules)
+        self._append(pattern, axes)
+
+    def _append(self, pattern: str, axes: Sequence[str | None], note: str = "") -> None:
+        rule = _make_rule(len(self._rules), pattern, axes, self._rules, note)
         if self._device_mesh is not None:
             _check_axes_in_mesh(rule, self._device_mesh)
         self._rules.append(rule)
@@ -237,7 +269,7 @@ def same_mesh(a: keras.distribution.DeviceMesh, b: keras.distribution.DeviceMesh
 
 def _check_axes_in_mesh(rule: Rule, mesh: keras.distribution.DeviceMesh) -> None:
     known = tuple(mesh.axis_names)
-    unknown = [axis for axis in rule.axes if axis is not None and axis not in known]
+    unknown = [axis for axis in rule.axes if isinstance(axis, str) and axis not in known]
     if unknown:
         raise InvalidRuleError(
             f"Layout {rule.describe()} names mesh axis {unknown[0]!r}, but the mesh "
@@ -246,7 +278,7 @@ def _check_axes_in_mesh(rule: Rule, mesh: keras.distribution.DeviceMesh) -> None
         )
 
 
-def _make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule]) -> Rule:
+def _make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule], note: str = "") -> Rule:
     """Validates one `(pattern, axes)` pair on its own, with no mesh at hand."""
     if not isinstance(pattern, str) or not pattern:
         raise InvalidRuleError(
@@ -276,12 +308,21 @@ def _make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule]) 
         )
     axes = tuple(axes)
     for axis in axes:
-        if axis is not None and not isinstance(axis, str):
+        if axis is not None and axis is not Ellipsis and not isinstance(axis, str):
             raise InvalidRuleError(
                 f"Layout rule #{index} {pattern!r} has entry {axis!r} in axes {axes!r}; each "
-                "entry must be a mesh-axis name (a string) or None."
+                "entry must be a mesh-axis name (a string), None, or a single '...'."
             )
-    named = [axis for axis in axes if axis is not None]
+    if axes.count(Ellipsis) > 1:
+        raise InvalidRuleError(
+            f"Layout rule #{index} {pattern!r} has more than one '...' in axes {axes!r}; "
+            "'...' stands for the leftover dimensions and can appear once."
+        )
+    if not isinstance(note, str):
+        raise InvalidRuleError(
+            f"Layout rule #{index} {pattern!r}: the note must be a string. Received: {note!r}."
+        )
+    named = [axis for axis in axes if isinstance(axis, str)]
     for axis in named:
         if named.count(axis) > 1:
             raise InvalidRuleError(
@@ -289,4 +330,4 @@ def _make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule]) 
                 f"dimension in axes {axes!r}. A mesh axis can split only one dimension of a "
                 f"tensor. Fix: keep {axis!r} on one dimension and put None on the others."
             )
-    return Rule(index=index, pattern=pattern, axes=axes, regex=regex)
+    return Rule(index=index, pattern=pattern, axes=axes, regex=regex, note=note)

@@ -323,7 +323,7 @@ RULE_CASES = [
         "entry-is-an-int",
         lambda: kml.LayoutRules([(r".*dense/kernel", (None, 4))]),
         kml.InvalidRuleError,
-        ("rule #0", "'.*dense/kernel'", "entry 4", "(None, 4)", "a mesh-axis name (a string) or None"),
+        ("rule #0", "'.*dense/kernel'", "entry 4", "(None, 4)", "a mesh-axis name (a string), None"),
     ),
     Case(
         "axis-used-twice",
@@ -350,10 +350,28 @@ RULE_CASES = [
         ("(pattern, axes) pair", "Received: ('.*/kernel',)", "e.g. (r'.*dense_1/kernel', (None, 'model'))"),
     ),
     Case(
-        "rule-is-a-triple",
-        lambda: kml.LayoutRules([(r".*/kernel", (None, "model"), "extra")]),
+        "rule-is-a-quadruple",
+        lambda: kml.LayoutRules([(r".*/kernel", (None, "model"), "note", "extra")]),
         kml.InvalidRuleError,
-        ("(pattern, axes) pair", "Received: ('.*/kernel', (None, 'model'), 'extra')"),
+        ("(pattern, axes) pair", "Received: ('.*/kernel', (None, 'model'), 'note', 'extra')"),
+    ),
+    Case(
+        "note-is-not-a-string",
+        lambda: kml.LayoutRules([(r".*/kernel", (None, "model"), 3)]),
+        kml.InvalidRuleError,
+        ("rule #0", "the note must be a string", "Received: 3"),
+    ),
+    Case(
+        "two-ellipses",
+        lambda: kml.LayoutRules([(r".*/kernel", (..., "model", ...))]),
+        kml.InvalidRuleError,
+        ("rule #0", "more than one '...'"),
+    ),
+    Case(
+        "ellipsis-in-plain-keras",
+        lambda: kml.LayoutRules([(r".*/kernel", (..., "model"))], mesh=mesh("data=2,model=4"))["d/kernel"],
+        kml.InvalidRuleError,
+        ("uses '...'", "needs the variable's rank", "kml.ModelParallel"),
     ),
     Case(
         "rule-is-a-string",

@@ -138,3 +138,37 @@ def test_wrong_argument_types_get_our_errors(build, error):
         return
     with pytest.raises(error):
         build()
+
+
+@pytest.mark.parametrize(
+    "axes, shape, expected",
+    [
+        ((..., "model"), (3, 3, 16, 32), (None, None, None, "model")),
+        ((..., "model"), (32,), ("model",)),
+        (("model", ...), (8, 4, 4), ("model", None, None)),
+        ((None, ..., "model"), (4, 8), (None, "model")),
+        ((...,), (4, 4), (None, None)),
+    ],
+    ids=["conv2d-kernel", "bias", "leading", "ellipsis-empty", "only-ellipsis"],
+)
+def test_ellipsis_fills_leftover_dimensions(axes, shape, expected):
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), [(r".*", axes)], replicate_below=0)
+    assert distribution.resolve("v", shape).axes == expected
+
+
+def test_ellipsis_rule_too_long_for_the_rank_is_a_rank_mismatch():
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), [(r".*", (None, ..., "model"))])
+    with pytest.raises(kml.RankMismatchError, match="rank at least 2"):
+        distribution.resolve("layer/bias", (8,))
+
+
+def test_notes_travel_to_the_plan():
+    rules = kml.LayoutRules([(r".*kernel", (None, "model"), "column-parallel")])
+    assert rules.rules[0].note == "column-parallel"
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), rules)
+    assert distribution.rules.rules[0].note == "column-parallel"
+    with distribution.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1024, name="d")], name="m")
+    plan = distribution.plan(model)
+    assert plan["m/d/kernel"].to_dict()["rule"]["note"] == "column-parallel"
+    assert "column-parallel" in str(plan)

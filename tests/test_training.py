@@ -235,7 +235,7 @@ def test_plan_renders_and_serialises(mlp_reference):
         "path": "mlp/hidden_1/kernel",
         "shape": [32, 256],
         "dtype": "float32",
-        "rule": {"index": 0, "pattern": r".*hidden_1/kernel"},
+        "rule": {"index": 0, "pattern": r".*hidden_1/kernel", "note": ""},
         "requested": [None, "model"],
         "axes": [None, "model"],
         "reasons": [],
