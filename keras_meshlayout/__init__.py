@@ -15,6 +15,7 @@ if "keras" not in __import__("sys").modules:
     # The backend is fixed at Keras's first import: choose JAX unless told otherwise.
     os.environ.setdefault("KERAS_BACKEND", "jax")
 
+from ._auto import auto_rules as auto_rules
 from ._backend import emulate_devices as emulate_devices
 from ._comm import CommReport as CommReport
 from ._comm import Transfer as Transfer
@@ -34,6 +35,9 @@ from ._errors import UnmatchedRuleWarning as UnmatchedRuleWarning
 from ._errors import UnsupportedBackendError as UnsupportedBackendError
 from ._mesh import Mesh as Mesh
 from ._plan import Plan as Plan
+from ._presets import conv_rules as conv_rules
+from ._presets import mlp_rules as mlp_rules
+from ._presets import transformer_rules as transformer_rules
 from ._resolve import DEFAULT_REPLICATE_BELOW as DEFAULT_REPLICATE_BELOW
 from ._resolve import Resolution as Resolution
 from ._rules import LayoutRules as LayoutRules
@@ -64,5 +68,9 @@ __all__ = [
     "Rule",
     "UnmatchedRuleWarning",
     "UnsupportedBackendError",
+    "auto_rules",
+    "conv_rules",
     "emulate_devices",
+    "mlp_rules",
+    "transformer_rules",
 ]

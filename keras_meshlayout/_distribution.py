@@ -28,10 +28,11 @@ class ModelParallel(keras.distribution.ModelParallel):
     - a dimension that does not divide by its mesh axis is replicated with a
       warning and a recorded reason (`on_indivisible="replicate"`), or is an
       `IndivisibleShapeError` (`on_indivisible="error"`);
-    - matrices (rank 2 or more) smaller than `replicate_below` elements stay
-      replicated, so a small classifier head needs no rule of its own; vectors
-      such as biases follow their rule, since beside a column-parallel kernel a
-      sharded bias is free and a replicated one costs an all-gather per step;
+    - weight matrices (rank 2 or more, biases excepted) smaller than
+      `replicate_below` elements stay replicated, so a small classifier head
+      needs no rule of its own; vectors and biases follow their rule, since
+      beside a split kernel a split bias is free and a replicated one costs an
+      all-gather per step;
     - variables no rule matches are replicated;
     - optimizer slots take exactly their parameter's layout.
 
@@ -47,8 +48,8 @@ class ModelParallel(keras.distribution.ModelParallel):
             (pure data parallelism).
         batch_axis: Mesh axis the batch is split over. Defaults to the first.
         on_indivisible: `"replicate"` (default) or `"error"`.
-        replicate_below: Variables of rank 2 or more with fewer elements stay
-            replicated. Defaults to 4096 (16 KiB in float32); 0 disables it.
+        replicate_below: Weight matrices (rank 2 or more, not biases) with
+            fewer elements stay replicated. Defaults to 4096 (16 KiB in float32); 0 disables it.
         auto_shard_dataset: As in Keras, for multi-process input pipelines.
 
     Raises:

@@ -27,9 +27,9 @@ from ._rules import Axes, LayoutRules, Rule
 
 __all__ = ["Resolution", "resolve", "DEFAULT_REPLICATE_BELOW", "IndivisiblePolicy"]
 
-#: Matrices and higher-rank variables with fewer elements than this stay replicated
-#: (16 KiB in float32): splitting them saves less memory than the collectives they add
-#: cost in latency. Vectors (biases, norm scales) follow their rule whatever their size:
+#: Weight matrices (rank 2 or more, biases excepted) with fewer elements than this stay
+#: replicated (16 KiB in float32): splitting them saves less memory than the collectives
+#: they add cost in latency. Vectors and biases follow their rule whatever their size:
 #: beside a column-parallel kernel a sharded bias costs nothing, a replicated one an
 #: all-gather per step.
 DEFAULT_REPLICATE_BELOW = 4096
@@ -109,9 +109,9 @@ def resolve(
     """Resolves the layout of one variable.
 
     In order: the first matching rule gives the requested layout (no match:
-    replicated); its rank must equal the variable's; a variable of rank 2 or
-    more with fewer than `replicate_below` elements stays replicated (vectors
-    follow their rule); every sharded dimension must
+    replicated); its rank must equal the variable's; a weight matrix (rank 2 or
+    more, not a bias) with fewer than `replicate_below` elements stays
+    replicated; every sharded dimension must
     divide by its mesh axis size, or else, by `on_indivisible`, that dimension
     is replicated (with an `IndivisibleShapeWarning`) or an error is raised.
 
@@ -174,7 +174,7 @@ def resolve(
         return Resolution(path, shape, dtype_name, rule, requested, requested, nbytes=nbytes)
 
     size = math.prod(shape)
-    if len(shape) >= 2 and size < replicate_below:
+    if is_weight_matrix(path, shape) and size < replicate_below:
         reason = f"small: {size} elements < replicate_below={replicate_below}"
         return Resolution(path, shape, dtype_name, rule, requested, replicated, (reason,), nbytes=nbytes)
 
@@ -209,6 +209,17 @@ def resolve(
     axes = tuple(final)
     shards = math.prod(axis_sizes[a] for a in axes if a is not None)
     return Resolution(path, shape, dtype_name, rule, requested, axes, tuple(reasons), shards, nbytes)
+
+
+def is_weight_matrix(path: str, shape: Sequence[int]) -> bool:
+    """Whether `replicate_below` applies: rank 2 or more, and not a bias.
+
+    Biases and other vectors follow their rule whatever their size: beside a
+    split kernel a split bias is free, and a replicated one costs an all-gather
+    every step (attention biases are `(heads, head_dim)` matrices, hence the
+    name check).
+    """
+    return len(shape) >= 2 and not path.endswith("/bias")
 
 
 def check_policy(on_indivisible: str, replicate_below: int) -> None:

@@ -203,7 +203,7 @@ def expected_outcome(
         return kml.RankMismatchError
     if all(axis is None for axis in requested):
         return requested
-    if len(shape) >= 2 and math.prod(shape) < replicate_below:
+    if len(shape) >= 2 and not path.endswith("/bias") and math.prod(shape) < replicate_below:
         return replicated
     final = []
     for dim, axis in zip(shape, requested, strict=True):

@@ -12,11 +12,10 @@ import jax
 import keras
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from helpers import BATCH, Reference, assert_laid_out_as_planned, assert_same_weights, train, trim
 
 import keras_meshlayout as kml
 
-BATCH = 64
 STEPS = 4
 
 #: Column-parallel first hidden layer, row-parallel second. The last rule also
@@ -72,30 +71,6 @@ def attention_data() -> tuple[np.ndarray, np.ndarray]:
     return x, (x[:, 0] % 10).astype("int32")
 
 
-def train(build, weights, data, distribution=None) -> keras.Model:
-    """Builds, loads `weights`, and fits for one epoch without shuffling."""
-    keras.distribution.set_distribution(distribution)
-    model = build()
-    model.set_weights(weights)
-    model.compile(
-        optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    model.fit(*data, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    return model
-
-
-class Reference:
-    """Initial weights and single-device trained weights, computed once per model."""
-
-    def __init__(self, build, data):
-        keras.utils.set_random_seed(42)
-        self.initial = build().get_weights()
-        self.trained = train(build, self.initial, data).get_weights()
-        moved = max(np.abs(a - b).max() for a, b in zip(self.initial, self.trained, strict=True))
-        assert moved > 1e-3, "training must change the weights for the comparison to mean anything"
-
-
 @pytest.fixture(scope="module")
 def mlp_reference() -> Reference:
     return Reference(build_mlp, mlp_data())
@@ -104,30 +79,6 @@ def mlp_reference() -> Reference:
 @pytest.fixture(scope="module")
 def attention_reference() -> Reference:
     return Reference(build_attention, attention_data())
-
-
-def assert_laid_out_as_planned(model: keras.Model, plan: kml.Plan, mesh: kml.Mesh) -> None:
-    """Every model and optimizer variable is sharded exactly as the plan says."""
-    variables = list(model.weights) + list(model.optimizer.variables)
-    assert [v.path for v in variables] == [entry.path for entry in plan]
-    for variable in variables:
-        axes = plan[variable.path].axes
-        sharding = variable.value.sharding
-        expected = NamedSharding(mesh.backend_mesh, PartitionSpec(*axes))
-        assert sharding.is_equivalent_to(expected, len(variable.shape)), (variable.path, sharding, axes)
-        assert _trim(sharding.spec) == _trim(PartitionSpec(*axes)), variable.path
-
-
-def _trim(spec: PartitionSpec) -> tuple:
-    entries = list(spec)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return tuple(entries)
-
-
-def assert_same_weights(model: keras.Model, expected: list[np.ndarray]) -> None:
-    for variable, want in zip(model.weights, expected, strict=True):
-        np.testing.assert_allclose(np.asarray(variable.value), want, atol=1e-5, rtol=0, err_msg=variable.path)
 
 
 @pytest.mark.parametrize(
@@ -207,7 +158,7 @@ def test_plain_keras_model_parallel_uses_first_match(mlp_reference):
     distribution = keras.distribution.ModelParallel(layout_map=rules, batch_dim_name="data")
     model = train(build_mlp, mlp_reference.initial, mlp_data(), distribution)
     assert_same_weights(model, mlp_reference.trained)
-    specs = {v.path: _trim(v.value.sharding.spec) for v in model.weights}
+    specs = {v.path: trim(v.value.sharding.spec) for v in model.weights}
     assert specs["mlp/hidden_1/kernel"] == (None, "model")
     assert specs["mlp/hidden_2/kernel"] == ("model",)
     assert specs["mlp/head/kernel"] == ("model",)  # plain Keras has no small-variable rule

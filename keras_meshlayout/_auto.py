@@ -1,0 +1,331 @@
+"""The automatic planner: layout rules derived from a built model's structure.
+
+`auto_rules` reads the model's layers, their classes, their variable shapes and
+the functional graph, and writes one rule per decision, each with a note that
+explains it. It only ever chooses layouts that keep weights where they are:
+
+- a projection (`Dense`, or an `EinsumDense` with an `(in, out)` kernel) whose
+  output flows, through element-wise layers only, into a second projection
+  becomes a column → row pair (two gated projections multiplied together
+  form a pair with the projection that follows);
+- attention layers (`MultiHeadAttention`, `GroupQueryAttention`) are split over
+  heads; key/value projections with too few heads stay replicated;
+- everything else (embeddings, norms, the final head, projections with no
+  partner or too small to split) stays replicated, with the reason noted;
+- inside custom layers, whose call graph is not visible, variables are matched
+  by name against `transformer_rules`, and a match is kept only when its rank
+  fits and every split dimension divides.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import keras
+
+from ._errors import InvalidRuleError
+from ._presets import transformer_rules
+from ._resolve import DEFAULT_REPLICATE_BELOW
+from ._rules import Axes, LayoutRules
+
+__all__ = ["auto_rules"]
+
+#: Layers that act on each element alone: a split feature dimension passes through.
+ELEMENTWISE = (
+    keras.layers.Activation,
+    keras.layers.ReLU,
+    keras.layers.LeakyReLU,
+    keras.layers.ELU,
+    keras.layers.Dropout,
+    keras.layers.GaussianDropout,
+    keras.layers.GaussianNoise,
+    keras.layers.AlphaDropout,
+    keras.layers.Identity,
+    keras.layers.ActivityRegularization,
+)
+ATTENTION = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
+
+
+def auto_rules(
+    model: keras.Model,
+    mesh: keras.distribution.DeviceMesh,
+    *,
+    model_axis: str = "model",
+    replicate_below: int = DEFAULT_REPLICATE_BELOW,
+) -> LayoutRules:
+    """Derives layout rules for a built model on a mesh, explaining each decision.
+
+    Every rule matches one variable path exactly and carries a note saying why
+    (shown in `dist.plan(model)`). Pass the result to `kml.ModelParallel`.
+
+    Args:
+        model: A built Keras model (any distribution, or none).
+        mesh: The mesh the rules are for.
+        model_axis: The mesh axis for tensor parallelism.
+        replicate_below: Projections whose kernels have fewer elements stay
+            replicated (as in `kml.ModelParallel`).
+
+    Returns:
+        The rules, bound to nothing: hand them to `kml.ModelParallel(mesh, rules)`.
+
+    Raises:
+        InvalidRuleError: `model_axis` is not an axis of `mesh`.
+
+    Example:
+        >>> import keras, keras_meshlayout as kml
+        >>> model = keras.Sequential([
+        ...     keras.Input((64,)),
+        ...     keras.layers.Dense(256, activation="gelu", name="up"),
+        ...     keras.layers.Dense(64, name="down"),
+        ...     keras.layers.Dense(10, name="head"),
+        ... ], name="mlp")
+        >>> rules = kml.auto_rules(model, kml.Mesh(data=2, model=4))
+        >>> for rule in rules.rules[:3]:
+        ...     print(rule.pattern, rule.axes)
+        mlp/up/kernel (None, 'model')
+        mlp/up/bias ('model',)
+        mlp/down/kernel ('model', None)
+        >>> rules.rules[2].note
+        'row-parallel: up → down, input features split; one all-reduce forward, one backward'
+        >>> rules.rules[-2].note
+        'final layer: replicated, so its output needs no gathering'
+    """
+    if model_axis not in mesh.axis_names:
+        raise InvalidRuleError(
+            f"auto_rules: model_axis={model_axis!r} is not an axis of the mesh, which has axes "
+            f"{tuple(mesh.axis_names)}. Fix: pass model_axis= one of them."
+        )
+    size = dict(zip(mesh.axis_names, mesh.shape, strict=True))[model_axis]
+    planner = _Planner(model, model_axis, size, replicate_below)
+    planner.plan_attention()
+    planner.plan_projections()
+    planner.plan_by_name()
+    return LayoutRules(planner.rules)
+
+
+class _Planner:
+    def __init__(self, model: keras.Model, axis: str, size: int, replicate_below: int) -> None:
+        self.model = model
+        self.axis = axis
+        self.size = size
+        self.replicate_below = replicate_below
+        self.rules: list[tuple[str, Axes, str]] = []
+        self.decided: set[str] = set()
+        self.layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+        self.consumers: dict[int, list[Any]] = {id(layer): [] for layer in self.layers}
+        self.producers: dict[int, list[Any]] = {id(layer): [] for layer in self.layers}
+        for layer in self.layers:
+            for producer in _producers(layer, self.consumers):
+                self.producers[id(layer)].append(producer)
+                self.consumers[id(producer)].append(layer)
+        self.outputs = {id(t._keras_history.operation) for t in _model_outputs(model)}
+
+    # -- recording --------------------------------------------------------------
+
+    def decide(self, variable: keras.Variable, axes: Axes, note: str) -> None:
+        if variable.path not in self.decided:
+            self.decided.add(variable.path)
+            self.rules.append((re.escape(variable.path), tuple(axes), note))
+
+    # -- attention ----------------------------------------------------------------
+
+    def plan_attention(self) -> None:
+        for layer in self.model._flatten_layers(include_self=False):
+            if isinstance(layer, ATTENTION):
+                self._attention(layer)
+
+    def _attention(self, layer: Any) -> None:
+        if isinstance(layer, keras.layers.GroupQueryAttention):
+            heads, kv_heads = layer.num_query_heads, layer.num_key_value_heads
+        else:
+            heads = kv_heads = layer.num_heads
+        split, whole = self.axis, None
+        for variable in layer.weights:
+            part, name = variable.path.split("/")[-2:]
+            if heads % self.size:
+                self.decide(
+                    variable,
+                    (None,) * len(variable.shape),
+                    f"attention replicated: {heads} heads do not divide by {self.axis!r} ({self.size})",
+                )
+            elif part in ("key", "value") and kv_heads % self.size:
+                self.decide(
+                    variable,
+                    (None,) * len(variable.shape),
+                    f"grouped-query attention: {kv_heads} key/value heads do not divide by "
+                    f"{self.axis!r} ({self.size}), so every device keeps them all",
+                )
+            elif part in ("query", "key", "value"):
+                axes = (whole, split, whole) if name == "kernel" else (split, whole)
+                self.decide(variable, axes, f"attention {part}: heads split ({heads} heads)")
+            elif part == "attention_output" and name == "kernel":
+                self.decide(
+                    variable,
+                    (split, whole, whole),
+                    "attention output: heads split on its input side; one all-reduce forward, one backward",
+                )
+            else:
+                self.decide(
+                    variable,
+                    (None,) * len(variable.shape),
+                    "attention output bias: added after the all-reduce",
+                )
+
+    # -- projection pairs -------------------------------------------------------------
+
+    def plan_projections(self) -> None:
+        paired: set[int] = set()
+        for layer in self.layers:
+            if id(layer) in paired or _features(layer) is None:
+                continue
+            columns, row = self._pair_from(layer)
+            if row is None or id(row) in paired or any(id(c) in paired for c in columns):
+                continue
+            if not self._splittable(columns, row):
+                continue
+            pair = f"{' × '.join(c.name for c in columns)} → {row.name}"
+            for column in columns:
+                paired.add(id(column))
+                self.decide(
+                    column.kernel, (None, self.axis), f"column-parallel: {pair}, output features split"
+                )
+                if column.bias is not None:
+                    self.decide(column.bias, (self.axis,), f"column-parallel: {pair}, output features split")
+            paired.add(id(row))
+            self.decide(
+                row.kernel,
+                (self.axis, None),
+                f"row-parallel: {pair}, input features split; one all-reduce forward, one backward",
+            )
+            if row.bias is not None:
+                self.decide(row.bias, (None,), f"row-parallel: {pair}, bias added after the all-reduce")
+        for layer in self.layers:
+            if _features(layer) is not None and id(layer) not in paired:
+                self._replicate_projection(layer)
+
+    def _pair_from(self, layer: Any) -> tuple[list[Any], Any]:
+        """`([column, ...], row)` when `layer` starts a pair, else `([], None)`."""
+        after = self._follow(layer)
+        if after is not None and _features(after) is not None:
+            return [layer], after
+        if isinstance(after, keras.layers.Multiply):
+            columns = [self._trace_back(p) for p in self.producers[id(after)]]
+            row = self._follow(after)
+            if (
+                all(c is not None and _features(c) is not None for c in columns)
+                and _features(row) is not None
+            ):
+                if len({_features(c)[1] for c in columns}) == 1:
+                    return columns, row
+        return [], None
+
+    def _follow(self, layer: Any) -> Any:
+        """The next non-element-wise layer after `layer`, if its output goes nowhere else."""
+        while True:
+            if id(layer) in self.outputs or len(self.consumers[id(layer)]) != 1:
+                return None
+            (layer,) = self.consumers[id(layer)]
+            if not isinstance(layer, ELEMENTWISE):
+                return layer
+
+    def _trace_back(self, layer: Any) -> Any:
+        while isinstance(layer, ELEMENTWISE) and len(self.producers[id(layer)]) == 1:
+            (layer,) = self.producers[id(layer)]
+        return layer if len(self.consumers[id(layer)]) == 1 else None
+
+    def _splittable(self, columns: Sequence[Any], row: Any) -> bool:
+        width = _features(columns[0])[1]
+        for layer in [*columns, row]:
+            if _softmax(layer):
+                return False
+        if width % self.size:
+            pair = f"{' × '.join(c.name for c in columns)} → {row.name}"
+            for layer in [*columns, row]:
+                self._replicate(
+                    layer, f"pair {pair}: {width} features do not divide by {self.axis!r} ({self.size})"
+                )
+            return False
+        small = [layer for layer in [*columns, row] if math.prod(layer.kernel.shape) < self.replicate_below]
+        if small:
+            for layer in [*columns, row]:
+                self._replicate(
+                    layer,
+                    f"too small to split: {small[0].name} has {math.prod(small[0].kernel.shape)} "
+                    f"weights < replicate_below={self.replicate_below}",
+                )
+            return False
+        return True
+
+    def _replicate_projection(self, layer: Any) -> None:
+        if id(layer) in self.outputs:
+            reason = "final layer: replicated, so its output needs no gathering"
+        else:
+            reason = "no row-parallel partner follows: replicated, so no activation has to be gathered"
+        self._replicate(layer, reason)
+
+    def _replicate(self, layer: Any, reason: str) -> None:
+        for variable in layer.weights:
+            self.decide(variable, (None,) * len(variable.shape), reason)
+
+    # -- custom layers, by name --------------------------------------------------------
+
+    def plan_by_name(self) -> None:
+        """Variables of layers the graph does not show, matched by `transformer_rules`."""
+        presets = transformer_rules(model_axis=self.axis)
+        for variable in self.model.weights:
+            if variable.path in self.decided:
+                continue
+            rule = presets.match(variable.path)
+            if rule is None:
+                continue
+            axes = rule.expand(len(variable.shape))
+            if axes is None or any(a and d % self.size for a, d in zip(axes, variable.shape, strict=True)):
+                self.decide(
+                    variable,
+                    (None,) * len(variable.shape),
+                    f"by name ({rule.note}), but its shape does not fit: replicated",
+                )
+            else:
+                self.decide(variable, axes, f"by name: {rule.note}")
+
+
+def _features(layer: Any) -> tuple[int, int] | None:
+    """`(in, out)` features of a projection with an `(in, out)` kernel, else `None`."""
+    if isinstance(layer, keras.layers.Dense) and getattr(layer, "kernel", None) is not None:
+        if layer.kernel.shape is not None and len(layer.kernel.shape) == 2:
+            return tuple(layer.kernel.shape)
+    if isinstance(layer, keras.layers.EinsumDense) and len(layer.kernel.shape) == 2:
+        inputs, rest = layer.equation.split(",")
+        kernel, output = rest.split("->")
+        if (
+            kernel[0] in inputs
+            and kernel[0] not in output
+            and kernel[1] in output
+            and kernel[1] not in inputs
+        ):
+            if output.endswith(kernel[1]):
+                return tuple(layer.kernel.shape)
+    return None
+
+
+def _softmax(layer: Any) -> bool:
+    activation = getattr(layer, "activation", None)
+    return getattr(activation, "__name__", "") in ("softmax", "log_softmax")
+
+
+def _producers(layer: Any, known: dict[int, Any]) -> Iterator[Any]:
+    seen = set()
+    for node in layer._inbound_nodes:
+        for tensor in node.input_tensors:
+            producer = tensor._keras_history.operation
+            if id(producer) in known and id(producer) not in seen:
+                seen.add(id(producer))
+                yield producer
+
+
+def _model_outputs(model: keras.Model) -> list[Any]:
+    outputs = getattr(model, "outputs", None) or []
+    return [t for t in keras.tree.flatten(outputs) if hasattr(t, "_keras_history")]

@@ -1,0 +1,206 @@
+"""Preset layout rules for the structures people train.
+
+Each function returns `LayoutRules` whose rules carry a note saying why. The
+layouts follow Megatron-LM (Shoeybi et al., 2019): a column-parallel layer
+splits its output features over the model axis and a row-parallel layer its
+input features, so a column → row pair needs one all-reduce of activations
+forward and one backward, and no weight ever moves.
+
+All presets take the axis names as arguments. `fsdp_axis` (for instance
+`"data"`) additionally splits each sharded weight's other dimension over a
+second axis, as large-model recipes do to save memory: that trades memory for
+an all-gather of those weights every step.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Literal
+
+from ._rules import LayoutRules
+
+__all__ = ["conv_rules", "mlp_rules", "transformer_rules"]
+
+EmbeddingLayout = Literal["replicated", "vocab", "hidden"]
+
+#: Feed-forward input projections (column-parallel) and output projections
+#: (row-parallel), by the names common in Keras and keras-hub model code.
+FFN_COLUMN = (
+    r"ffw_gating\w*",
+    r"feedforward_(?:gate|intermediate|up)_dense",
+    r"\w*(?:gate|up|intermediate|fc1|wi\w*)_dense",
+)
+FFN_ROW = (
+    r"ffw_linear",
+    r"feedforward_output_dense",
+    r"\w*(?:down|fc2|wo)_dense",
+)
+
+
+def mlp_rules(
+    layers: Sequence[str], *, model_axis: str = "model", fsdp_axis: str | None = None
+) -> LayoutRules:
+    """Megatron-style rules for a stack of Dense layers, alternating column and row.
+
+    The 1st, 3rd, 5th... named layer is column-parallel (kernel `(fsdp, model)`,
+    bias `(model,)`), the 2nd, 4th... row-parallel (kernel `(model, fsdp)`,
+    bias replicated). Give an even number of layers: a trailing column layer
+    leaves its output split, and the next replicated layer must gather it.
+
+    Args:
+        layers: Layer names (or regexes matching them), in data-flow order.
+        model_axis: The tensor-parallel mesh axis.
+        fsdp_axis: Optional second axis for the other weight dimension.
+
+    Returns:
+        The rules.
+
+    Example:
+        >>> import keras_meshlayout as kml
+        >>> rules = kml.mlp_rules(["fc1", "fc2"])
+        >>> [(r.pattern, r.axes) for r in rules.rules]  # doctest: +NORMALIZE_WHITESPACE
+        [('(?:.*/)?fc1/kernel', (None, 'model')), ('(?:.*/)?fc1/bias', ('model',)),
+         ('(?:.*/)?fc2/kernel', ('model', None)), ('(?:.*/)?fc2/bias', (None,))]
+    """
+    rules = []
+    for position, layer in enumerate(layers):
+        scope = _under(layer)
+        if position % 2 == 0:
+            rules.append(
+                (scope + "/kernel", (fsdp_axis, model_axis), "column-parallel: output features split")
+            )
+            rules.append(
+                (scope + "/bias", (model_axis,), "bias of a column-parallel layer: split with its outputs")
+            )
+        else:
+            rules.append((scope + "/kernel", (model_axis, fsdp_axis), "row-parallel: input features split"))
+            rules.append(
+                (scope + "/bias", (None,), "bias of a row-parallel layer: added after the all-reduce")
+            )
+    return LayoutRules(rules)
+
+
+def transformer_rules(
+    *,
+    model_axis: str = "model",
+    fsdp_axis: str | None = None,
+    embeddings: EmbeddingLayout = "replicated",
+) -> LayoutRules:
+    """Megatron-style rules for transformer blocks written with Keras layers.
+
+    - Attention (`keras.layers.MultiHeadAttention`, `GroupQueryAttention`, and
+      `EinsumDense` layers named `query`, `key`, `value`, `attention_output`
+      with kernels laid out `(hidden, heads, head_dim)` and
+      `(heads, head_dim, hidden)` as those layers do): query/key/value split
+      over heads, the output projection over heads on its input side. With
+      grouped-query attention, key/value projections whose head count does not
+      divide by the model axis are replicated (by the `on_indivisible`
+      policy) rather than crash.
+    - Feed-forward: `ffw_gating*`, `feedforward_{gate,intermediate,up}_dense`
+      and `*_{gate,up,intermediate,fc1}_dense` column-parallel; `ffw_linear`,
+      `feedforward_output_dense`, `*_{down,fc2}_dense` row-parallel.
+    - Norms, position embeddings and row-parallel biases replicated.
+    - Token embeddings by `embeddings`: `"replicated"` (no traffic, full
+      memory), `"vocab"` (rows split: each device looks up its part of the
+      vocabulary and an all-reduce of the embedded batch combines them: saves
+      the most memory for a large vocabulary), or `"hidden"` (columns split:
+      lookups are local, but the next layer norm needs the whole hidden vector,
+      so the activations are all-gathered).
+
+    Args:
+        model_axis: The tensor-parallel mesh axis.
+        fsdp_axis: Optional second axis for the other weight dimension.
+        embeddings: How to lay out token embeddings.
+
+    Returns:
+        The rules.
+
+    Example:
+        >>> import keras_meshlayout as kml
+        >>> rules = kml.transformer_rules()
+        >>> rules.match("encoder/attn/query/kernel").axes
+        (None, 'model', None)
+        >>> rules.match("block_0/feedforward_output_dense/kernel").axes
+        ('model', None)
+    """
+    if embeddings not in ("replicated", "vocab", "hidden"):
+        raise ValueError(
+            f"embeddings must be 'replicated', 'vocab' or 'hidden'. Received: embeddings={embeddings!r}."
+        )
+    column = "(?:" + "|".join(FFN_COLUMN) + ")"
+    row = "(?:" + "|".join(FFN_ROW) + ")"
+    vocab_hidden, note = {
+        "replicated": ((None, None), "token embeddings replicated: no traffic"),
+        "vocab": ((model_axis, fsdp_axis), "vocabulary split: lookups all-reduced"),
+        "hidden": ((fsdp_axis, model_axis), "hidden split: looked-up vectors all-gathered"),
+    }[embeddings]
+    return LayoutRules(
+        [
+            (r"(?:.*/)?\w*position\w*/\w+", (...,), "position embeddings: small, replicated"),
+            (r"(?:.*/)?\w*(?:norm|ln)\w*/\w+", (...,), "normalisation: needs whole features, replicated"),
+            (r"(?:.*/)?(?:query|key|value)/kernel", (fsdp_axis, model_axis, None), "attention: heads split"),
+            (r"(?:.*/)?(?:query|key|value)/bias", (model_axis, None), "attention bias: heads split"),
+            (
+                r"(?:.*/)?attention_output/kernel",
+                (model_axis, None, fsdp_axis),
+                "attention output: heads split",
+            ),
+            (r"(?:.*/)?attention_output/bias", (None,), "added after the all-reduce"),
+            (rf"(?:.*/)?{column}/kernel", (fsdp_axis, model_axis), "feed-forward in: column-parallel"),
+            (rf"(?:.*/)?{column}/bias", (model_axis,), "bias of a column-parallel layer"),
+            (rf"(?:.*/)?{row}/kernel", (model_axis, fsdp_axis), "feed-forward out: row-parallel"),
+            (rf"(?:.*/)?{row}/bias", (None,), "added after the all-reduce"),
+            (r"(?:.*/)?\w*embed\w*/embeddings", vocab_hidden, note),
+            # keras-hub's ReversibleEmbedding keeps an untied output matrix as (hidden, vocab).
+            (r"(?:.*/)?\w*embed\w*/reverse_embeddings", vocab_hidden[::-1], note),
+        ]
+    )
+
+
+def conv_rules(
+    convs: str = r"\w*conv\w*",
+    *,
+    model_axis: str = "model",
+    fsdp_axis: str | None = None,
+) -> LayoutRules:
+    """Rules for convolutional nets: output channels split, everything else replicated.
+
+    Convolution kernels (any spatial rank: `(..., in, out)`) are split on their
+    output channels, and their biases and the batch-normalisation variables of
+    those channels follow. Dense layers (the classifier head) match no rule
+    and stay replicated. Each convolution then needs its input channels whole,
+    so its input is all-gathered over the model axis: worth it where weights
+    dominate memory, not where activations do.
+
+    Args:
+        convs: Regex matching convolution layer names.
+        model_axis: The mesh axis that splits output channels.
+        fsdp_axis: Optional second axis for the input channels.
+
+    Returns:
+        The rules.
+
+    Example:
+        >>> import keras_meshlayout as kml
+        >>> rules = kml.conv_rules()
+        >>> rules.match("resnet/conv2d_3/kernel").expand(4)
+        (None, None, None, 'model')
+    """
+    scope = f"(?:.*/)?{convs}"
+    return LayoutRules(
+        [
+            (scope + "/kernel", (..., fsdp_axis, model_axis), "convolution: output channels split"),
+            (scope + "/bias", (model_axis,), "bias of split output channels"),
+        ]
+    )
+
+
+def _under(layer: str) -> str:
+    """A pattern for the variables of `layer` anywhere in the model."""
+    name = layer if _is_regex(layer) else re.escape(layer)
+    return f"(?:.*/)?{name}"
+
+
+def _is_regex(text: str) -> bool:
+    return re.escape(text) != text

@@ -1,0 +1,59 @@
+"""Shared by the end-to-end tests: training with and without a distribution, and checks."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+import keras_meshlayout as kml
+
+BATCH = 64
+
+
+def train(build, weights, data, distribution=None, batch_size=BATCH) -> keras.Model:
+    """Builds, loads `weights`, and fits for one epoch without shuffling."""
+    keras.distribution.set_distribution(distribution)
+    model = build()
+    model.set_weights(weights)
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(*data, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+class Reference:
+    """Initial weights and single-device trained weights, computed once per model."""
+
+    def __init__(self, build, data, batch_size=BATCH):
+        keras.utils.set_random_seed(42)
+        self.initial = build().get_weights()
+        self.trained = train(build, self.initial, data, batch_size=batch_size).get_weights()
+        moved = max(np.abs(a - b).max() for a, b in zip(self.initial, self.trained, strict=True))
+        assert moved > 1e-3, "training must change the weights for the comparison to mean anything"
+
+
+def assert_laid_out_as_planned(model: keras.Model, plan: kml.Plan, mesh: kml.Mesh) -> None:
+    """Every model and optimizer variable is sharded exactly as the plan says."""
+    variables = list(model.weights) + list(model.optimizer.variables)
+    assert [v.path for v in variables] == [entry.path for entry in plan]
+    for variable in variables:
+        axes = plan[variable.path].axes
+        sharding = variable.value.sharding
+        expected = NamedSharding(mesh.backend_mesh, PartitionSpec(*axes))
+        assert sharding.is_equivalent_to(expected, len(variable.shape)), (variable.path, sharding, axes)
+        assert trim(sharding.spec) == trim(PartitionSpec(*axes)), variable.path
+
+
+def trim(spec: PartitionSpec) -> tuple:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def assert_same_weights(model: keras.Model, expected: list[np.ndarray]) -> None:
+    for variable, want in zip(model.weights, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(variable.value), want, atol=1e-5, rtol=0, err_msg=variable.path)

@@ -1,0 +1,233 @@
+"""Presets and the automatic planner, judged by the compiled step's communication.
+
+The communication report of each layout comes from a real compile of Keras's
+train step on a 2×4 mesh; training with the planned layouts must match
+single-device training.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from helpers import Reference, assert_laid_out_as_planned, assert_same_weights, train
+
+import keras_meshlayout as kml
+
+BATCH = 32
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def build_mlp_stack() -> keras.Model:
+    """Two Megatron pairs and a small head: 64 → 256 → 64 → 256 → 64 → 10."""
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(256, activation="gelu", name="up_1"),
+            keras.layers.Dropout(0.0),
+            keras.layers.Dense(64, name="down_1"),
+            keras.layers.Dense(256, activation="relu", name="up_2"),
+            keras.layers.Dense(64, name="down_2"),
+            keras.layers.Dense(10, name="head"),
+        ],
+        name="stack",
+    )
+
+
+def build_encoder(kv_heads: int | None = None) -> keras.Model:
+    """One post-norm transformer encoder block with a pooled classifier."""
+    tokens = keras.Input((16,), dtype="int32")
+    hidden = keras.layers.Embedding(128, 64, name="token_embedding")(tokens)
+    if kv_heads is None:
+        attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16, name="attention")
+    else:
+        attention = keras.layers.GroupQueryAttention(16, 4, kv_heads, name="attention")
+    hidden = keras.layers.Add()([hidden, attention(hidden, hidden)])
+    hidden = keras.layers.LayerNormalization(name="attention_norm")(hidden)
+    ffn = keras.layers.Dense(256, activation="gelu", name="feedforward_intermediate_dense")(hidden)
+    ffn = keras.layers.Dense(64, name="feedforward_output_dense")(ffn)
+    hidden = keras.layers.LayerNormalization(name="feedforward_norm")(keras.layers.Add()([hidden, ffn]))
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(tokens, keras.layers.Dense(10, name="head")(pooled), name="encoder")
+
+
+def build_convnet() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu", name="conv_1"),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu", name="conv_2"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10, name="head"),
+        ],
+        name="convnet",
+    )
+
+
+def data_for(model: keras.Model, count: int = BATCH * 2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (count, *model.inputs[0].shape[1:])
+    if model.inputs[0].dtype == "int32":
+        x = rng.integers(0, 128, size=shape).astype("int32")
+    else:
+        x = rng.normal(size=shape).astype("float32")
+    return x, rng.integers(0, 10, size=count).astype("int32")
+
+
+def compiled_traffic(build, rules, mesh, **options) -> kml.CommReport:
+    """The communication report of one train step of `build()` under `rules`."""
+    distribution = kml.ModelParallel(mesh, rules, **options)
+    with distribution.scope():
+        model = build()
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = data_for(model, BATCH)
+        return kml.comm_report(model, x, y)
+
+
+def collective_totals(report: kml.CommReport) -> tuple:
+    return (report.wire_bytes_by_axis, {kind: report.count(kind) for kind in KINDS})
+
+
+@pytest.fixture(scope="module")
+def mesh() -> kml.Mesh:
+    return kml.Mesh(data=2, model=4)
+
+
+def test_auto_rules_pair_an_mlp_stack_like_the_preset(mesh):
+    probe = build_mlp_stack()
+    auto = kml.auto_rules(probe, mesh)
+    decisions = {rule.pattern: rule.axes for rule in auto.rules}
+    assert decisions == {
+        "stack/up_1/kernel": (None, "model"),
+        "stack/up_1/bias": ("model",),
+        "stack/down_1/kernel": ("model", None),
+        "stack/down_1/bias": (None,),
+        "stack/up_2/kernel": (None, "model"),
+        "stack/up_2/bias": ("model",),
+        "stack/down_2/kernel": ("model", None),
+        "stack/down_2/bias": (None,),
+        "stack/head/kernel": (None, None),
+        "stack/head/bias": (None,),
+    }
+    preset = kml.mlp_rules(["up_1", "down_1", "up_2", "down_2"])
+    auto_report = compiled_traffic(build_mlp_stack, auto, mesh)
+    preset_report = compiled_traffic(build_mlp_stack, preset, mesh)
+    assert collective_totals(auto_report) == collective_totals(preset_report)
+    # Megatron: per pair one all-reduce of (batch/2, 64) activations forward, and one
+    # backward for the second pair's input (the first pair's input needs no gradient).
+    activation = BATCH // 2 * 64 * 4
+    assert auto_report.wire_bytes_by_axis["model"] == pytest.approx(3 * 2 * 3 / 4 * activation)
+    assert auto_report.count("all-gather") == 0
+
+
+def test_auto_rules_match_the_transformer_preset(mesh):
+    auto = kml.auto_rules(build_encoder(), mesh)
+    notes = {rule.pattern: rule.note for rule in auto.rules}
+    assert notes["feedforward_intermediate_dense/kernel"].startswith("column-parallel")
+    assert notes["attention/attention_output/kernel"].startswith("attention output: heads split")
+    assert notes["head/kernel"].startswith("final layer")
+    auto_report = compiled_traffic(build_encoder, auto, mesh)
+    preset_report = compiled_traffic(build_encoder, kml.transformer_rules(), mesh)
+    assert collective_totals(auto_report) == collective_totals(preset_report)
+    assert auto_report.count("all-gather") == 0
+    # Keras's documentation map, every Dense kernel (None, "model"), moves weights or
+    # activations that the Megatron layout does not.
+    docs_map = [(r".*dense.*kernel", (None, "model")), (r".*dense.*bias", ("model",))]
+    docs_report = compiled_traffic(build_encoder, docs_map, mesh, replicate_below=0)
+    assert docs_report.wire_bytes > auto_report.wire_bytes
+
+
+def test_grouped_query_attention_replicates_key_value_heads(mesh):
+    """2 key/value heads cannot split over model=4: replicated, not a crash."""
+    probe = build_encoder(kv_heads=2)
+    auto = kml.auto_rules(probe, mesh)
+    axes = {rule.pattern: rule.axes for rule in auto.rules}
+    assert axes["attention/query/kernel"] == (None, "model", None)
+    assert axes["attention/key/kernel"] == (None, None, None)
+    assert "2 key/value heads" in auto.match("attention/value/kernel").note
+
+    reference = Reference(lambda: build_encoder(kv_heads=2), data_for(probe), BATCH)
+    distribution = kml.ModelParallel(mesh, auto, replicate_below=0)
+    model = train(lambda: build_encoder(kv_heads=2), reference.initial, data_for(probe), distribution, BATCH)
+    assert_same_weights(model, reference.trained)
+    assert_laid_out_as_planned(model, distribution.plan(model), mesh)
+
+    # The name-based preset cannot know the head count: the resolution replicates
+    # the key/value projections by the indivisibility policy, with a warning.
+    with pytest.warns(kml.IndivisibleShapeWarning) as record:
+        preset = kml.ModelParallel(mesh, kml.transformer_rules(), replicate_below=0)
+        with preset.scope():
+            build_encoder(kv_heads=2)
+    warned = sorted(str(w.message).split("'")[1] for w in record)
+    assert warned == [f"attention/{part}/{name}" for part in ("key", "value") for name in ("bias", "kernel")]
+
+
+def test_auto_plan_trains_like_one_device(mesh):
+    data = data_for(build_mlp_stack())
+    reference = Reference(build_mlp_stack, data, BATCH)
+    distribution = kml.ModelParallel(mesh, kml.auto_rules(build_mlp_stack(), mesh))
+    model = train(build_mlp_stack, reference.initial, data, distribution, BATCH)
+    assert_same_weights(model, reference.trained)
+    plan = distribution.plan(model)
+    assert_laid_out_as_planned(model, plan, mesh)
+    assert plan["stack/down_2/kernel"].rule.note.startswith("row-parallel: up_2 → down_2")
+
+
+def test_conv_preset_splits_output_channels_and_trains_like_one_device(mesh):
+    data = data_for(build_convnet())
+    reference = Reference(build_convnet, data, BATCH)
+    distribution = kml.ModelParallel(mesh, kml.conv_rules(), replicate_below=0)
+    model = train(build_convnet, reference.initial, data, distribution, BATCH)
+    assert_same_weights(model, reference.trained)
+    plan = distribution.plan(model)
+    assert plan["convnet/conv_2/kernel"].axes == (None, None, None, "model")
+    assert plan["convnet/conv_1/bias"].axes == ("model",)
+    assert plan["convnet/head/kernel"].source == "default"
+    assert_laid_out_as_planned(model, plan, mesh)
+
+
+def test_fsdp_axis_splits_weights_in_two_dimensions(mesh):
+    data = data_for(build_mlp_stack())
+    reference = Reference(build_mlp_stack, data, BATCH)
+    rules = kml.mlp_rules(["up_1", "down_1", "up_2", "down_2"], fsdp_axis="data")
+    distribution = kml.ModelParallel(mesh, rules)
+    model = train(build_mlp_stack, reference.initial, data, distribution, BATCH)
+    assert_same_weights(model, reference.trained)
+    plan = distribution.plan(model)
+    assert plan["stack/up_1/kernel"].axes == ("data", "model")
+    assert plan["stack/down_1/kernel"].axes == ("model", "data")
+    assert plan["stack/up_1/kernel"].shards == 8
+    assert_laid_out_as_planned(model, plan, mesh)
+
+
+@pytest.mark.parametrize(
+    "path, axes",
+    [
+        ("llama/decoder_0/feedforward_gate_dense/kernel", (None, "model")),
+        ("llama/decoder_0/feedforward_intermediate_dense/bias", ("model",)),
+        ("gemma/decoder_block_0/ffw_gating_2/kernel", (None, "model")),
+        ("gemma/decoder_block_0/ffw_linear/kernel", ("model", None)),
+        ("block/mlp_down_dense/kernel", ("model", None)),
+        ("block/self_attention/query/kernel", (None, "model", None)),
+        ("block/self_attention/attention_output/kernel", ("model", None, None)),
+        ("block/self_attention_layer_norm/gamma", (...,)),
+        ("gpt2/position_embedding/embeddings", (...,)),
+        ("gpt2/token_embedding/embeddings", (None, None)),
+    ],
+)
+def test_transformer_preset_names(path, axes):
+    assert kml.transformer_rules().match(path).axes == axes
+
+
+@pytest.mark.parametrize(
+    "embeddings, forward, reverse",
+    [
+        ("replicated", (None, None), (None, None)),
+        ("vocab", ("model", None), (None, "model")),
+        ("hidden", (None, "model"), ("model", None)),
+    ],
+)
+def test_transformer_preset_embedding_choices(embeddings, forward, reverse):
+    rules = kml.transformer_rules(embeddings=embeddings)
+    assert rules.match("m/token_embedding/embeddings").axes == forward
+    assert rules.match("m/token_embedding/reverse_embeddings").axes == reverse
