@@ -31,6 +31,8 @@ class Plan:
         entries: One `Resolution` per variable: model weights first, then
             optimizer variables when the optimizer is built.
         unmatched_rules: Variable rules that matched no variable (likely typos).
+        outputs: Each layer-output rule (pattern ending in `/output`) with the
+            layers whose outputs it lays out.
         on_indivisible: The divisibility policy in force.
         replicate_below: The small-variable threshold in force.
 
@@ -42,6 +44,7 @@ class Plan:
     batch_axis: str
     entries: tuple[Resolution, ...]
     unmatched_rules: tuple[Rule, ...] = ()
+    outputs: tuple[tuple[Rule, tuple[str, ...]], ...] = ()
     on_indivisible: str = "replicate"
     replicate_below: int = 0
 
@@ -98,6 +101,15 @@ class Plan:
             "unmatched_rules": [
                 {"index": r.index, "pattern": r.pattern, "axes": list(r.axes)} for r in self.unmatched_rules
             ],
+            "outputs": [
+                {
+                    "index": rule.index,
+                    "pattern": rule.pattern,
+                    "axes": list(rule.axes),
+                    "layers": list(layers),
+                }
+                for rule, layers in self.outputs
+            ],
             "warnings": self.warnings,
         }
 
@@ -136,6 +148,15 @@ class Plan:
             f"Variables per device: {format_bytes(self.bytes_per_device)} "
             f"(fully replicated: {format_bytes(self.replicated_bytes)}, {saved:.0%} saved)"
         )
+        if self.outputs:
+            outputs = Table(title="Layer outputs kept in a layout", title_justify="left")
+            for column in ("rule", "layout", "layers"):
+                outputs.add_column(column, overflow="fold")
+            for rule, layers in self.outputs:
+                outputs.add_row(
+                    f"#{rule.index} {rule.pattern}", format_axes(rule.axes), ", ".join(layers) or "-"
+                )
+            yield outputs
         for line in self.warnings:
             yield Text(f"warning: {line}", style="yellow")
 
@@ -160,17 +181,34 @@ def plan_model(distribution: ModelParallel, model: keras.Model) -> Plan:
             else:
                 entries.append(_slot_entry(distribution, variable, parent))
     unmatched = distribution.rules.unmatched(w.path for w in model.weights)
+    layer_paths = _layer_output_paths(model)
+    outputs = tuple(
+        (rule, tuple(path for path in layer_paths if rule.regex.fullmatch(path + "/output")))
+        for rule in distribution.rules.rules
+        if rule.for_outputs
+    )
     plan = Plan(
         axis_sizes=distribution.axis_sizes,
         batch_axis=distribution.batch_dim_name,
         entries=tuple(entries),
         unmatched_rules=tuple(unmatched),
+        outputs=outputs,
         on_indivisible=distribution.on_indivisible,
         replicate_below=distribution.replicate_below,
     )
     for message in plan.warnings:
         warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
     return plan
+
+
+def _layer_output_paths(model: keras.Model) -> list[str]:
+    """The paths under which Keras asks for each layer's output layout."""
+    paths = []
+    for layer in model._flatten_layers(include_self=False):
+        path = getattr(layer, "path", None) or f"{model.name}/{layer.name}"
+        if path not in paths:
+            paths.append(path)
+    return paths
 
 
 def _model_entry(distribution: ModelParallel, variable: keras.Variable) -> Resolution:

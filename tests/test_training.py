@@ -214,3 +214,19 @@ def test_short_last_batch_is_a_clear_error():
     with pytest.raises(kml.IndivisibleBatchError, match=r"36 samples .* batch axis 'data' of size 8"):
         model.fit(x[:100], y[:100], batch_size=64, verbose=0)
     model.fit(x[:128], y[:128], batch_size=64, verbose=0)  # whole batches train as usual
+
+
+def test_layer_output_rules_apply_and_show_in_the_plan(mlp_reference):
+    """A `/output` rule keeps an activation in a layout; the plan lists it."""
+    rules = [*MLP_RULES, (r"mlp/hidden_1/output", ("data", "model"))]
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), rules)
+    model = train(build_mlp, mlp_reference.initial, mlp_data(), distribution)
+    assert_same_weights(model, mlp_reference.trained)
+    plan = distribution.plan(model)
+    [(rule, layers)] = plan.outputs
+    assert (rule.index, layers) == (3, ("mlp/hidden_1",))
+    assert plan.to_dict()["outputs"] == [
+        {"index": 3, "pattern": "mlp/hidden_1/output", "axes": ["data", "model"], "layers": ["mlp/hidden_1"]}
+    ]
+    assert "Layer outputs kept in a layout" in str(plan)
+    assert distribution.get_tensor_layout("mlp/hidden_1/output").axes == ("data", "model")
