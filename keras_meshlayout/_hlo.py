@@ -45,7 +45,7 @@ _BYTES = {
 #: `%name = shape op(...)`: the shape is one token (`f32[4,8]{1,0:T(8,128)}`) or a
 #: parenthesised tuple, which may hold `/*index=5*/` comments.
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|[^\s(]+)\s+"
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|[^\s(]\S*)\s+"
     r"(?P<op>(?:" + "|".join(KINDS) + r")(?:-start)?)\((?P<rest>.*)$"
 )
 #: The `-done` half of an asynchronous pair, and the `-start` it completes. An
@@ -314,10 +314,10 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
     if ids.size != math.prod(sizes):
         raise ValueError(f"Mesh replica_groups with {ids.size} device ids for mesh {sizes}: {text[:80]!r}")
     refs = []  # (mesh axis index, pre-size or None for the whole axis, size)
-    for item in match["over"].split(","):
-        ref = _AXIS_REF.match(item.strip())
+    for item in filter(None, map(str.strip, match["over"].split(","))):  # none: groups of one
+        ref = _AXIS_REF.match(item)
         if not ref or ref["name"] not in names:
-            raise ValueError(f"Unrecognised axis {item.strip()!r} in mesh replica_groups: {text[:80]!r}")
+            raise ValueError(f"Unrecognised axis {item!r} in mesh replica_groups: {text[:80]!r}")
         axis = names.index(ref["name"])
         if ref["pre"] is None:
             refs.append((axis, None, sizes[axis]))
