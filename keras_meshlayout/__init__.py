@@ -21,6 +21,7 @@ from ._comm import CommReport as CommReport
 from ._comm import Transfer as Transfer
 from ._comm import comm_report as comm_report
 from ._distribution import ModelParallel as ModelParallel
+from ._dry import dry_plan as dry_plan
 from ._errors import DevicesAlreadyInitializedError as DevicesAlreadyInitializedError
 from ._errors import IndivisibleBatchError as IndivisibleBatchError
 from ._errors import IndivisibleShapeError as IndivisibleShapeError
@@ -28,11 +29,14 @@ from ._errors import IndivisibleShapeWarning as IndivisibleShapeWarning
 from ._errors import InvalidMeshError as InvalidMeshError
 from ._errors import InvalidOptionError as InvalidOptionError
 from ._errors import InvalidRuleError as InvalidRuleError
+from ._errors import MemoryBudgetError as MemoryBudgetError
 from ._errors import MeshLayoutError as MeshLayoutError
 from ._errors import MeshLayoutWarning as MeshLayoutWarning
 from ._errors import RankMismatchError as RankMismatchError
 from ._errors import UnmatchedRuleWarning as UnmatchedRuleWarning
 from ._errors import UnsupportedBackendError as UnsupportedBackendError
+from ._memory import MemoryEstimate as MemoryEstimate
+from ._memory import check_plan as check_plan
 from ._mesh import Mesh as Mesh
 from ._plan import Plan as Plan
 from ._presets import conv_rules as conv_rules
@@ -59,6 +63,8 @@ __all__ = [
     "InvalidRuleError",
     "LayoutRules",
     "Mesh",
+    "MemoryBudgetError",
+    "MemoryEstimate",
     "MeshLayoutError",
     "MeshLayoutWarning",
     "ModelParallel",
@@ -69,6 +75,8 @@ __all__ = [
     "UnmatchedRuleWarning",
     "UnsupportedBackendError",
     "auto_rules",
+    "check_plan",
+    "dry_plan",
     "conv_rules",
     "emulate_devices",
     "mlp_rules",

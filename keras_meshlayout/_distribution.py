@@ -130,18 +130,25 @@ class ModelParallel(keras.distribution.ModelParallel):
         return self._replicate_below
 
     def resolve(
-        self, path: str, shape: Sequence[int], dtype: Any = "float32", *, warn: bool = True
+        self,
+        path: str,
+        shape: Sequence[int],
+        dtype: Any = "float32",
+        *,
+        warn: bool = True,
+        rules: bool = True,
     ) -> Resolution:
         """Resolves the layout of a variable with this path, shape and dtype.
 
-        This is exactly what happens when Keras creates such a variable under
-        this distribution; nothing is allocated.
+        This is exactly what happens when Keras creates such a model variable
+        under this distribution; nothing is allocated. With `rules=False`, as
+        for optimizer and metric variables, no rule applies: replicated.
         """
         return resolve(
             path,
             shape,
             dtype,
-            self._layout_map,
+            self._layout_map if rules else _NO_RULES,
             self._axis_sizes,
             on_indivisible=self._on_indivisible,
             replicate_below=self._replicate_below,
@@ -184,6 +191,10 @@ class ModelParallel(keras.distribution.ModelParallel):
     def get_variable_layout(self, variable: keras.Variable) -> keras.distribution.TensorLayout:
         if getattr(variable, "_layout", None) is not None:
             return variable._layout  # optimizer slots: their parameter's layout
+        if _created_by_optimizer_or_metric():
+            # Rules describe model variables; an optimizer's own statistics (Adafactor's
+            # factored moments, step counters) and metric totals stay replicated.
+            return keras.distribution.TensorLayout((None,) * len(variable.shape), self.device_mesh)
         resolution = self.resolve(variable.path, variable.shape, variable.dtype)
         return keras.distribution.TensorLayout(resolution.axes, self.device_mesh)
 
@@ -219,6 +230,24 @@ class ModelParallel(keras.distribution.ModelParallel):
         )
 
     __str__ = __repr__
+
+
+_NO_RULES = LayoutRules()
+
+
+def _created_by_optimizer_or_metric() -> bool:
+    """Whether the variable being created belongs to an optimizer or a metric.
+
+    Keras creates those variables inside a name scope whose `caller` is the
+    optimizer or metric; the innermost scope with a caller tells.
+    """
+    from keras.src.backend.common import global_state
+
+    for scope in reversed(global_state.get_global_attribute("name_scope_stack") or []):
+        caller = getattr(scope, "caller", None)
+        if caller is not None:
+            return isinstance(caller, (keras.optimizers.Optimizer, keras.metrics.Metric))
+    return False
 
 
 def _install_batch_check() -> None:

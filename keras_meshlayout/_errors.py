@@ -17,6 +17,7 @@ __all__ = [
     "IndivisibleShapeError",
     "IndivisibleBatchError",
     "UnsupportedBackendError",
+    "MemoryBudgetError",
     "DevicesAlreadyInitializedError",
     "MeshLayoutWarning",
     "IndivisibleShapeWarning",
@@ -74,6 +75,10 @@ class IndivisibleShapeError(MeshLayoutError):
 
 class IndivisibleBatchError(MeshLayoutError):
     """The global batch size does not divide evenly by the batch axis size."""
+
+
+class MemoryBudgetError(MeshLayoutError):
+    """A plan keeps too much replicated, or its training state does not fit a device."""
 
 
 class UnsupportedBackendError(MeshLayoutError):

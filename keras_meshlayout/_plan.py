@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._errors import UnmatchedRuleWarning
+from ._memory import MemoryEstimate, check_plan, memory_of
 from ._resolve import Resolution
 from ._rules import Axes, Rule
 
@@ -33,6 +34,7 @@ class Plan:
         unmatched_rules: Variable rules that matched no variable (likely typos).
         outputs: Each layer-output rule (pattern ending in `/output`) with the
             layers whose outputs it lays out.
+        device_capacity: Memory of one device in bytes, where JAX reports it.
         on_indivisible: The divisibility policy in force.
         replicate_below: The small-variable threshold in force.
 
@@ -45,6 +47,7 @@ class Plan:
     entries: tuple[Resolution, ...]
     unmatched_rules: tuple[Rule, ...] = ()
     outputs: tuple[tuple[Rule, tuple[str, ...]], ...] = ()
+    device_capacity: int | None = None
     on_indivisible: str = "replicate"
     replicate_below: int = 0
 
@@ -74,6 +77,26 @@ class Plan:
             for rule in self.unmatched_rules
         ]
 
+    def memory(self, device_memory: int | str | None = None) -> MemoryEstimate:
+        """Training-state bytes per device: parameters, gradients, optimizer.
+
+        Args:
+            device_memory: Device capacity (`"80GB"`, `"16GiB"` or bytes);
+                defaults to what JAX reports for the mesh's devices, if anything.
+        """
+        return memory_of(self, self.device_capacity if device_memory is None else device_memory)
+
+    def check(self, *, max_replicated_fraction: float = 0.5, device_memory: int | str | None = None) -> None:
+        """Raises `MemoryBudgetError` if too much stays replicated or the state does not fit.
+
+        See `kml.check_plan`; `device_memory` defaults as in `memory`.
+        """
+        check_plan(
+            self,
+            max_replicated_fraction=max_replicated_fraction,
+            device_memory=self.device_capacity if device_memory is None else device_memory,
+        )
+
     def __getitem__(self, path: str) -> Resolution:
         for entry in self.entries:
             if entry.path == path:
@@ -98,6 +121,7 @@ class Plan:
                 "bytes_per_device": self.bytes_per_device,
                 "replicated_bytes_per_device": self.replicated_bytes,
             },
+            "memory_per_device": self.memory().to_dict(),
             "unmatched_rules": [
                 {"index": r.index, "pattern": r.pattern, "axes": list(r.axes)} for r in self.unmatched_rules
             ],
@@ -148,6 +172,13 @@ class Plan:
             f"Variables per device: {format_bytes(self.bytes_per_device)} "
             f"(fully replicated: {format_bytes(self.replicated_bytes)}, {saved:.0%} saved)"
         )
+        memory = self.memory()
+        capacity = "" if memory.capacity is None else f" of {format_bytes(memory.capacity)}"
+        yield Text(
+            f"Training state per device: {format_bytes(memory.total)}{capacity} (parameters "
+            f"{format_bytes(memory.parameters)}, gradients {format_bytes(memory.gradients)}, optimizer "
+            f"{format_bytes(memory.optimizer)}; activations not counted)"
+        )
         if self.outputs:
             outputs = Table(title="Layer outputs kept in a layout", title_justify="left")
             for column in ("rule", "layout", "layers"):
@@ -168,18 +199,30 @@ class Plan:
         return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
 
 
-def plan_model(distribution: ModelParallel, model: keras.Model) -> Plan:
-    """Builds the plan of `model` under `distribution` (see `ModelParallel.plan`)."""
+def plan_model(
+    distribution: ModelParallel, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
+) -> Plan:
+    """Builds the plan of `model` under `distribution` (see `ModelParallel.plan`).
+
+    `optimizer` defaults to the model's own, once built.
+    """
     params = {w.path.replace("/", "_"): w for w in model.weights}
-    entries = [_model_entry(distribution, w) for w in model.weights]
-    optimizer = getattr(model, "optimizer", None)
+    trainable = {id(w) for w in model.trainable_weights}
+    entries = [
+        dataclasses.replace(
+            _model_entry(distribution, w), role="parameter" if id(w) in trainable else "state"
+        )
+        for w in model.weights
+    ]
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     if optimizer is not None and getattr(optimizer, "built", False):
         for variable in optimizer.variables:
             parent = _slot_parent(variable, params)
             if parent is None:
-                entries.append(_model_entry(distribution, variable))
+                entry = _optimizer_entry(distribution, variable)
             else:
-                entries.append(_slot_entry(distribution, variable, parent))
+                entry = _slot_entry(distribution, variable, parent)
+            entries.append(dataclasses.replace(entry, role="optimizer"))
     unmatched = distribution.rules.unmatched(w.path for w in model.weights)
     layer_paths = _layer_output_paths(model)
     outputs = tuple(
@@ -193,12 +236,21 @@ def plan_model(distribution: ModelParallel, model: keras.Model) -> Plan:
         entries=tuple(entries),
         unmatched_rules=tuple(unmatched),
         outputs=outputs,
+        device_capacity=_device_capacity(distribution.device_mesh),
         on_indivisible=distribution.on_indivisible,
         replicate_below=distribution.replicate_below,
     )
     for message in plan.warnings:
         warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
     return plan
+
+
+def _device_capacity(mesh: keras.distribution.DeviceMesh) -> int | None:
+    """Bytes of memory of the mesh's first device, if JAX reports them (not on CPU)."""
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
 
 
 def _layer_output_paths(model: keras.Model) -> list[str]:
@@ -225,6 +277,12 @@ def _model_entry(distribution: ModelParallel, variable: keras.Variable) -> Resol
     )
 
 
+def _optimizer_entry(distribution: ModelParallel, variable: keras.Variable) -> Resolution:
+    """An optimizer variable made from no parameter: replicated, like `get_variable_layout` does."""
+    base = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False, rules=False)
+    return dataclasses.replace(base, source="optimizer")
+
+
 def _slot_entry(distribution: ModelParallel, variable: keras.Variable, parent: keras.Variable) -> Resolution:
     axes = _actual_axes(variable)
     if axes is None:
@@ -232,8 +290,7 @@ def _slot_entry(distribution: ModelParallel, variable: keras.Variable, parent: k
             _actual_axes(parent)
             or distribution.resolve(parent.path, parent.shape, parent.dtype, warn=False).axes
         )
-    base = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False)
-    base = dataclasses.replace(base, rule=None, requested=None)
+    base = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False, rules=False)
     return _with_axes(
         base, axes, source="parameter", reason=f"follows {parent.path}", axis_sizes=distribution.axis_sizes
     )

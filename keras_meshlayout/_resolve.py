@@ -55,6 +55,8 @@ class Resolution:
         source: Where the layout came from: `"rule"`, `"default"` (no rule
             matched), or `"parameter"` for an optimizer slot, which follows its
             parameter, or `"preset"` for a layout fixed on the variable itself.
+        role: What the variable is in training: `"parameter"` (trainable),
+            `"state"` (non-trainable) or `"optimizer"`.
     """
 
     path: str
@@ -67,6 +69,7 @@ class Resolution:
     shards: int = 1
     nbytes: int = 0
     source: str = "rule"
+    role: str = "parameter"
 
     @property
     def bytes_per_device(self) -> int:
@@ -89,6 +92,7 @@ class Resolution:
             "axes": list(self.axes),
             "reasons": list(self.reasons),
             "source": self.source,
+            "role": self.role,
             "shards": self.shards,
             "bytes": self.nbytes,
             "bytes_per_device": self.bytes_per_device,
@@ -108,8 +112,8 @@ def resolve(
 ) -> Resolution:
     """Resolves the layout of one variable.
 
-    In order: the first matching rule gives the requested layout (no match:
-    replicated); its rank must equal the variable's; a weight matrix (rank 2 or
+    In order: scalars are replicated; the first matching rule gives the
+    requested layout (no match: replicated); its rank must equal the variable's; a weight matrix (rank 2 or
     more, not a bias) with fewer than `replicate_below` elements stays
     replicated; every sharded dimension must
     divide by its mesh axis size, or else, by `on_indivisible`, that dimension
@@ -150,6 +154,12 @@ def resolve(
     nbytes = math.prod(shape) * _itemsize(dtype_name)
     replicated = (None,) * len(shape)
     rule = rules.match(path)
+    if not shape and rule is not None:
+        # A scalar has nothing to split. Keras also creates unscoped scalars whose paths
+        # a broad rule can match (Adafactor's placeholders are named after parameters).
+        requested = tuple(axis for axis in rule.axes if axis is not Ellipsis)
+        reasons = ("scalar: nothing to split",) if requested else ()
+        return Resolution(path, shape, dtype_name, rule, requested, (), reasons, nbytes=nbytes)
     if rule is None:
         return Resolution(path, shape, dtype_name, None, None, replicated, nbytes=nbytes, source="default")
 

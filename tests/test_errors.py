@@ -837,6 +837,7 @@ def test_fit_rejects_a_short_last_batch_that_does_not_split(samples: int, batch_
 # -- the error hierarchy --------------------------------------------------------
 
 ERRORS = [
+    kml.MemoryBudgetError,
     kml.InvalidOptionError,
     kml.InvalidMeshError,
     kml.InvalidRuleError,

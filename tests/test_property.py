@@ -196,7 +196,7 @@ def expected_outcome(
         return kml.InvalidRuleError
     index = first_match(rules, path)
     replicated = (None,) * len(shape)
-    if index is None:
+    if index is None or not shape:  # scalars have nothing to split
         return replicated
     requested = rules[index][1]
     if len(requested) != len(shape):

@@ -191,6 +191,7 @@ def test_plan_renders_and_serialises(mlp_reference):
         "axes": [None, "model"],
         "reasons": [],
         "source": "rule",
+        "role": "parameter",
         "shards": 4,
         "bytes": 32 * 256 * 4,
         "bytes_per_device": 32 * 256,

@@ -1,0 +1,170 @@
+"""The memory budget: bytes per device, and the guard against too much replication.
+
+Per device, a training step holds the parameters (and non-trainable state),
+one gradient per trainable parameter with the parameter's layout and dtype,
+and the optimizer's variables with their own layouts. All three come from the
+plan, so whatever optimizer was planned (SGD with or without momentum,
+Adam/AdamW, Adafactor, Lion, ...) is counted from its real slot variables, in
+their real dtypes, mixed precision included. Activations are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING, Any
+
+from ._errors import InvalidOptionError, MemoryBudgetError
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+    from ._resolve import Resolution
+
+__all__ = ["MemoryEstimate", "check_plan", "memory_of", "parse_bytes"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes each device holds for training state (activations excluded).
+
+    Attributes:
+        parameters: Model variables, trainable and not.
+        gradients: One gradient per trainable variable.
+        optimizer: Optimizer variables (slots, step counters).
+        capacity: Device memory in bytes, when known.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    capacity: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether `total` fits `capacity` (`None` when the capacity is unknown)."""
+        return None if self.capacity is None else self.total <= self.capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total": self.total, "fits": self.fits}
+
+
+def memory_of(plan: Plan, device_memory: int | str | None = None) -> MemoryEstimate:
+    """The per-device training-state bytes of `plan` (see `Plan.memory`)."""
+    capacity = None if device_memory is None else parse_bytes(device_memory)
+    by_role = {"parameter": 0, "state": 0, "optimizer": 0}
+    for entry in plan.entries:
+        by_role[entry.role] += entry.bytes_per_device
+    return MemoryEstimate(
+        parameters=by_role["parameter"] + by_role["state"],
+        gradients=by_role["parameter"],
+        optimizer=by_role["optimizer"],
+        capacity=capacity,
+    )
+
+
+def check_plan(
+    plan: Plan,
+    *,
+    max_replicated_fraction: float = 0.5,
+    device_memory: int | str | None = None,
+    show: int = 5,
+) -> None:
+    """Fails a plan that keeps too much replicated or does not fit a device.
+
+    Args:
+        plan: The plan to check.
+        max_replicated_fraction: Largest share of each device's training state
+            that may sit in replicated variables that some mesh axis could
+            split (1.0 turns this check off).
+        device_memory: Device capacity (`80e9`, `"80GB"`, `"16GiB"`); `None`
+            skips the capacity check.
+        show: How many of the largest replicated variables to name.
+
+    Raises:
+        MemoryBudgetError: either check fails; the message names the largest
+            replicated variables and the mesh axes that could split them.
+    """
+    if not 0.0 <= max_replicated_fraction <= 1.0:
+        raise InvalidOptionError(
+            f"max_replicated_fraction must be between 0 and 1. Received: {max_replicated_fraction!r}."
+        )
+    memory = memory_of(plan, device_memory)
+    problems = []
+    if memory.fits is False:
+        problems.append(
+            f"training state needs {_gb(memory.total)} per device (parameters {_gb(memory.parameters)}, "
+            f"gradients {_gb(memory.gradients)}, optimizer {_gb(memory.optimizer)}), more than the "
+            f"{_gb(memory.capacity)} available"
+        )
+    splittable = [(e, _axes_that_split(e, plan.axis_sizes)) for e in plan.entries if e.replicated]
+    splittable = [(e, axes) for e, axes in splittable if axes]
+    replicated = sum(_training_bytes(e) for e, _ in splittable)
+    fraction = replicated / memory.total if memory.total else 0.0
+    if fraction > max_replicated_fraction:
+        problems.append(
+            f"{fraction:.0%} of each device's training state ({_gb(replicated)} of {_gb(memory.total)}) "
+            f"is replicated although a mesh axis could split it (max_replicated_fraction="
+            f"{max_replicated_fraction})"
+        )
+    if not problems:
+        return
+    largest = sorted(splittable, key=lambda item: -_training_bytes(item[0]))[:show]
+    lines = [
+        f"  {e.path} {e.shape} {e.dtype}: {_gb(_training_bytes(e))} per device; could split {axes}"
+        for e, axes in largest
+    ]
+    raise MemoryBudgetError(
+        "The plan does not fit: "
+        + "; and ".join(problems)
+        + ".\nLargest replicated variables (with gradient and optimizer state where they have them):\n"
+        + "\n".join(lines)
+        + "\nFix: add rules that split these variables over one of the axes shown (or use "
+        "kml.auto_rules / a preset), use a mesh with a larger model axis, or raise "
+        "max_replicated_fraction if replication is intended (pure data parallelism)."
+    )
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """`80e9`, `"80GB"`, `"16GiB"`, `"512 MiB"` → bytes.
+
+    Example:
+        >>> parse_bytes("80GB"), parse_bytes("16GiB"), parse_bytes(1024)
+        (80000000000, 17179869184, 1024)
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?\s*", str(value), flags=re.IGNORECASE)
+    if not match:
+        raise InvalidOptionError(
+            f"Cannot read a memory size from {value!r}. Write it as a number of bytes or with a unit, "
+            'e.g. "80GB" or "16GiB".'
+        )
+    return int(float(match[1]) * _UNITS[(match[2] or "").upper()])
+
+
+def _training_bytes(entry: Resolution) -> int:
+    """Per-device bytes of a variable and of its gradient, if it has one."""
+    return entry.bytes_per_device * (2 if entry.role == "parameter" else 1)
+
+
+def _axes_that_split(entry: Resolution, axis_sizes: dict[str, int]) -> str:
+    """`"dim 0 (4096) over model (4) or data (2)"`, or `""` when nothing divides."""
+    options = []
+    for dim, size in enumerate(entry.shape):
+        axes = [f"{name} ({n})" for name, n in axis_sizes.items() if n > 1 and size % n == 0]
+        if axes:
+            options.append(f"dim {dim} ({size}) over {' or '.join(axes)}")
+    return "; ".join(options)
+
+
+def _gb(count: float | None) -> str:
+    from ._plan import format_bytes
+
+    return "unknown" if count is None else format_bytes(count)
