@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -60,14 +61,53 @@ def dry_plan(
     """
     from keras.src.backend.common.stateless_scope import StatelessScope
 
-    if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
-        optimizer = keras.optimizers.get(optimizer)  # creates its counters: outside the scope
     with _names_handed_back(), _deferred_variables(), distribution.scope():
+        if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
+            optimizer = keras.optimizers.get(optimizer)  # creates its counters: outside the scope
+        slots = None
         with StatelessScope(initialize_variables=False):
             model = build()
-            if optimizer is not None:
+            if isinstance(optimizer, keras.optimizers.Adafactor):
+                slots = _adafactor_variables(optimizer, model.trainable_variables)
+            elif optimizer is not None:
                 optimizer.build(model.trainable_variables)
-        return plan_model(distribution, model, optimizer=optimizer)
+        return plan_model(distribution, model, optimizer=optimizer, optimizer_variables=slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AbstractVariable:
+    path: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    _layout: None = None
+
+
+def _adafactor_variables(
+    optimizer: keras.optimizers.Adafactor, params: Sequence[Any]
+) -> list[_AbstractVariable]:
+    """The variables `Adafactor.build` would create, without creating them.
+
+    Its `build` makes eager scalar placeholders, which Keras refuses inside a
+    stateless scope. Per parameter it keeps a velocity shaped like the
+    parameter and, for matrices, the row and column statistics of the last
+    two dimensions, for vectors two scalar placeholders (nothing at all for a
+    parameter overwritten by its gradient).
+    """
+    prefix = optimizer.name
+    variables = [_AbstractVariable(v.path, v.name, tuple(v.shape), v.dtype) for v in optimizer.variables]
+    for param in params:
+        shape, dtype = tuple(param.shape), param.dtype
+        if optimizer._overwrite_variable_with_gradient(param):
+            continue
+        if len(shape) >= 2:
+            for factored in (shape[:-1], shape[:-2] + shape[-1:]):
+                variables.append(_AbstractVariable(f"{prefix}/{param.name}", param.name, factored, dtype))
+        else:  # two unscoped int32 placeholders, named after the parameter
+            variables += [_AbstractVariable(param.name, param.name, (), "int32")] * 2
+        name = f"{param.path.replace('/', '_')}_velocity"
+        variables.append(_AbstractVariable(f"{prefix}/{name}", name, shape, dtype))
+    return variables
 
 
 @contextlib.contextmanager

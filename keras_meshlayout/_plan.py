@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import UnmatchedRuleWarning
@@ -200,11 +200,16 @@ class Plan:
 
 
 def plan_model(
-    distribution: ModelParallel, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
+    distribution: ModelParallel,
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    optimizer_variables: Sequence[Any] | None = None,
 ) -> Plan:
     """Builds the plan of `model` under `distribution` (see `ModelParallel.plan`).
 
-    `optimizer` defaults to the model's own, once built.
+    `optimizer` defaults to the model's own, once built. `optimizer_variables`
+    (anything with `path`, `name`, `shape` and `dtype`) stands in for the
+    variables of an optimizer that cannot be built without allocating.
     """
     params = {w.path.replace("/", "_"): w for w in model.weights}
     trainable = {id(w) for w in model.trainable_weights}
@@ -215,14 +220,15 @@ def plan_model(
         for w in model.weights
     ]
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
-        for variable in optimizer.variables:
-            parent = _slot_parent(variable, params)
-            if parent is None:
-                entry = _optimizer_entry(distribution, variable)
-            else:
-                entry = _slot_entry(distribution, variable, parent)
-            entries.append(dataclasses.replace(entry, role="optimizer"))
+    if optimizer_variables is None and optimizer is not None and getattr(optimizer, "built", False):
+        optimizer_variables = optimizer.variables
+    for variable in optimizer_variables or ():
+        parent = _slot_parent(variable, params)
+        if parent is None:
+            entry = _optimizer_entry(distribution, variable)
+        else:
+            entry = _slot_entry(distribution, variable, parent)
+        entries.append(dataclasses.replace(entry, role="optimizer"))
     unmatched = distribution.rules.unmatched(w.path for w in model.weights)
     layer_paths = _layer_output_paths(model)
     outputs = tuple(

@@ -78,7 +78,7 @@ def mlp_rules(
             rules.append(
                 (scope + "/bias", (None,), "bias of a row-parallel layer: added after the all-reduce")
             )
-    return LayoutRules(rules)
+    return LayoutRules(rules, optional=True)
 
 
 def transformer_rules(
@@ -154,7 +154,8 @@ def transformer_rules(
             (r"(?:.*/)?\w*embed\w*/embeddings", vocab_hidden, note),
             # keras-hub's ReversibleEmbedding keeps an untied output matrix as (hidden, vocab).
             (r"(?:.*/)?\w*embed\w*/reverse_embeddings", vocab_hidden[::-1], note),
-        ]
+        ],
+        optional=True,
     )
 
 
@@ -192,7 +193,8 @@ def conv_rules(
         [
             (scope + "/kernel", (..., fsdp_axis, model_axis), "convolution: output channels split"),
             (scope + "/bias", (model_axis,), "bias of split output channels"),
-        ]
+        ],
+        optional=True,
     )
 
 

@@ -31,6 +31,8 @@ class Rule:
             `...` for "as many `None`s as needed".
         note: Why the rule exists (presets and the planner explain themselves
             here); shown in the plan.
+        optional: Whether matching nothing is expected (preset rules cover
+            layers a model may not have), so no `UnmatchedRuleWarning`.
     """
 
     index: int
@@ -38,6 +40,7 @@ class Rule:
     axes: Axes
     regex: re.Pattern = dataclasses.field(repr=False, compare=False)
     note: str = ""
+    optional: bool = False
 
     def expand(self, rank: int) -> Axes | None:
         """The layout for a variable of `rank`, or `None` if the rule cannot fit it.
@@ -85,6 +88,8 @@ class LayoutRules(keras.distribution.LayoutMap):
         rules: `(pattern, axes)` pairs in priority order, or a mapping of
             pattern to axes (kept in its order).
         mesh: Optional mesh to validate against and to build layouts on.
+        optional: Mark every rule as optional: matching no variable is
+            expected and draws no `UnmatchedRuleWarning` (presets use this).
 
     Raises:
         InvalidRuleError: a pattern is not a valid regular expression or is
@@ -110,6 +115,7 @@ class LayoutRules(keras.distribution.LayoutMap):
         rules: Iterable[tuple[str, Sequence[str | None]]] | Mapping[str, Sequence[str | None]] = (),
         *,
         mesh: keras.distribution.DeviceMesh | None = None,
+        optional: bool = False,
     ) -> None:
         if mesh is not None and not isinstance(mesh, keras.distribution.DeviceMesh):
             raise InvalidRuleError(
@@ -122,6 +128,7 @@ class LayoutRules(keras.distribution.LayoutMap):
                 f"axes. Received: {rules!r}."
             )
         super().__init__(mesh)
+        self._optional = optional
         self._rules: list[Rule] = []
         self._layouts: dict[int, keras.distribution.TensorLayout] = {}
         items = rules.items() if isinstance(rules, Mapping) else rules
@@ -158,7 +165,7 @@ class LayoutRules(keras.distribution.LayoutMap):
     def unmatched(self, paths: Iterable[str]) -> list[Rule]:
         """The variable rules that match none of `paths`: likely typos."""
         hit = {rule.index for rule in map(self.match, paths) if rule is not None}
-        return [r for r in self._rules if not r.for_outputs and r.index not in hit]
+        return [r for r in self._rules if not r.for_outputs and not r.optional and r.index not in hit]
 
     def validate(self, mesh: keras.distribution.DeviceMesh) -> None:
         """Checks every rule against `mesh`.
@@ -188,7 +195,12 @@ class LayoutRules(keras.distribution.LayoutMap):
                 f"with {mesh!r}. Fix: build the rules without mesh= and let "
                 "kml.ModelParallel bind them, or call bind() on an unbound copy."
             )
-        return LayoutRules([(r.pattern, r.axes, r.note) for r in self._rules], mesh=mesh)
+        bound = LayoutRules([(r.pattern, r.axes, r.note) for r in self._rules], mesh=mesh)
+        bound._rules = [
+            dataclasses.replace(b, optional=r.optional)
+            for b, r in zip(bound._rules, self._rules, strict=True)
+        ]
+        return bound
 
     @property
     def mesh(self) -> keras.distribution.DeviceMesh | None:
@@ -235,7 +247,9 @@ class LayoutRules(keras.distribution.LayoutMap):
         self._append(pattern, axes)
 
     def _append(self, pattern: str, axes: Sequence[str | None], note: str = "") -> None:
-        rule = _make_rule(len(self._rules), pattern, axes, self._rules, note)
+        rule = dataclasses.replace(
+            _make_rule(len(self._rules), pattern, axes, self._rules, note), optional=self._optional
+        )
         if self._device_mesh is not None:
             _check_axes_in_mesh(rule, self._device_mesh)
         self._rules.append(rule)

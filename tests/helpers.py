@@ -57,3 +57,33 @@ def trim(spec: PartitionSpec) -> tuple:
 def assert_same_weights(model: keras.Model, expected: list[np.ndarray]) -> None:
     for variable, want in zip(model.weights, expected, strict=True):
         np.testing.assert_allclose(np.asarray(variable.value), want, atol=1e-5, rtol=0, err_msg=variable.path)
+
+
+def build_encoder(kv_heads: int | None = None) -> keras.Model:
+    """One post-norm transformer encoder block with a pooled classifier."""
+    tokens = keras.Input((16,), dtype="int32")
+    hidden = keras.layers.Embedding(128, 64, name="token_embedding")(tokens)
+    if kv_heads is None:
+        attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16, name="attention")
+    else:
+        attention = keras.layers.GroupQueryAttention(16, 4, kv_heads, name="attention")
+    hidden = keras.layers.Add()([hidden, attention(hidden, hidden)])
+    hidden = keras.layers.LayerNormalization(name="attention_norm")(hidden)
+    ffn = keras.layers.Dense(256, activation="gelu", name="feedforward_intermediate_dense")(hidden)
+    ffn = keras.layers.Dense(64, name="feedforward_output_dense")(ffn)
+    hidden = keras.layers.LayerNormalization(name="feedforward_norm")(keras.layers.Add()([hidden, ffn]))
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(tokens, keras.layers.Dense(10, name="head")(pooled), name="encoder")
+
+
+def build_convnet() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu", name="conv_1"),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu", name="conv_2"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10, name="head"),
+        ],
+        name="convnet",
+    )

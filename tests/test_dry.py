@@ -1,0 +1,168 @@
+"""Dry planning and the memory budget.
+
+The dry plan must equal the plan of the model really built (and compiled,
+with its optimizer built) under the same distribution; memory figures are
+checked against sums worked out by hand.
+"""
+
+from __future__ import annotations
+
+import keras
+import pytest
+from helpers import build_convnet, build_encoder
+
+import keras_meshlayout as kml
+
+MLP_RULES = [
+    (r".*hidden_1/kernel", (None, "model")),
+    (r".*hidden_1/bias", ("model",)),
+    (r".*/kernel", ("model", None)),
+]
+
+
+def build_mlp() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((32,)),
+            keras.layers.Dense(256, activation="relu", name="hidden_1"),
+            keras.layers.Dense(128, activation="relu", name="hidden_2"),
+            keras.layers.Dense(10, name="head"),
+        ],
+        name="mlp",
+    )
+
+
+def build_unnamed() -> keras.Model:
+    """Layer names left to Keras: a dry build must not use them up."""
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(64), keras.layers.Dense(8)])
+
+
+def real_plan(build, distribution: kml.ModelParallel, optimizer) -> kml.Plan:
+    with distribution.scope():
+        model = build()
+        model.compile(optimizer=optimizer, loss="mse")
+        model.optimizer.build(model.trainable_variables)
+    return distribution.plan(model)
+
+
+@pytest.mark.parametrize(
+    "build, rules, optimizer",
+    [
+        (build_mlp, MLP_RULES, "adam"),
+        (build_mlp, MLP_RULES, "adafactor"),
+        (build_encoder, kml.transformer_rules(), "lion"),
+        (lambda: build_encoder(kv_heads=2), "auto", "sgd"),
+        (build_convnet, kml.conv_rules(), "adamw"),
+        (build_unnamed, [(r".*dense(_\d+)?/kernel", (None, "model"))], "rmsprop"),
+    ],
+    ids=["mlp-adam", "mlp-adafactor", "encoder-lion", "gqa-auto-sgd", "convnet-adamw", "unnamed-rmsprop"],
+)
+def test_dry_plan_equals_the_real_plan(build, rules, optimizer):
+    mesh = kml.Mesh(data=2, model=4)
+    if rules == "auto":
+        rules = kml.auto_rules(build(), mesh)
+    distribution = kml.ModelParallel(mesh, rules, replicate_below=0)
+    dry = kml.dry_plan(build, distribution, optimizer=optimizer)
+    real = real_plan(build, distribution, optimizer)
+    assert dry.to_dict() == real.to_dict()
+    assert len(dry) > 0
+
+
+def test_dry_plan_allocates_nothing_and_leaves_no_trace():
+    from keras.src.backend.common import global_state
+
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4))
+    before = list(global_state.get_global_attribute("uninitialized_variables") or [])
+    kml.dry_plan(build_unnamed, distribution, optimizer="adam")
+    assert list(global_state.get_global_attribute("uninitialized_variables") or []) == before
+    assert keras.distribution.distribution() is None
+
+
+# Per device on data=2 × model=4 with MLP_RULES, float32: hidden_1 kernel and bias
+# split 4 ways, hidden_2 kernel row-split 4 ways, the rest (hidden_2 bias, the small
+# head) replicated.
+PARAMS = 32 * 256 + 256 + 256 * 128 + 128 * 4 + 128 * 10 * 4 + 10 * 4
+COUNTERS = 4 + 4  # int32 iteration and float32 learning rate
+
+
+@pytest.mark.parametrize(
+    "optimizer, slots",
+    [
+        (keras.optimizers.SGD(), 0),
+        (keras.optimizers.SGD(momentum=0.9), 1),
+        (keras.optimizers.Adam(), 2),
+        (keras.optimizers.Adam(amsgrad=True), 3),
+        (keras.optimizers.AdamW(), 2),
+        (keras.optimizers.Lion(), 1),
+    ],
+    ids=["sgd", "sgd-momentum", "adam", "adam-amsgrad", "adamw", "lion"],
+)
+def test_memory_by_hand(optimizer, slots):
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), MLP_RULES)
+    memory = kml.dry_plan(build_mlp, distribution, optimizer=optimizer).memory()
+    assert (memory.parameters, memory.gradients) == (PARAMS, PARAMS)
+    assert memory.optimizer == slots * PARAMS + COUNTERS
+    assert memory.total == 2 * PARAMS + memory.optimizer
+    assert memory.capacity is None and memory.fits is None
+
+
+def test_adafactor_memory_by_hand():
+    """Adafactor keeps a full velocity plus row and column statistics of each matrix."""
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), MLP_RULES)
+    memory = kml.dry_plan(build_mlp, distribution, optimizer="adafactor").memory()
+    factored = (32 + 256) + (256 + 128) + (128 + 10)  # replicated: optimizer statistics follow no rule
+    placeholders = 3 * 2 * 4  # two int32 scalars per bias
+    assert memory.optimizer == PARAMS + factored * 4 + placeholders + COUNTERS
+
+
+def test_bfloat16_variables_halve_the_state():
+    def build_bf16():
+        keras.config.set_dtype_policy("bfloat16")
+        try:
+            return build_mlp()
+        finally:
+            keras.config.set_dtype_policy("float32")
+
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), MLP_RULES)
+    memory = kml.dry_plan(build_bf16, distribution, optimizer="adam").memory()
+    assert (memory.parameters, memory.optimizer) == (PARAMS // 2, PARAMS + COUNTERS)
+
+
+def test_mixed_precision_keeps_float32_state():
+    """Under mixed_bfloat16 variables, gradients and slots stay float32."""
+
+    def build_mixed():
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        try:
+            return build_mlp()
+        finally:
+            keras.config.set_dtype_policy("float32")
+
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), MLP_RULES)
+    memory = kml.dry_plan(build_mixed, distribution, optimizer="adam").memory()
+    assert (memory.parameters, memory.gradients, memory.optimizer) == (PARAMS, PARAMS, 2 * PARAMS + COUNTERS)
+
+
+def test_guard_names_the_largest_replicated_variables():
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4))  # no rules: all replicated
+    plan = kml.dry_plan(build_mlp, distribution, optimizer="adam")
+    with pytest.raises(kml.MemoryBudgetError) as info:
+        plan.check()
+    message = str(info.value)
+    assert "100% of each device's training state" in message
+    first = message.splitlines()[2]
+    assert first.startswith("  mlp/hidden_2/kernel (256, 128) float32: 256.0 KiB per device")
+    assert "dim 0 (256) over data (2) or model (4); dim 1 (128) over data (2) or model (4)" in first
+    assert "Fix:" in message
+    plan.check(max_replicated_fraction=1.0)
+
+
+def test_guard_checks_the_device_capacity():
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), MLP_RULES)
+    plan = kml.dry_plan(build_mlp, distribution, optimizer="adam")
+    plan.check(device_memory="1MiB")
+    with pytest.raises(kml.MemoryBudgetError, match=r"more than the 100.0 KiB available"):
+        plan.check(device_memory="100KiB")
+    assert plan.memory("1MB").fits is True
+    with pytest.raises(kml.InvalidOptionError, match="Cannot read a memory size"):
+        plan.memory("lots")
