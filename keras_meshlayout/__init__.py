@@ -21,6 +21,7 @@ from ._comm import CommReport as CommReport
 from ._comm import Transfer as Transfer
 from ._comm import comm_report as comm_report
 from ._distribution import ModelParallel as ModelParallel
+from ._dry import dry_build as dry_build
 from ._dry import dry_plan as dry_plan
 from ._errors import DevicesAlreadyInitializedError as DevicesAlreadyInitializedError
 from ._errors import IndivisibleBatchError as IndivisibleBatchError
@@ -39,6 +40,7 @@ from ._memory import MemoryEstimate as MemoryEstimate
 from ._memory import check_plan as check_plan
 from ._mesh import Mesh as Mesh
 from ._plan import Plan as Plan
+from ._plan import plan_model as plan_model
 from ._presets import conv_rules as conv_rules
 from ._presets import mlp_rules as mlp_rules
 from ._presets import transformer_rules as transformer_rules
@@ -76,9 +78,11 @@ __all__ = [
     "UnsupportedBackendError",
     "auto_rules",
     "check_plan",
+    "dry_build",
     "dry_plan",
     "conv_rules",
     "emulate_devices",
     "mlp_rules",
+    "plan_model",
     "transformer_rules",
 ]

@@ -1,36 +1,363 @@
-"""The `keras-meshlayout` command line (also `python -m keras_meshlayout`)."""
+"""The `keras-meshlayout` command line (also `python -m keras_meshlayout`).
+
+Commands: `devices` (what JAX sees, and the meshes that fit), `plan` (the plan
+of a model on a mesh, built without allocating weights, with its memory per
+device; exit status 0 when the plan is valid, so it can gate a CI job), and
+`demo` (trains an MLP on a 2×4 mesh).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import json
 import sys
-from collections.abc import Sequence
+import warnings
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
-from ._errors import MeshLayoutError
+from ._errors import MemoryBudgetError, MeshLayoutError, MeshLayoutWarning
 
-#: Exit status for a rejected input (a `MeshLayoutError`), distinct from crashes.
+#: The plan is valid.
+EXIT_OK = 0
+#: The plan was made but fails a check: the memory budget, the replication
+#: guard, or (with `--strict`) a warning such as a rule that matched nothing.
+EXIT_PLAN_FAILS = 1
+#: The input was rejected: a bad mesh, rule, model or option.
 EXIT_INVALID = 2
+
+_EXIT_HELP = (
+    f"exit status: {EXIT_OK} valid, {EXIT_PLAN_FAILS} the plan fails a check, {EXIT_INVALID} invalid input."
+)
+
+PRESETS = ("transformer", "conv", "mlp:LAYER,LAYER,...")
+
+_RULES_FILE_HELP = """\
+rules files:
+  JSON   a list of [pattern, axes] pairs (axes: mesh-axis names or null), e.g.
+         [[".*dense_1/kernel", [null, "model"]], [".*dense_1/bias", ["model"]]]
+         or {"rules": [...]}.
+  Python a module defining RULES (a list of (pattern, axes) pairs or a
+         kml.LayoutRules), or a function rules(model, mesh) returning either.
+"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except MemoryBudgetError as err:
+        print(f"plan fails: {err}", file=sys.stderr)
+        return EXIT_PLAN_FAILS
+    except (MeshLayoutError, _InputError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+class _InputError(Exception):
+    """A model, rules file or option the command line cannot use."""
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-meshlayout",
         description="Named device meshes and checked layout rules for Keras on JAX.",
+        epilog=_EXIT_HELP,
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    devices = commands.add_parser(
+        "devices",
+        help="list the devices JAX sees and the meshes that fit them",
+        description="List devices (platform, kind, process, topology coordinates, memory) and the 1-D "
+        "and 2-D meshes that fit them.",
+    )
+    _add_emulate(devices)
+    devices.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    devices.set_defaults(run=_devices)
+
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model on a mesh without allocating its weights",
+        description="Build the model with its weights deferred, resolve every variable's layout "
+        "exactly as kml.ModelParallel would, and print the plan with the training-state memory per "
+        "device. Exits 0 when the plan is valid.",
+        epilog=_RULES_FILE_HELP + "\n" + _EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("--mesh", required=True, help='mesh spec: "2x4", "8" or "data=2,model=4" (-1 infers)')
+    plan.add_argument(
+        "--model",
+        required=True,
+        help="a saved model (PATH.keras: only its config is read) or a builder MODULE:FUNCTION "
+        "(or FILE.py:FUNCTION) returning a Keras model",
+    )
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--rules", metavar="FILE", help="rules from a JSON or Python file (see below)")
+    source.add_argument("--preset", metavar="NAME", help=f"preset rules: {', '.join(PRESETS)}")
+    source.add_argument("--auto", action="store_true", help="rules from kml.auto_rules")
+    plan.add_argument(
+        "--optimizer", default=None, help="plan this optimizer's state too, e.g. adam, sgd, adafactor"
+    )
+    plan.add_argument(
+        "--batch-axis", default=None, help="mesh axis the batch is split over (default: the first)"
+    )
+    plan.add_argument("--model-axis", default="model", help="tensor-parallel axis for --auto and presets")
+    plan.add_argument("--on-indivisible", choices=("replicate", "error"), default="replicate")
+    plan.add_argument("--replicate-below", type=int, default=None, help="small-matrix threshold in elements")
+    plan.add_argument(
+        "--device-memory", default=None, help='device capacity, e.g. "80GB" (default: from JAX)'
+    )
+    plan.add_argument(
+        "--max-replicated-fraction",
+        type=float,
+        default=0.5,
+        help="largest share of a device's state that may stay replicated though splittable (default 0.5)",
+    )
+    plan.add_argument(
+        "--strict", action="store_true", help="fail (exit 1) on warnings such as unmatched rules"
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_emulate(plan)
+    plan.set_defaults(run=_plan)
+
     demo = commands.add_parser(
         "demo",
         help="train an MLP on a 2x4 mesh (8 emulated CPU devices without accelerators) and print its plan",
+        description="Train a 32-256-128-10 MLP on a data=2, model=4 mesh and print its plan and the "
+        "communication of one training step.",
     )
     demo.add_argument("--steps", type=int, default=20, help="training steps per epoch (default: 20)")
     demo.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "demo":
-            from ._demo import run_demo
+    demo.set_defaults(run=_demo)
+    return parser
 
-            run_demo(steps=args.steps, batch_size=args.batch_size)
-    except MeshLayoutError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_INVALID
-    return 0
+
+def _add_emulate(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--emulate-devices",
+        type=int,
+        default=8,
+        metavar="N",
+        help="CPU devices to emulate (default 8); accelerators, if present, stay the default devices",
+    )
+
+
+# -- devices ---------------------------------------------------------------------------
+
+
+def _devices(args: argparse.Namespace) -> int:
+    from ._backend import emulate_devices
+
+    emulate_devices(args.emulate_devices)
+    import jax
+
+    devices = jax.devices()
+    rows = [_device_row(d) for d in devices]
+    meshes = _meshes_that_fit(len(devices))
+    if args.json:
+        print(json.dumps({"process_count": jax.process_count(), "devices": rows, "meshes": meshes}, indent=2))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(devices)} devices, {jax.process_count()} process(es)", title_justify="left")
+    for column in ("id", "platform", "kind", "process", "coords", "memory"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(row[key]) if row[key] is not None else "-" for key in row))
+    console = Console()
+    console.print(table)
+    console.print("Meshes that fit: " + "  ".join(meshes))
+    return EXIT_OK
+
+
+def _device_row(device: Any) -> dict[str, Any]:
+    from ._plan import format_bytes
+
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    coords = getattr(device, "coords", None)
+    return {
+        "id": device.id,
+        "platform": device.platform,
+        "kind": device.device_kind,
+        "process": device.process_index,
+        "coords": list(coords) if coords is not None else None,
+        "memory": format_bytes(limit) if limit else None,
+    }
+
+
+def _meshes_that_fit(count: int) -> list[str]:
+    return [str(count)] + [f"{d}x{count // d}" for d in range(1, count + 1) if count % d == 0]
+
+
+# -- plan ------------------------------------------------------------------------------
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from ._backend import emulate_devices
+
+    emulate_devices(args.emulate_devices)
+    from ._auto import auto_rules
+    from ._distribution import ModelParallel
+    from ._dry import dry_build, dry_plan
+    from ._mesh import Mesh
+    from ._resolve import DEFAULT_REPLICATE_BELOW
+
+    mesh = Mesh.parse(args.mesh)
+    build = _load_builder(args.model)
+    if args.auto:
+        with dry_build(build) as model:
+            rules = auto_rules(model, mesh, model_axis=args.model_axis)
+    elif args.preset:
+        rules = _preset(args.preset, args.model_axis)
+    elif args.rules:
+        rules = _rules_file(args.rules, build, mesh)
+    else:
+        rules = None
+    replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
+    distribution = ModelParallel(
+        mesh,
+        rules,
+        batch_axis=args.batch_axis,
+        on_indivisible=args.on_indivisible,
+        replicate_below=replicate_below,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MeshLayoutWarning)
+        plan = dry_plan(build, distribution, optimizer=args.optimizer)
+    messages = sorted({str(w.message) for w in caught if issubclass(w.category, MeshLayoutWarning)})
+    failure = None
+    try:
+        plan.check(max_replicated_fraction=args.max_replicated_fraction, device_memory=args.device_memory)
+    except MemoryBudgetError as err:
+        failure = str(err)
+    if args.json:
+        data = plan.to_dict()
+        data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
+        data["warnings"] = messages
+        data["valid"] = failure is None and not (args.strict and messages)
+        data["failure"] = failure
+        print(json.dumps(data, indent=2))
+    else:
+        from rich.console import Console
+
+        console = Console(width=max(120, Console().width))
+        console.print(plan)
+        for message in messages:
+            console.print(f"warning: {message}", style="yellow", markup=False)
+    if failure is not None:
+        print(f"plan fails: {failure}", file=sys.stderr)
+        return EXIT_PLAN_FAILS
+    if args.strict and messages:
+        print(f"plan fails: {len(messages)} warning(s) with --strict", file=sys.stderr)
+        return EXIT_PLAN_FAILS
+    return EXIT_OK
+
+
+def _load_builder(spec: str) -> Callable[[], Any]:
+    """A zero-argument function building the model named by `--model`."""
+    if spec.endswith(".keras"):
+        path = Path(spec)
+        if not path.is_file():
+            raise _InputError(f"--model {spec}: no such file.")
+        try:
+            with zipfile.ZipFile(path) as archive:
+                config = json.loads(archive.read("config.json"))
+        except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as err:
+            raise _InputError(f"--model {spec} is not a Keras archive with a config.json ({err}).") from None
+
+        def build() -> Any:
+            import keras
+
+            return keras.saving.deserialize_keras_object(config)
+
+        return build
+    module_name, sep, function = spec.rpartition(":")
+    if not sep or not module_name or not function:
+        raise _InputError(
+            f"--model {spec!r}: give a saved model (PATH.keras) or a builder as MODULE:FUNCTION "
+            "or FILE.py:FUNCTION."
+        )
+    module = _import(module_name, "--model")
+    builder = getattr(module, function, None)
+    if not callable(builder):
+        raise _InputError(f"--model {spec!r}: {module_name} has no function {function!r}.")
+    return builder
+
+
+def _import(name: str, option: str) -> Any:
+    try:
+        if name.endswith(".py"):
+            path = Path(name)
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or not path.is_file():
+                raise _InputError(f"{option} {name}: no such file.")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise _InputError(f"{option} {name}: cannot import it ({err}).") from None
+
+
+def _preset(name: str, model_axis: str) -> Any:
+    from ._presets import conv_rules, mlp_rules, transformer_rules
+
+    kind, _, layers = name.partition(":")
+    if kind == "transformer" and not layers:
+        return transformer_rules(model_axis=model_axis)
+    if kind == "conv" and not layers:
+        return conv_rules(model_axis=model_axis)
+    if kind == "mlp" and layers:
+        return mlp_rules(layers.split(","), model_axis=model_axis)
+    raise _InputError(f"--preset {name!r}: unknown preset. Choose one of: {', '.join(PRESETS)}.")
+
+
+def _rules_file(name: str, build: Callable[[], Any], mesh: Any) -> Any:
+    path = Path(name)
+    if not path.is_file():
+        raise _InputError(f"--rules {name}: no such file.")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise _InputError(f"--rules {name} is not valid JSON: {err}.") from None
+        rules = data.get("rules") if isinstance(data, dict) else data
+        if not isinstance(rules, list):
+            raise _InputError(
+                f"--rules {name}: expected a list of [pattern, axes] pairs or {{'rules': [...]}}."
+            )
+        return [tuple(_json_rule(entry, name)) for entry in rules]
+    if path.suffix == ".py":
+        module = _import(name, "--rules")
+        if callable(getattr(module, "rules", None)):
+            from ._dry import dry_build
+
+            with dry_build(build) as model:
+                return module.rules(model, mesh)
+        if hasattr(module, "RULES"):
+            return module.RULES
+        raise _InputError(f"--rules {name} defines neither RULES nor a function rules(model, mesh).")
+    raise _InputError(f"--rules {name}: use a .json or .py file.")
+
+
+def _json_rule(entry: Any, name: str) -> tuple:
+    if not isinstance(entry, list) or len(entry) not in (2, 3) or not isinstance(entry[1], list):
+        raise _InputError(f"--rules {name}: each rule must be [pattern, [axes...]]; got {entry!r}.")
+    return (entry[0], tuple(entry[1]), *entry[2:])
+
+
+# -- demo ------------------------------------------------------------------------------
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ._demo import run_demo
+
+    run_demo(steps=args.steps, batch_size=args.batch_size)
+    return EXIT_OK

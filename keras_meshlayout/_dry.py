@@ -74,6 +74,21 @@ def dry_plan(
         return plan_model(distribution, model, optimizer=optimizer, optimizer_variables=slots)
 
 
+@contextlib.contextmanager
+def dry_build(build: Callable[[], keras.Model]) -> Iterator[keras.Model]:
+    """The model `build()` returns, with no variable allocated, for reading its structure.
+
+    Inside the block the model's layers, graph and variable shapes can be read
+    (`kml.auto_rules` does); nothing may run it. Names are handed back after.
+    """
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    with _names_handed_back(), _deferred_variables():
+        with StatelessScope(initialize_variables=False):
+            model = build()
+        yield model
+
+
 @dataclasses.dataclass(frozen=True)
 class _AbstractVariable:
     path: str
