@@ -58,7 +58,9 @@ def auto_rules(
 ) -> LayoutRules:
     """Derives layout rules for a built model on a mesh, explaining each decision.
 
-    Every rule matches one variable path exactly and carries a note saying why
+    Every rule matches one variable path exactly (with or without the model's
+    name in front, which a Sequential model loses when reloaded from a
+    `.keras` file) and carries a note saying why
     (shown in `dist.plan(model)`). Pass the result to `kml.ModelParallel`.
 
     Args:
@@ -85,9 +87,9 @@ def auto_rules(
         >>> rules = kml.auto_rules(model, kml.Mesh(data=2, model=4))
         >>> for rule in rules.rules[:3]:
         ...     print(rule.pattern, rule.axes)
-        mlp/up/kernel (None, 'model')
-        mlp/up/bias ('model',)
-        mlp/down/kernel ('model', None)
+        (?:mlp/)?up/kernel (None, 'model')
+        (?:mlp/)?up/bias ('model',)
+        (?:mlp/)?down/kernel ('model', None)
         >>> rules.rules[2].note
         'row-parallel: up → down, input features split; one all-reduce forward, one backward'
         >>> rules.rules[-2].note
@@ -128,7 +130,18 @@ class _Planner:
     def decide(self, variable: keras.Variable, axes: Axes, note: str) -> None:
         if variable.path not in self.decided:
             self.decided.add(variable.path)
-            self.rules.append((re.escape(variable.path), tuple(axes), note))
+            self.rules.append((self._pattern(variable.path), tuple(axes), note))
+
+    def _pattern(self, path: str) -> str:
+        """The variable's path, tolerant of the model-name scope.
+
+        A Sequential model built in code puts its name first (`mlp/fc1/kernel`);
+        the same model loaded from a `.keras` file does not (`fc1/kernel`).
+        """
+        prefix = self.model.name + "/"
+        if path.startswith(prefix):
+            return f"(?:{re.escape(prefix)})?{re.escape(path[len(prefix) :])}"
+        return re.escape(path)
 
     # -- attention ----------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def mesh() -> kml.Mesh:
 def test_auto_rules_pair_an_mlp_stack_like_the_preset(mesh):
     probe = build_mlp_stack()
     auto = kml.auto_rules(probe, mesh)
-    decisions = {rule.pattern: rule.axes for rule in auto.rules}
+    decisions = {path: auto.match(path).axes for path in (w.path for w in probe.weights)}
     assert decisions == {
         "stack/up_1/kernel": (None, "model"),
         "stack/up_1/bias": ("model",),
@@ -86,6 +86,8 @@ def test_auto_rules_pair_an_mlp_stack_like_the_preset(mesh):
         "stack/head/kernel": (None, None),
         "stack/head/bias": (None,),
     }
+    # The same rules hold for the model reloaded from a .keras file, whose paths lose "stack/".
+    assert auto.match("up_1/kernel").axes == (None, "model")
     preset = kml.mlp_rules(["up_1", "down_1", "up_2", "down_2"])
     auto_report = compiled_traffic(build_mlp_stack, auto, mesh)
     preset_report = compiled_traffic(build_mlp_stack, preset, mesh)
