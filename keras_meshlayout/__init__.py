@@ -17,12 +17,18 @@ if "keras" not in __import__("sys").modules:
 
 from ._auto import auto_rules as auto_rules
 from ._backend import emulate_devices as emulate_devices
+from ._checkpoint import LayoutChange as LayoutChange
+from ._checkpoint import PlanDiff as PlanDiff
+from ._checkpoint import load_checkpoint as load_checkpoint
+from ._checkpoint import plan_diff as plan_diff
+from ._checkpoint import save_checkpoint as save_checkpoint
 from ._comm import CommReport as CommReport
 from ._comm import Transfer as Transfer
 from ._comm import comm_report as comm_report
 from ._distribution import ModelParallel as ModelParallel
 from ._dry import dry_build as dry_build
 from ._dry import dry_plan as dry_plan
+from ._errors import CheckpointError as CheckpointError
 from ._errors import DevicesAlreadyInitializedError as DevicesAlreadyInitializedError
 from ._errors import IndivisibleBatchError as IndivisibleBatchError
 from ._errors import IndivisibleShapeError as IndivisibleShapeError
@@ -52,6 +58,12 @@ from ._rules import Rule as Rule
 __version__ = importlib.metadata.version("keras_meshlayout")
 
 __all__ = [
+    "CheckpointError",
+    "LayoutChange",
+    "PlanDiff",
+    "load_checkpoint",
+    "plan_diff",
+    "save_checkpoint",
     "CommReport",
     "Transfer",
     "comm_report",

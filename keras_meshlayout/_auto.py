@@ -54,6 +54,7 @@ def auto_rules(
     mesh: keras.distribution.DeviceMesh,
     *,
     model_axis: str = "model",
+    batch_axis: str | None = None,
     replicate_below: int = DEFAULT_REPLICATE_BELOW,
 ) -> LayoutRules:
     """Derives layout rules for a built model on a mesh, explaining each decision.
@@ -67,6 +68,8 @@ def auto_rules(
         model: A built Keras model (any distribution, or none).
         mesh: The mesh the rules are for.
         model_axis: The mesh axis for tensor parallelism.
+        batch_axis: The mesh axis the batch is split over (for the layer-output
+            rules of grouped-query attention). Defaults to the first other axis.
         replicate_below: Projections whose kernels have fewer elements stay
             replicated (as in `kml.ModelParallel`).
 
@@ -101,7 +104,9 @@ def auto_rules(
             f"{tuple(mesh.axis_names)}. Fix: pass model_axis= one of them."
         )
     size = dict(zip(mesh.axis_names, mesh.shape, strict=True))[model_axis]
-    planner = _Planner(model, model_axis, size, replicate_below)
+    if batch_axis is None:
+        batch_axis = next((axis for axis in mesh.axis_names if axis != model_axis), None)
+    planner = _Planner(model, model_axis, size, replicate_below, batch_axis)
     planner.plan_attention()
     planner.plan_projections()
     planner.plan_by_name()
@@ -109,8 +114,11 @@ def auto_rules(
 
 
 class _Planner:
-    def __init__(self, model: keras.Model, axis: str, size: int, replicate_below: int) -> None:
+    def __init__(
+        self, model: keras.Model, axis: str, size: int, replicate_below: int, batch_axis: str | None
+    ) -> None:
         self.model = model
+        self.batch_axis = batch_axis
         self.axis = axis
         self.size = size
         self.replicate_below = replicate_below
@@ -171,6 +179,7 @@ class _Planner:
                     f"grouped-query attention: {kv_heads} key/value heads do not divide by "
                     f"{self.axis!r} ({self.size}), so every device keeps them all",
                 )
+                self._keep_output_whole(variable.path.rsplit("/", 1)[0])
             elif part in ("query", "key", "value"):
                 axes = (whole, split, whole) if name == "kernel" else (split, whole)
                 self.decide(variable, axes, f"attention {part}: heads split ({heads} heads)")
@@ -186,6 +195,18 @@ class _Planner:
                     (None,) * len(variable.shape),
                     "attention output bias: added after the all-reduce",
                 )
+
+    def _keep_output_whole(self, layer_path: str) -> None:
+        """Keeps a replicated key/value projection's output whole over the model axis.
+
+        Otherwise XLA splits the replicated projection's gradient over the
+        devices that share a key/value head and all-gathers the weights (and
+        their optimizer slots) every step.
+        """
+        pattern = self._pattern(layer_path) + "/output"
+        if pattern not in {rule[0] for rule in self.rules}:
+            note = "grouped-query attention: key/value output kept whole over the model axis"
+            self.rules.append((pattern, (self.batch_axis, None, None, None), note))
 
     # -- projection pairs -------------------------------------------------------------
 

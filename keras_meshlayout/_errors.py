@@ -18,6 +18,7 @@ __all__ = [
     "IndivisibleBatchError",
     "UnsupportedBackendError",
     "MemoryBudgetError",
+    "CheckpointError",
     "DevicesAlreadyInitializedError",
     "MeshLayoutWarning",
     "IndivisibleShapeWarning",
@@ -79,6 +80,13 @@ class IndivisibleBatchError(MeshLayoutError):
 
 class MemoryBudgetError(MeshLayoutError):
     """A plan keeps too much replicated, or its training state does not fit a device."""
+
+
+class CheckpointError(MeshLayoutError):
+    """A checkpoint is missing, half-written, corrupt, or made for another model.
+
+    Raised before anything is loaded: the model in memory is left as it was.
+    """
 
 
 class UnsupportedBackendError(MeshLayoutError):

@@ -28,13 +28,13 @@ EmbeddingLayout = Literal["replicated", "vocab", "hidden"]
 #: (row-parallel), by the names common in Keras and keras-hub model code.
 FFN_COLUMN = (
     r"ffw_gating\w*",
-    r"feedforward_(?:gate|intermediate|up)_dense",
-    r"\w*(?:gate|up|intermediate|fc1|wi\w*)_dense",
+    r"\w*feedforward_(?:gate|intermediate|up)_dense",
+    r"(?:\w*_)?(?:gate|up|intermediate|fc1|wi(?:_\d+)?)_dense",
 )
 FFN_ROW = (
     r"ffw_linear",
-    r"feedforward_output_dense",
-    r"\w*(?:down|fc2|wo)_dense",
+    r"\w*feedforward_output_dense",
+    r"(?:\w*_)?(?:down|fc2|wo)_dense",
 )
 
 

@@ -124,6 +124,11 @@ def test_grouped_query_attention_replicates_key_value_heads(mesh):
     assert axes["attention/query/kernel"] == (None, "model", None)
     assert axes["attention/key/kernel"] == (None, None, None)
     assert "2 key/value heads" in auto.match("attention/value/kernel").note
+    # Their outputs stay whole over `model`, or XLA all-gathers the replicated weights each step.
+    assert auto.match("attention/key/output").axes == ("data", None, None, None)
+    report = compiled_traffic(lambda: build_encoder(kv_heads=2), auto, mesh, replicate_below=0)
+    weight_shapes = {tuple(w.shape) for w in probe.weights}
+    assert [t.shape for t in report.transfers if t.kind == "all-gather" and t.shape in weight_shapes] == []
 
     reference = Reference(lambda: build_encoder(kv_heads=2), data_for(probe), BATCH)
     distribution = kml.ModelParallel(mesh, auto, replicate_below=0)
