@@ -177,7 +177,7 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _device_row(device: Any) -> dict[str, Any]:
-    from ._plan import format_bytes
+    from ._render import format_bytes
 
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")

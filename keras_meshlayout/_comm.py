@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import io
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._hlo import Collective, parse_collectives, wire_bytes
-from ._plan import format_bytes
+from ._render import format_bytes, to_text
 
 if TYPE_CHECKING:
     import keras
@@ -153,11 +152,7 @@ class CommReport:
             )
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        buffer = io.StringIO()
-        Console(file=buffer, width=140, force_terminal=False, color_system=None).print(self)
-        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+        return to_text(self, width=140)
 
 
 def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = None) -> CommReport:

@@ -15,6 +15,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ._errors import InvalidOptionError, MemoryBudgetError
+from ._render import format_bytes
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -165,6 +166,4 @@ def _axes_that_split(entry: Resolution, axis_sizes: dict[str, int]) -> str:
 
 
 def _gb(count: float | None) -> str:
-    from ._plan import format_bytes
-
     return "unknown" if count is None else format_bytes(count)

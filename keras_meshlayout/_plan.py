@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import UnmatchedRuleWarning
 from ._memory import MemoryEstimate, check_plan, memory_of
+from ._render import format_axes, format_bytes, to_text
 from ._resolve import Resolution
 from ._rules import Axes, Rule
 
@@ -192,11 +192,7 @@ class Plan:
             yield Text(f"warning: {line}", style="yellow")
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        buffer = io.StringIO()
-        Console(file=buffer, width=160, force_terminal=False, color_system=None).print(self)
-        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+        return to_text(self, width=160)
 
 
 def plan_model(
@@ -344,19 +340,3 @@ def _why_cell(entry: Resolution) -> str:
     if entry.source == "default":
         return "no rule matched"
     return note
-
-
-def format_axes(axes: tuple) -> str:
-    """`(None, 'model')` → `(None, model)`; `(256, 128)` → `(256, 128)`."""
-    inner = ", ".join("None" if a is None else str(a) for a in axes)
-    return f"({inner},)" if len(axes) == 1 else f"({inner})"
-
-
-def format_bytes(count: float) -> str:
-    """Bytes in binary units: `format_bytes(1536)` → `'1.5 KiB'`."""
-    units = ["B", "KiB", "MiB", "GiB", "TiB"]
-    power = 0
-    while abs(count) >= 1024 and power < len(units) - 1:
-        count /= 1024
-        power += 1
-    return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"

@@ -10,6 +10,27 @@ import keras_meshlayout as kml
 
 BATCH = 64
 
+#: Column-parallel first hidden layer, row-parallel second. The last rule also
+#: matches the classifier head, which stays replicated because it is small.
+MLP_RULES = [
+    (r".*hidden_1/kernel", (None, "model")),
+    (r".*hidden_1/bias", ("model",)),
+    (r".*/kernel", ("model", None)),
+]
+
+
+def build_mlp() -> keras.Model:
+    """The 32 → 256 → 128 → 10 classifier of the issue."""
+    return keras.Sequential(
+        [
+            keras.Input((32,)),
+            keras.layers.Dense(256, activation="relu", name="hidden_1"),
+            keras.layers.Dense(128, activation="relu", name="hidden_2"),
+            keras.layers.Dense(10, name="head"),
+        ],
+        name="mlp",
+    )
+
 
 def train(build, weights, data, distribution=None, batch_size=BATCH) -> keras.Model:
     """Builds, loads `weights`, and fits for one epoch without shuffling."""

@@ -9,27 +9,9 @@ from __future__ import annotations
 
 import keras
 import pytest
-from helpers import build_convnet, build_encoder
+from helpers import MLP_RULES, build_convnet, build_encoder, build_mlp
 
 import keras_meshlayout as kml
-
-MLP_RULES = [
-    (r".*hidden_1/kernel", (None, "model")),
-    (r".*hidden_1/bias", ("model",)),
-    (r".*/kernel", ("model", None)),
-]
-
-
-def build_mlp() -> keras.Model:
-    return keras.Sequential(
-        [
-            keras.Input((32,)),
-            keras.layers.Dense(256, activation="relu", name="hidden_1"),
-            keras.layers.Dense(128, activation="relu", name="hidden_2"),
-            keras.layers.Dense(10, name="head"),
-        ],
-        name="mlp",
-    )
 
 
 def build_unnamed() -> keras.Model:

@@ -838,6 +838,7 @@ def test_fit_rejects_a_short_last_batch_that_does_not_split(samples: int, batch_
 
 ERRORS = [
     kml.MemoryBudgetError,
+    kml.CheckpointError,
     kml.InvalidOptionError,
     kml.InvalidMeshError,
     kml.InvalidRuleError,

@@ -12,32 +12,20 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers import BATCH, Reference, assert_laid_out_as_planned, assert_same_weights, train, trim
+from helpers import (
+    BATCH,
+    MLP_RULES,
+    Reference,
+    assert_laid_out_as_planned,
+    assert_same_weights,
+    build_mlp,
+    train,
+    trim,
+)
 
 import keras_meshlayout as kml
 
 STEPS = 4
-
-#: Column-parallel first hidden layer, row-parallel second. The last rule also
-#: matches the classifier head, which stays replicated because it is small.
-MLP_RULES = [
-    (r".*hidden_1/kernel", (None, "model")),
-    (r".*hidden_1/bias", ("model",)),
-    (r".*/kernel", ("model", None)),
-]
-
-
-def build_mlp() -> keras.Model:
-    """The 32 → 256 → 128 → 10 classifier of the issue."""
-    return keras.Sequential(
-        [
-            keras.Input((32,)),
-            keras.layers.Dense(256, activation="relu", name="hidden_1"),
-            keras.layers.Dense(128, activation="relu", name="hidden_2"),
-            keras.layers.Dense(10, name="head"),
-        ],
-        name="mlp",
-    )
 
 
 def build_attention() -> keras.Model:

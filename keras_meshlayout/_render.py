@@ -1,0 +1,31 @@
+"""Text rendering shared by the plan, the reports and the pictures."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+
+def to_text(renderable: Any, width: int = 160) -> str:
+    """A `rich` renderable as plain text, trailing spaces trimmed."""
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, force_terminal=False, color_system=None).print(renderable)
+    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+
+
+def format_axes(axes: tuple) -> str:
+    """`(None, 'model')` → `(None, model)`; `(256, 128)` → `(256, 128)`."""
+    inner = ", ".join("None" if a is None else str(a) for a in axes)
+    return f"({inner},)" if len(axes) == 1 else f"({inner})"
+
+
+def format_bytes(count: float) -> str:
+    """Bytes in binary units: `format_bytes(1536)` → `'1.5 KiB'`."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    power = 0
+    while abs(count) >= 1024 and power < len(units) - 1:
+        count /= 1024
+        power += 1
+    return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"
