@@ -45,6 +45,12 @@ from ._errors import UnsupportedBackendError as UnsupportedBackendError
 from ._memory import MemoryEstimate as MemoryEstimate
 from ._memory import check_plan as check_plan
 from ._mesh import Mesh as Mesh
+from ._pictures import Picture as Picture
+from ._pictures import ShardBlock as ShardBlock
+from ._pictures import plot_plan as plot_plan
+from ._pictures import sharding_blocks as sharding_blocks
+from ._pictures import show_mesh as show_mesh
+from ._pictures import show_sharding as show_sharding
 from ._plan import Plan as Plan
 from ._plan import plan_model as plan_model
 from ._presets import conv_rules as conv_rules
@@ -82,10 +88,12 @@ __all__ = [
     "MeshLayoutError",
     "MeshLayoutWarning",
     "ModelParallel",
+    "Picture",
     "Plan",
     "RankMismatchError",
     "Resolution",
     "Rule",
+    "ShardBlock",
     "UnmatchedRuleWarning",
     "UnsupportedBackendError",
     "auto_rules",
@@ -95,6 +103,10 @@ __all__ = [
     "conv_rules",
     "emulate_devices",
     "mlp_rules",
+    "plot_plan",
+    "sharding_blocks",
+    "show_mesh",
+    "show_sharding",
     "plan_model",
     "transformer_rules",
 ]

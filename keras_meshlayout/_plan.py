@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,8 @@ from ._resolve import Resolution
 from ._rules import Axes, Rule
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import keras
     import rich.console
 
@@ -96,6 +99,19 @@ class Plan:
             max_replicated_fraction=max_replicated_fraction,
             device_memory=self.device_capacity if device_memory is None else device_memory,
         )
+
+    def plot(self, path: str | os.PathLike, **kw: Any) -> Path:
+        """Writes a picture of the plan: memory per device, the mesh, the largest variables.
+
+        Needs matplotlib (`pip install "keras_meshlayout[plot]"`). See
+        `kml.plot_plan` for the options (`top`, `mesh`, `device_memory`).
+
+        Returns:
+            The path written.
+        """
+        from ._pictures import plot_plan
+
+        return plot_plan(self, path, **kw)
 
     def __getitem__(self, path: str) -> Resolution:
         for entry in self.entries:

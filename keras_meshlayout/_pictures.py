@@ -1,0 +1,715 @@
+"""Pictures of a layout: the mesh and a variable's blocks in the terminal, the plan as a PNG.
+
+The terminal pictures are `rich` renderables (`rich.print(picture)` for colour,
+`print(picture)` for plain text). Blocks are worked out here from the mesh and
+the layout alone, the way JAX's `NamedSharding` places them, so any rank is
+drawn: a rank-1 or rank-2 variable as a grid, anything higher as a table of
+index ranges. The PNG needs matplotlib, an optional extra, imported only when
+a plot is asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._errors import IndivisibleShapeError, InvalidOptionError, InvalidRuleError, RankMismatchError
+from ._plan import format_axes, format_bytes
+from ._resolve import Resolution
+
+if TYPE_CHECKING:
+    import keras
+
+    from ._memory import MemoryEstimate
+    from ._plan import Plan
+
+__all__ = ["Picture", "ShardBlock", "plot_plan", "sharding_blocks", "show_mesh", "show_sharding"]
+
+#: One layout entry: a mesh-axis name, several (the dimension is split over their product,
+#: the first major), or `None`.
+AxisEntry = str | Sequence[str] | None
+
+#: Light backgrounds for blocks, readable with black text; reused past twelve blocks.
+_BLOCK_COLOURS = (
+    "#aec7e8",
+    "#ffbb78",
+    "#98df8a",
+    "#ff9896",
+    "#c5b0d5",
+    "#c49c94",
+    "#f7b6d2",
+    "#dbdb8d",
+    "#9edae5",
+    "#d9d9d9",
+    "#fdd0a2",
+    "#c7e9c0",
+)
+
+_PLOT_INSTALL_HINT = (
+    "Plotting a plan needs matplotlib, which is not installed. "
+    'Install it with: pip install "keras_meshlayout[plot]"'
+)
+
+# The PNG: 12 × 5 inches at 100 dpi, i.e. 1200 × 500 pixels.
+FIGURE_SIZE = (12.0, 5.0)
+FIGURE_DPI = 100
+
+
+class Picture:
+    """A terminal picture: a `rich` renderable that also prints as plain text.
+
+    `rich.print(picture)` (or `console.print(picture)`) draws it in colour;
+    `print(picture)` or `str(picture)` gives the same drawing without colour.
+    """
+
+    def __init__(self, renderable: Any, *, width: int = 160) -> None:
+        self.renderable = renderable
+        self.width = width
+
+    def __rich__(self) -> Any:
+        return self.renderable
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=self.width, force_terminal=False, color_system=None).print(self)
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardBlock:
+    """One block of a variable and the devices that hold it.
+
+    Attributes:
+        ranges: `(start, stop)` of the block in each dimension.
+        devices: Ids of the devices holding this block, in mesh order.
+    """
+
+    ranges: tuple[tuple[int, int], ...]
+    devices: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The block's shape."""
+        return tuple(stop - start for start, stop in self.ranges)
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """The block as an index into the whole array: `array[block.index]`."""
+        return tuple(slice(start, stop) for start, stop in self.ranges)
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{start}:{stop}" for start, stop in self.ranges) + "]"
+
+
+# -- the mesh ---------------------------------------------------------------------
+
+
+def show_mesh(mesh: keras.distribution.DeviceMesh) -> Picture:
+    """Draws the mesh: its axes, and the id of the device at each position.
+
+    A 1-D mesh is one row; a 2-D mesh a grid with the first axis down and the
+    second across; a mesh of three or more axes one such grid per index of its
+    leading axes, each labelled.
+
+    Args:
+        mesh: A `kml.Mesh`, or a `keras.distribution.DeviceMesh` or
+            `jax.sharding.Mesh` of JAX devices.
+
+    Returns:
+        A `Picture`: `rich.print` it, or `print` it as plain text.
+
+    Example:
+        >>> import keras_meshlayout as kml
+        >>> print(kml.show_mesh(kml.Mesh(data=2, model=4)))
+        Mesh data=2 × model=4: 8 cpu devices (device ids)
+        ┏━━━━━━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━┓
+        ┃ data ╲ model ┃ model 0 ┃ model 1 ┃ model 2 ┃ model 3 ┃
+        ┡━━━━━━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━┩
+        │ data 0       │    0    │    1    │    2    │    3    │
+        │ data 1       │    4    │    5    │    6    │    7    │
+        └──────────────┴─────────┴─────────┴─────────┴─────────┘
+    """
+    from rich.columns import Columns
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.text import Text
+
+    ids = _device_ids(mesh)
+    names = tuple(mesh.axis_names)
+    header = Text.assemble(
+        ("Mesh ", "bold"),
+        (_mesh_text(names, ids.shape), "bold"),
+        f": {_plural(ids.size, _platform(mesh) + ' device')} (device ids)",
+    )
+    if ids.ndim <= 2:
+        return Picture(Group(header, _mesh_table(names[-2:], ids.reshape(ids.shape[-2:]))))
+    lead_names, lead_shape = names[:-2], ids.shape[:-2]
+    panels = []
+    for lead in np.ndindex(*lead_shape):
+        label = ", ".join(f"{name}={index}" for name, index in zip(lead_names, lead, strict=True))
+        panels.append(Panel.fit(_mesh_table(names[-2:], ids[lead]), title=label, border_style="dim"))
+    return Picture(Group(header, Columns(panels)))
+
+
+def _mesh_table(names: tuple[str, ...], ids: np.ndarray) -> Any:
+    """One grid of device ids: rows over `names[0]`, columns over `names[1]` (1-D: one row)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(show_header=True, header_style="bold")
+    if len(names) == 1:
+        for index in range(ids.shape[0]):
+            table.add_column(f"{names[0]} {index}", justify="center")
+        table.add_row(*(Text(str(i), style="bold") for i in ids))
+        return table
+    rows, columns = names
+    table.add_column(f"{rows} ╲ {columns}", style="bold")
+    for index in range(ids.shape[1]):
+        table.add_column(f"{columns} {index}", justify="center")
+    for index, row in enumerate(ids):
+        table.add_row(f"{rows} {index}", *(Text(str(i), style="bold") for i in row))
+    return table
+
+
+# -- a variable's blocks -------------------------------------------------------------
+
+
+def sharding_blocks(
+    mesh: keras.distribution.DeviceMesh, shape: Sequence[int], axes: Sequence[AxisEntry]
+) -> list[ShardBlock]:
+    """Which block of a variable each device holds.
+
+    A dimension split over mesh axis `a` of size `n` is cut into `n` equal
+    ranges; the device at coordinate `c` along `a` holds range `c`. A dimension
+    split over several axes is cut into the product of their sizes, the first
+    axis major (as `jax.sharding.PartitionSpec(("data", "model"))` does).
+    Devices along axes the layout does not use hold the same block.
+
+    Args:
+        mesh: A `kml.Mesh`, or a `keras.distribution.DeviceMesh` or
+            `jax.sharding.Mesh` of JAX devices.
+        shape: The variable's shape.
+        axes: Its layout: per dimension a mesh-axis name, a tuple of names,
+            or `None`, as in `Resolution.axes`.
+
+    Returns:
+        The distinct blocks, sorted by their index ranges, each with the ids
+        of the devices holding it in mesh order.
+
+    Raises:
+        RankMismatchError: `axes` does not have one entry per dimension.
+        InvalidRuleError: `axes` names an axis the mesh does not have, or one
+            axis twice.
+        IndivisibleShapeError: a split dimension does not divide evenly.
+
+    Example:
+        >>> import keras_meshlayout as kml
+        >>> mesh = kml.Mesh(data=2, model=4)
+        >>> for block in kml.sharding_blocks(mesh, (64, 8, 16), (None, "model", None)):
+        ...     print(block, block.devices)
+        [0:64, 0:2, 0:16] (0, 4)
+        [0:64, 2:4, 0:16] (1, 5)
+        [0:64, 4:6, 0:16] (2, 6)
+        [0:64, 6:8, 0:16] (3, 7)
+    """
+    ids = _device_ids(mesh)
+    names = tuple(mesh.axis_names)
+    sizes = dict(zip(names, ids.shape, strict=True))
+    shape = tuple(int(size) for size in shape)
+    splits = _splits(shape, axes, sizes)
+    held: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for coords in np.ndindex(*ids.shape):
+        at = dict(zip(names, coords, strict=True))
+        ranges = []
+        for size, split in zip(shape, splits, strict=True):
+            index, pieces = 0, 1
+            for axis in split:
+                index = index * sizes[axis] + at[axis]
+                pieces *= sizes[axis]
+            step = size // pieces
+            ranges.append((index * step, (index + 1) * step))
+        held.setdefault(tuple(ranges), []).append(int(ids[coords]))
+    return [ShardBlock(ranges, tuple(devices)) for ranges, devices in sorted(held.items())]
+
+
+def show_sharding(
+    mesh: keras.distribution.DeviceMesh,
+    variable: Resolution | Sequence[int],
+    axes: Sequence[AxisEntry] | None = None,
+) -> Picture:
+    """Draws which block of a variable each device holds.
+
+    A rank-1 or rank-2 variable is drawn as a grid of its blocks, labelled by
+    their index ranges, with the devices holding each; a variable of rank 3 or
+    more (an attention kernel `(hidden, heads, head_dim)`, a convolution
+    kernel) as a table of blocks: index ranges, shape, devices.
+
+    Args:
+        mesh: The mesh the variable lives on (see `sharding_blocks`).
+        variable: A `kml.Resolution`, such as `plan["model/dense/kernel"]`,
+            or a shape.
+        axes: The layout, when `variable` is a shape (see `sharding_blocks`).
+
+    Returns:
+        A `Picture`: `rich.print` it, or `print` it as plain text.
+
+    Raises:
+        InvalidOptionError: `axes` missing with a shape, or given with a
+            `Resolution` (which has its own).
+        RankMismatchError, InvalidRuleError, IndivisibleShapeError: as in
+            `sharding_blocks`.
+
+    Example:
+        >>> import keras_meshlayout as kml
+        >>> mesh = kml.Mesh(data=2, model=4)
+        >>> print(kml.show_sharding(mesh, (8, 16), (None, "model")))
+        shape (8, 16) · layout (None, model) · mesh data=2 × model=4
+        4 blocks of shape (8, 4), each on 2 devices: dim 1 split over model (4), replicated over data (2)
+        ┏━━━━━━━━━━┳━━━━━━━━━━┳━━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━━━━━┓
+        ┃          ┃ [:, 0:4] ┃ [:, 4:8] ┃ [:, 8:12] ┃ [:, 12:16] ┃
+        ┡━━━━━━━━━━╇━━━━━━━━━━╇━━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━━━━━┩
+        │ [0:8, :] │   0, 4   │   1, 5   │   2, 6    │    3, 7    │
+        └──────────┴──────────┴──────────┴───────────┴────────────┘
+        Cells: the ids of the devices holding each block.
+    """
+    from rich.console import Group
+    from rich.text import Text
+
+    if isinstance(variable, Resolution):
+        if axes is not None:
+            raise InvalidOptionError(
+                f"show_sharding takes the layout of {variable.path!r} from its Resolution "
+                f"({format_axes(variable.axes)}); pass axes only with a shape. Received: axes={axes!r}."
+            )
+        shape, axes = variable.shape, variable.axes
+        title = f"{variable.path} {format_axes(shape)} {variable.dtype}"
+    else:
+        if axes is None:
+            raise InvalidOptionError(
+                f"show_sharding needs the layout of a shape: pass axes, one mesh-axis name or None per "
+                f"dimension. Received: shape {tuple(variable)!r}, axes=None. Example: "
+                f"show_sharding(mesh, {tuple(variable)!r}, {format_axes((None,) * len(tuple(variable)))})."
+            )
+        shape = tuple(int(size) for size in variable)
+        title = f"shape {format_axes(shape)}"
+    blocks = sharding_blocks(mesh, shape, axes)
+    ids = _device_ids(mesh)
+    sizes = dict(zip(mesh.axis_names, ids.shape, strict=True))
+    layout = tuple(entry if entry is None or isinstance(entry, str) else "×".join(entry) for entry in axes)
+    lines = [
+        Text(f"{title} · layout {format_axes(layout)} · mesh {_mesh_text(tuple(sizes), ids.shape)}", "bold"),
+        Text(_summary(blocks, _splits(shape, axes, sizes), sizes, variable)),
+    ]
+    colours = {block.ranges: _BLOCK_COLOURS[i % len(_BLOCK_COLOURS)] for i, block in enumerate(blocks)}
+    if 1 <= len(shape) <= 2:
+        grid = _block_grid(blocks, len(shape), colours)
+        return Picture(Group(*lines, grid, Text("Cells: the ids of the devices holding each block.", "dim")))
+    return Picture(Group(*lines, _block_table(blocks, shape, colours)))
+
+
+def _summary(
+    blocks: list[ShardBlock], splits: list[tuple[str, ...]], sizes: dict[str, int], variable: Any
+) -> str:
+    block = blocks[0]
+    holders = _plural(len(block.devices), "device")
+    if len(blocks) == 1:
+        text = f"1 block of shape {format_axes(block.shape)}, on all {holders}"
+    else:
+        text = f"{len(blocks)} blocks of shape {format_axes(block.shape)}, each on {holders}"
+    parts = [
+        f"dim {dim} split over {' × '.join(f'{axis} ({sizes[axis]})' for axis in axes)}"
+        for dim, axes in enumerate(splits)
+        if axes
+    ]
+    used = {axis for axes in splits for axis in axes}
+    copies = [f"{axis} ({size})" for axis, size in sizes.items() if axis not in used and size > 1]
+    if parts and copies:
+        parts.append(f"replicated over {', '.join(copies)}")
+    text += ": " + (", ".join(parts) or "not split")
+    if isinstance(variable, Resolution):
+        text += f"; {format_bytes(variable.bytes_per_device)} per device"
+    return text
+
+
+def _block_grid(blocks: list[ShardBlock], rank: int, colours: dict) -> Any:
+    """Rank 1 or 2: rows are the ranges of dimension 0 (rank 2), columns those of the last."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = sorted({block.ranges[0] for block in blocks}) if rank == 2 else [None]
+    columns = sorted({block.ranges[-1] for block in blocks})
+    at = {(block.ranges[0] if rank == 2 else None, block.ranges[-1]): block for block in blocks}
+    table = Table(show_header=True, header_style="bold")
+    if rank == 2:
+        table.add_column("", style="bold")
+    for start, stop in columns:
+        table.add_column(f"[:, {start}:{stop}]" if rank == 2 else f"[{start}:{stop}]", justify="center")
+    for row in rows:
+        cells = []
+        for column in columns:
+            block = at[(row, column)]
+            cells.append(Text(_id_list(block.devices), style=f"black on {colours[block.ranges]}"))
+        table.add_row(*([f"[{row[0]}:{row[1]}, :]"] if row is not None else []), *cells)
+    return table
+
+
+def _block_table(blocks: list[ShardBlock], shape: tuple[int, ...], colours: dict) -> Any:
+    """Any rank: one row per block, with its index ranges, shape and devices."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("block", justify="right")
+    table.add_column("index" if shape else "index (scalar)")
+    table.add_column("shape")
+    table.add_column("devices", overflow="fold")
+    for number, block in enumerate(blocks):
+        table.add_row(
+            Text(f" {number} ", style=f"black on {colours[block.ranges]}"),
+            str(block),
+            format_axes(block.shape),
+            _id_list(block.devices),
+        )
+    return table
+
+
+def _splits(
+    shape: tuple[int, ...], axes: Sequence[AxisEntry], sizes: dict[str, int]
+) -> list[tuple[str, ...]]:
+    """Per dimension, the mesh axes splitting it; checks rank, names and divisibility."""
+    axes = tuple(axes)
+    if len(axes) != len(shape):
+        raise RankMismatchError(
+            f"Layout {format_axes(axes)} has {len(axes)} entries but the shape {shape} has rank "
+            f"{len(shape)}. A layout needs one entry per dimension: a mesh-axis name or None."
+        )
+    splits: list[tuple[str, ...]] = []
+    seen: set[str] = set()
+    for dim, entry in enumerate(axes):
+        split = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        for axis in split:
+            if axis not in sizes:
+                raise InvalidRuleError(
+                    f"Layout {format_axes(axes)} names mesh axis {axis!r}, but the mesh has axes "
+                    f"{tuple(sizes)}. Fix: use one of those or None."
+                )
+            if axis in seen:
+                raise InvalidRuleError(
+                    f"Layout {format_axes(axes)} uses mesh axis {axis!r} twice; a mesh axis can split "
+                    "one dimension only."
+                )
+            seen.add(axis)
+        pieces = math.prod(sizes[axis] for axis in split)
+        if shape[dim] % pieces:
+            raise IndivisibleShapeError(
+                f"Layout {format_axes(axes)} splits dimension {dim} (size {shape[dim]}) of shape {shape} "
+                f"over {' × '.join(f'{a} ({sizes[a]})' for a in split)}, and {shape[dim]} is not a "
+                f"multiple of {pieces}: the blocks would be uneven. Fix: put None on dimension {dim}."
+            )
+        splits.append(split)
+    return splits
+
+
+def _jax_devices(mesh: Any) -> np.ndarray:
+    """The grid of JAX devices (a Keras `DeviceMesh` may hold names such as `"cpu:0"`)."""
+    backend = getattr(mesh, "backend_mesh", None)
+    return np.asarray((backend if backend is not None else mesh).devices)
+
+
+def _device_ids(mesh: Any) -> np.ndarray:
+    devices = _jax_devices(mesh)
+    return np.vectorize(lambda device: int(device.id), otypes=[int])(devices).reshape(devices.shape)
+
+
+def _platform(mesh: Any) -> str:
+    device = _jax_devices(mesh).flat[0]
+    platform = str(getattr(device, "platform", "")) or "unknown"
+    kind = str(getattr(device, "device_kind", "") or "")
+    return platform if not kind or kind.lower() == platform.lower() else f"{platform} ({kind})"
+
+
+def _mesh_text(names: Sequence[str], shape: Sequence[int]) -> str:
+    return " × ".join(f"{name}={size}" for name, size in zip(names, shape, strict=True))
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _id_list(ids: Sequence[int]) -> str:
+    """`(0, 1, 2, 3, 8)` → `'0–3, 8'`: runs of consecutive ids collapsed."""
+    parts: list[str] = []
+    run: list[int] = []
+    for device in ids:
+        if run and device == run[-1] + 1:
+            run.append(device)
+            continue
+        if run:
+            parts.append(_run_text(run))
+        run = [device]
+    if run:
+        parts.append(_run_text(run))
+    return ", ".join(parts)
+
+
+def _run_text(run: list[int]) -> str:
+    if len(run) <= 2:
+        return ", ".join(map(str, run))
+    return f"{run[0]}–{run[-1]}"
+
+
+# -- the plan as a PNG -----------------------------------------------------------------
+
+
+def plot_plan(
+    plan: Plan,
+    path: str | os.PathLike,
+    *,
+    top: int = 8,
+    mesh: keras.distribution.DeviceMesh | None = None,
+    device_memory: int | str | None = None,
+) -> Path:
+    """Writes a picture of the plan: memory per device, and the mesh with the largest variables.
+
+    Left: one bar per device, split into parameters, gradients and optimizer
+    state, against the device capacity when it is known. Right: the mesh grid
+    with each device's id, and the `top` largest model variables with their
+    layouts and bytes per device. The figure is 12 × 5 inches at 100 dpi
+    (a PNG of 1200 × 500 pixels), drawn with matplotlib's Agg renderer without
+    touching `matplotlib.pyplot`.
+
+    Args:
+        plan: The plan, from `dist.plan(model)` or `kml.dry_plan`.
+        path: Where to write; the extension picks the format (`.png`, `.svg`,
+            `.pdf`, ...).
+        top: How many of the largest model variables to list.
+        mesh: The mesh, to label devices by their ids; without it they are
+            labelled by mesh position (row-major), which is the device id on
+            meshes of emulated CPU devices.
+        device_memory: Device capacity, as in `Plan.memory`.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ImportError: matplotlib is not installed (`pip install "keras_meshlayout[plot]"`).
+        InvalidOptionError: `top` is negative, or `mesh` does not match the plan's axes.
+    """
+    figure_class, canvas_class = _matplotlib()
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise InvalidOptionError(f"top must be a non-negative integer. Received: top={top!r}.")
+    names, shape = tuple(plan.axis_sizes), tuple(plan.axis_sizes.values())
+    if mesh is None:
+        ids, platform = np.arange(math.prod(shape)).reshape(shape), None
+    else:
+        ids, platform = _device_ids(mesh), _platform(mesh)
+        if tuple(mesh.axis_names) != names or ids.shape != shape:
+            raise InvalidOptionError(
+                f"plot_plan got the mesh {_mesh_text(tuple(mesh.axis_names), ids.shape)}, but the plan "
+                f"was made on {_mesh_text(names, shape)}. Pass the mesh the plan was made on, or none."
+            )
+    memory = plan.memory(device_memory)
+
+    figure = figure_class(figsize=FIGURE_SIZE, dpi=FIGURE_DPI)
+    canvas_class(figure)
+    figure.text(
+        0.5,
+        0.965,
+        f"Layout plan on mesh {_mesh_text(names, shape)}, batch over {plan.batch_axis!r}",
+        ha="center",
+        va="center",
+        fontsize=13,
+        weight="bold",
+    )
+    labelled = mesh is not None
+    _memory_bars(figure.add_axes((0.065, 0.12, 0.4, 0.72)), memory, ids.ravel(), labelled=labelled)
+    _mesh_grid(figure.add_axes((0.575, 0.56, 0.36, 0.27)), names, ids, plan.batch_axis, platform, labelled)
+    _variable_table(figure.add_axes((0.52, 0.03, 0.465, 0.43)), plan, top)
+    path = Path(path)
+    figure.savefig(path, dpi=FIGURE_DPI)
+    return path
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(_PLOT_INSTALL_HINT) from err
+    return Figure, FigureCanvasAgg
+
+
+_ROLE_COLOURS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868"}
+
+
+def _memory_bars(ax: Any, memory: MemoryEstimate, ids: np.ndarray, *, labelled: bool) -> None:
+    """Stacked bars, one per device (under even splits every device holds the same bytes)."""
+    capacity = memory.capacity if _capacity_in_view(memory) else None
+    scale, unit = _unit(max(memory.total, capacity or 0))
+    positions = np.arange(len(ids))
+    bottom = np.zeros(len(ids))
+    for role in ("parameters", "gradients", "optimizer"):
+        values = np.full(len(ids), getattr(memory, role) / scale)
+        ax.bar(positions, values, bottom=bottom, color=_ROLE_COLOURS[role], width=0.7, label=role)
+        bottom += values
+    ceiling = float(bottom.max(initial=0.0))
+    if capacity is not None:
+        ax.axhline(capacity / scale, color="#c44e52", linestyle="--", linewidth=1.5, label="capacity")
+        ceiling = max(ceiling, capacity / scale)
+    ax.set_ylim(0, ceiling * 1.25 or 1.0)
+    every = math.ceil(len(ids) / 16)  # at most 16 labels
+    ax.set_xticks(positions[::every], [str(i) for i in ids[::every]], fontsize=8)
+    ax.set_xlabel("device id" if labelled else "device (mesh position, row-major)", fontsize=9)
+    ax.set_ylabel(f"training state, activations not counted ({unit})", fontsize=9)
+    title = f"Memory per device: {format_bytes(memory.total)}"
+    if memory.capacity is not None:
+        title += f" of {format_bytes(memory.capacity)} ({memory.total / memory.capacity:.0%})"
+    if memory.fits is False:
+        title += ": does not fit"
+    ax.set_title(
+        title,
+        fontsize=10,
+        color="#c44e52" if memory.fits is False else "black",
+    )
+    ax.legend(loc="upper center", ncols=4, fontsize=8, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+
+
+def _capacity_in_view(memory: MemoryEstimate) -> bool:
+    """The capacity line is drawn only where it does not squash the bars to nothing."""
+    return memory.capacity is not None and memory.capacity <= 5 * max(memory.total, 1)
+
+
+def _unit(count: float) -> tuple[float, str]:
+    scale, unit = 1.0, "B"
+    for name in ("KiB", "MiB", "GiB", "TiB"):
+        if count < scale * 1024:
+            break
+        scale, unit = scale * 1024, name
+    return scale, unit
+
+
+#: Cell colours of the mesh grid, one per index along the batch axis.
+_SHARD_COLOURS = ("#dbe6f4", "#fde3c8", "#dcefd5", "#f6d6d6", "#e6dff0", "#ece0da", "#f8e1ef", "#eeeed2")
+
+
+def _mesh_grid(
+    ax: Any, names: tuple[str, ...], ids: np.ndarray, batch_axis: str, platform: str | None, labelled: bool
+) -> None:
+    """The device grid: the last axis across, the leading axes down; colour by batch shard."""
+    from matplotlib.patches import Rectangle
+
+    columns = ids.shape[-1]
+    rows = ids.size // columns
+    batch = list(names).index(batch_axis) if batch_axis in names else None
+    # Ids are written in the cells while they fit: up to 8 rows and 16 columns.
+    fontsize = 10 if rows <= 4 and columns <= 8 else 7 if rows <= 8 and columns <= 16 else None
+    for row, lead in enumerate(np.ndindex(*ids.shape[:-1])):
+        for column in range(columns):
+            coords = (*lead, column)
+            shard = coords[batch] if batch is not None else 0
+            ax.add_patch(
+                Rectangle(
+                    (column, rows - 1 - row),
+                    1,
+                    1,
+                    facecolor=_SHARD_COLOURS[shard % len(_SHARD_COLOURS)],
+                    edgecolor="#4c72b0",
+                    linewidth=1.0,
+                )
+            )
+            if fontsize is None:
+                continue
+            ax.text(
+                column + 0.5,
+                rows - 0.5 - row,
+                str(ids[coords]),
+                ha="center",
+                va="center",
+                fontsize=fontsize,
+                weight="bold",
+            )
+    row_labels = [
+        ", ".join(f"{name}={i}" for name, i in zip(names[:-1], lead, strict=True))
+        for lead in np.ndindex(*ids.shape[:-1])
+    ]
+    ax.set_xlim(0, columns)
+    ax.set_ylim(0, rows)
+    ax.set_aspect("equal" if rows <= 4 else "auto", adjustable="box")
+    every = math.ceil(columns / 16)
+    ax.set_xticks(np.arange(0, columns, every) + 0.5, [str(i) for i in range(0, columns, every)], fontsize=8)
+    ax.set_xlabel(f"{names[-1]} →", fontsize=9)
+    ax.xaxis.set_label_position("top")
+    ax.xaxis.tick_top()
+    every = math.ceil(rows / 8)
+    labels = row_labels[::every] if len(names) > 1 else [""]
+    ax.set_yticks([rows - 0.5 - row for row in range(0, rows, every)], labels, fontsize=8)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    title = [f"Mesh: {ids.size}{' ' + platform if platform else ''} devices"]
+    if fontsize is not None:
+        title.append("cells: " + ("device ids" if labelled else "mesh positions"))
+    if batch is not None and ids.shape[batch] > 1:
+        title.append(f"colour: {batch_axis} index")
+    ax.set_title("; ".join(title), fontsize=10, pad=4)
+
+
+def _variable_table(ax: Any, plan: Plan, top: int) -> None:
+    """The `top` model variables largest per device: path, shape, layout, bytes per device."""
+    ax.axis("off")
+    model = [entry for entry in plan.entries if entry.role != "optimizer"] or list(plan.entries)
+    largest = sorted(model, key=lambda entry: (-entry.bytes_per_device, -entry.nbytes))[:top]
+    more = len(model) - len(largest)
+    title = f"Largest variables per device ({len(largest)} of {len(model)}"
+    ax.set_title(title + "; optimizer slots follow their parameter)", fontsize=10, pad=4)
+    if not largest:
+        ax.text(0.5, 0.5, "no variables", ha="center", va="center")
+        return
+    rows = [
+        [
+            _short(entry.path, 40),
+            format_axes(entry.shape),
+            format_axes(entry.axes),
+            format_bytes(entry.bytes_per_device),
+        ]
+        for entry in largest
+    ]
+    if more:
+        rows.append([f"… {more} more", "", "", ""])
+    height = min(1.0, 0.1 * (len(rows) + 1))
+    table = ax.table(
+        cellText=rows,
+        colLabels=["variable", "shape", "layout", "per device"],
+        colWidths=[0.45, 0.16, 0.25, 0.14],
+        cellLoc="left",
+        colLoc="left",
+        bbox=(0.0, 1.0 - height, 1.0, height),
+    )
+    table.auto_set_font_size(False)
+    table.set_fontsize(7.5)
+    for (row, column), cell in table.get_celld().items():
+        cell.set_edgecolor("#cccccc")
+        cell.set_linewidth(0.6)
+        cell.PAD = 0.03
+        if row == 0:
+            cell.set_text_props(weight="bold")
+            cell.set_facecolor("#e8e8e8")
+        elif column == 2 and row <= len(largest) and not largest[row - 1].replicated:
+            cell.set_text_props(weight="bold", color="#2a7a2a")
+
+
+def _short(text: str, width: int) -> str:
+    """Keeps the end of a long path, where the layer and variable names are."""
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
