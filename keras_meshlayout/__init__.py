@@ -19,6 +19,7 @@ from ._auto import auto_rules as auto_rules
 from ._backend import emulate_devices as emulate_devices
 from ._checkpoint import LayoutChange as LayoutChange
 from ._checkpoint import PlanDiff as PlanDiff
+from ._checkpoint import ResumableCheckpoint as ResumableCheckpoint
 from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import plan_diff as plan_diff
 from ._checkpoint import save_checkpoint as save_checkpoint
@@ -67,6 +68,7 @@ __all__ = [
     "CheckpointError",
     "LayoutChange",
     "PlanDiff",
+    "ResumableCheckpoint",
     "load_checkpoint",
     "plan_diff",
     "save_checkpoint",

@@ -1,0 +1,285 @@
+"""Peak memory while loading a sharded checkpoint, per format, against the model's size.
+
+An MLP of 5 Dense layers 4096 → 4096 (84 M float32 parameters, 320 MiB) is
+built on a data=2 × model=4 mesh, every kernel split over "model", and saved
+once in each format. Each format is then loaded in a fresh process on a
+data=1 × model=8 mesh (a cross-mesh restore, every variable split 8 ways, so the
+loaded model occupies exactly its own size across the 8 devices):
+
+- `.keras`: `keras.saving.load_model("m.keras")` (builds the model itself,
+  and reads the whole weights file into memory first when Keras judges there
+  is room), and `model.load_weights("m.keras")` into a model built first
+  (reads the archive as it goes);
+- `.weights.h5`: `model.load_weights("m.weights.h5")` into a model built first;
+- `kml`: `kml.load_checkpoint(model, directory)` into a model built first,
+  the previous values held until the load completes (to put them back if it
+  fails part-way), and with `rollback=False`;
+- `build only`: the model built, nothing loaded (the floor of the other rows).
+
+The devices are emulated CPUs: their buffers live in the process's own memory,
+so the resident set counts the loaded model itself as well as any host copies
+made while loading. On accelerators the model lives in device memory and only
+the host copies stay on the host.
+
+Columns, each a ratio to the model's size:
+
+- `peak / model`: peak resident memory while loading (building included where
+  the format builds the model) minus the resident memory of the process before
+  the model existed (JAX and Keras started, nothing built). 1.0 is the floor:
+  the model itself;
+- `extra / model`: that peak minus the resident memory once loading is over:
+  what the load needed on top of the loaded model.
+
+Peaks are read from the kernel's high-water mark (`VmHWM`), reset with
+`/proc/self/clear_refs` just before the measured step, so what the process did
+before (a model built first, JAX's start-up) does not count. Where that reset
+is not allowed, `ru_maxrss` (the lifetime peak) is used and the table says so.
+The children run with `MALLOC_MMAP_THRESHOLD_=131072`, so that freed blocks go
+back to the system and the memory "once loading is over" is what is live.
+
+    python benchmarks/checkpoint.py                  # about a minute and a half on 2 cores
+    python benchmarks/checkpoint.py --repeat 1       # one process per format (peaks vary ±0.3)
+    python benchmarks/checkpoint.py --json out.json  # also write the numbers
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAYERS, WIDTH = 5, 4096
+FORMATS = {
+    "keras": "keras.saving.load_model(m.keras)",
+    "keras, load_weights": "model.load_weights(m.keras)",
+    "weights.h5": "model.load_weights(m.weights.h5)",
+    "kml": "kml.load_checkpoint(model, dir)",
+    "kml, no rollback": "kml.load_checkpoint(model, dir, rollback=False)",
+    "build only": "model built, nothing loaded",
+}
+RULES = [(r".*kernel", (None, "model")), (r".*bias", ("model",))]
+
+
+def build_mlp():
+    import keras
+
+    inputs = keras.Input((WIDTH,))
+    x = inputs
+    for i in range(LAYERS):
+        x = keras.layers.Dense(WIDTH, activation="relu" if i < LAYERS - 1 else None, name=f"dense_{i}")(x)
+    return keras.Model(inputs, x, name="big_mlp")
+
+
+def model_bytes() -> int:
+    return LAYERS * (WIDTH * WIDTH + WIDTH) * 4
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> bool:
+    """Resets the kernel's peak-RSS mark for this process; False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak(resettable: bool) -> int:
+    if resettable:
+        return _status("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _start(mesh: dict):
+    """Emulated devices, JAX started, the distribution set: the state before any model exists."""
+    import keras_meshlayout as kml
+
+    kml.emulate_devices(8)
+    import jax
+    import keras
+
+    jax.numpy.zeros(8).block_until_ready()
+    keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(**mesh), RULES, batch_axis="data"))
+    return kml, keras
+
+
+def save(directory: Path) -> dict:
+    """In a fresh process: builds the model on 2×4 and saves it in every format."""
+    kml, keras = _start({"data": 2, "model": 4})
+    keras.utils.set_random_seed(0)
+    model = build_mlp()
+    model.save(directory / "m.keras")
+    model.save_weights(directory / "m.weights.h5")
+    kml.save_checkpoint(model, directory / "ckpt")
+    return {
+        "keras": (directory / "m.keras").stat().st_size,
+        "weights.h5": (directory / "m.weights.h5").stat().st_size,
+        "kml": sum(p.stat().st_size for p in (directory / "ckpt").iterdir()),
+    }
+
+
+def load(fmt: str, directory: Path) -> dict:
+    """In a fresh process: loads one format on 1×8 and measures the resident memory."""
+    kml, keras = _start({"data": 1, "model": 8})
+    gc.collect()
+    before = _status("VmRSS")
+    model = None
+    if fmt != "keras":
+        model = build_mlp()  # the model exists before the load
+        gc.collect()
+    resettable = _reset_peak()
+    start = time.perf_counter()
+    if fmt == "keras":
+        model = keras.saving.load_model(directory / "m.keras")
+    elif fmt == "keras, load_weights":
+        model.load_weights(directory / "m.keras")
+    elif fmt == "weights.h5":
+        model.load_weights(directory / "m.weights.h5")
+    elif fmt == "kml":
+        kml.load_checkpoint(model, directory / "ckpt")
+    elif fmt == "kml, no rollback":
+        kml.load_checkpoint(model, directory / "ckpt", rollback=False)
+    seconds = time.perf_counter() - start
+    peak = _peak(resettable)
+    gc.collect()
+    after = _status("VmRSS")
+    kernel = model.get_layer("dense_0").kernel.value
+    assert tuple(kernel.sharding.spec) == (None, "model"), kernel.sharding
+    size = model_bytes()
+    return {
+        "format": fmt,
+        "how": FORMATS[fmt],
+        "seconds": round(seconds, 2),
+        "rss_before_bytes": before,
+        "rss_after_bytes": after,
+        "peak_rss_bytes": peak,
+        "peak_over_model": round((peak - before) / size, 3),
+        "extra_over_model": round((peak - after) / size, 3),
+        "peak_is_lifetime": not resettable,
+    }
+
+
+def load_build_only(directory: Path) -> dict:
+    """The floor: the model built on 1×8 and nothing loaded, measured like the loads."""
+    _start({"data": 1, "model": 8})
+    gc.collect()
+    before = _status("VmRSS")
+    resettable = _reset_peak()
+    start = time.perf_counter()
+    model = build_mlp()
+    seconds = time.perf_counter() - start
+    peak = _peak(resettable)
+    gc.collect()
+    after = _status("VmRSS")
+    assert tuple(model.get_layer("dense_0").kernel.value.sharding.spec) == (None, "model")
+    size = model_bytes()
+    return {
+        "format": "build only",
+        "how": FORMATS["build only"],
+        "seconds": round(seconds, 2),
+        "rss_before_bytes": before,
+        "rss_after_bytes": after,
+        "peak_rss_bytes": peak,
+        "peak_over_model": round((peak - before) / size, 3),
+        "extra_over_model": round((peak - after) / size, 3),
+        "peak_is_lifetime": not resettable,
+    }
+
+
+def run_child(*args: str) -> dict:
+    """Runs one step in a fresh process, with devices it emulates itself."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # big blocks go back to the OS when freed
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"step {args[0]!r} failed (exit status {out.returncode}):\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--repeat", type=int, default=2, help="fresh processes per format (default: 2)")
+    parser.add_argument("--child", nargs=2, metavar=("STEP", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        step, directory = args.child[0], Path(args.child[1])
+        if step == "save":
+            result = save(directory)
+        elif step == "build only":
+            result = load_build_only(directory)
+        else:
+            result = load(step, directory)
+        print(json.dumps(result))
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    size = model_bytes()
+    with tempfile.TemporaryDirectory(prefix="kml-bench-") as tmp:
+        start = time.perf_counter()
+        files = run_child("save", tmp)
+        runs = {fmt: [run_child(fmt, tmp) for _ in range(args.repeat)] for fmt in FORMATS}
+        total = time.perf_counter() - start
+    # The worst of the runs: what a machine must have room for. JAX frees buffers asynchronously,
+    # so peaks vary by about ±0.3 model sizes from run to run on a busy machine.
+    results = [max(found, key=lambda r: r["peak_over_model"]) for found in runs.values()]
+    for r in results:
+        r["file_bytes"] = files.get(r["format"].split(",")[0])
+        r["runs"] = [
+            {k: run[k] for k in ("seconds", "peak_over_model", "extra_over_model")}
+            for run in runs[r["format"]]
+        ]
+
+    table = Table(
+        title=f"Loading a {size / 2**20:.0f} MiB MLP saved on data=2 × model=4 onto data=1 × model=8 "
+        "(fresh process each)",
+        title_justify="left",
+    )
+    for column in ("format", "how", "file", "seconds", "peak / model", "extra / model"):
+        table.add_column(column, justify="left" if column in ("format", "how") else "right")
+    for r in results:
+        table.add_row(
+            r["format"],
+            r["how"],
+            "-" if r["file_bytes"] is None else f"{r['file_bytes'] / 2**20:.0f} MiB",
+            f"{r['seconds']:.2f}",
+            f"{r['peak_over_model']:.2f}" + (" *" if r["peak_is_lifetime"] else ""),
+            f"{r['extra_over_model']:.2f}",
+        )
+    console.print(table)
+    console.print(
+        "peak / model: peak resident memory while loading, less the process before the model existed; "
+        "extra / model: that peak less the memory once loaded. Emulated CPU devices: the loaded model "
+        f"itself is resident (1.00 = just the model). Worst of {args.repeat} runs each; {total:.0f} s in all."
+    )
+    if any(r["peak_is_lifetime"] for r in results):
+        console.print("* peak over the process's lifetime (resetting the peak mark is not allowed here)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model_bytes": size, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,684 @@
+"""Checkpoints restore bit for bit, on any mesh, with the layout the new plan gives.
+
+A small MLP is trained a few steps with Adam on a data=2 × model=4 mesh (so the
+optimizer state is not zeros) and saved in each format users have:
+`model.save("m.keras")`, `model.save_weights("m.weights.h5")` and
+`kml.save_checkpoint`. Each is loaded under another distribution (1×8, 8×1,
+4×2, data-parallel only, none) and the other way round (saved without a
+distribution, loaded on 2×4). Every model weight and optimizer variable must
+come back equal to the bit, and every variable must be laid out exactly as the
+new distribution's plan says (read from `variable.value.sharding`).
+
+Then the plan diff, the bad-input table (a clear `CheckpointError`, and the
+model's weights and optimizer state untouched), interrupted saves, and Keras's
+Orbax callback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+from helpers import assert_laid_out_as_planned
+from jax.sharding import SingleDeviceSharding
+
+import keras_meshlayout as kml
+from keras_meshlayout import _checkpoint
+
+RULES = [
+    (r".*fc1/kernel", (None, "model")),
+    (r".*fc1/bias", ("model",)),
+    (r".*fc2/kernel", ("model", None)),
+]
+MESHES = {
+    "2x4": "data=2,model=4",
+    "1x8": "data=1,model=8",
+    "8x1": "data=8,model=1",
+    "4x2": "data=4,model=2",
+    "data-only": "data=8",
+    "none": None,
+}
+FORMATS = ("keras", "weights.h5", "kml")
+BATCH, STEPS = 32, 4
+
+
+def distribution_for(name: str) -> kml.ModelParallel | None:
+    spec = MESHES[name]
+    if spec is None:
+        return None
+    rules = None if name == "data-only" else RULES
+    # The model is tiny: replicate_below=0 so that the rules really split it.
+    return kml.ModelParallel(kml.Mesh.parse(spec), rules, batch_axis="data", replicate_below=0)
+
+
+def build_mlp(fc1: int = 128, extra: bool = False, name: str = "mlp") -> keras.Model:
+    layers = [
+        keras.Input((16,)),
+        keras.layers.Dense(fc1, activation="relu", name="fc1"),
+        keras.layers.Dense(64, activation="relu", name="fc2"),
+        keras.layers.Dense(8, name="head"),
+    ]
+    if extra:
+        layers.append(keras.layers.Dense(8, name="extra"))
+    return keras.Sequential(layers, name=name)
+
+
+def compiled(build: Callable[[], keras.Model] = build_mlp, optimizer: str = "adam") -> keras.Model:
+    model = build()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2)
+        if optimizer == "adam"
+        else keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, 16)).astype("float32")
+    return x, x[:, :8].argmax(axis=1).astype("int32")
+
+
+def values(model: keras.Model) -> list[np.ndarray]:
+    """Model weights, then optimizer variables (when built), as host arrays."""
+    optimizer = getattr(model, "optimizer", None)
+    slots = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+    return [np.asarray(v.value) for v in [*model.weights, *slots]]
+
+
+def assert_bit_identical(model: keras.Model, expected: list[np.ndarray]) -> None:
+    got = values(model)
+    assert len(got) == len(expected)
+    paths = [v.path for v in [*model.weights, *model.optimizer.variables]]
+    for path, a, b in zip(paths, got, expected, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b), path
+
+
+def assert_laid_out_for(model: keras.Model, target: str) -> None:
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        for variable in [*model.weights, *model.optimizer.variables]:
+            assert isinstance(variable.value.sharding, SingleDeviceSharding), (variable.path, target)
+        return
+    assert_laid_out_as_planned(model, distribution.plan(model), distribution.device_mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    mesh: str
+    values: list[np.ndarray]
+    paths: dict[str, Path]
+
+
+def train_and_save(mesh: str, directory: Path) -> Saved:
+    keras.distribution.set_distribution(distribution_for(mesh))
+    keras.utils.set_random_seed(1)
+    model = compiled()
+    model.fit(*data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == STEPS
+    assert all(np.abs(np.asarray(v.value)).max() > 0 for v in model.optimizer.variables[2:]), "Adam moments"
+    paths = {
+        "keras": directory / "m.keras",
+        "weights.h5": directory / "m.weights.h5",
+        "kml": directory / "ckpt",
+    }
+    model.save(paths["keras"])
+    model.save_weights(paths["weights.h5"])
+    kml.save_checkpoint(model, paths["kml"])
+    saved = Saved(mesh, values(model), paths)
+    keras.distribution.set_distribution(None)
+    return saved
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Saved]:
+    """The same recipe trained and saved on 2×4 and on one device."""
+    return {mesh: train_and_save(mesh, tmp_path_factory.mktemp(f"saved-{mesh}")) for mesh in ("2x4", "none")}
+
+
+def load(fmt: str, path: Path) -> keras.Model:
+    """Loads `path` the way a user would, under the current distribution."""
+    if fmt == "keras":
+        return keras.saving.load_model(path)
+    model = compiled()
+    if fmt == "weights.h5":
+        model.optimizer.build(model.trainable_variables)  # or Keras skips the optimizer state, warning
+        model.load_weights(path)
+    else:
+        kml.load_checkpoint(model, path)  # builds the optimizer itself
+    return model
+
+
+PAIRS = [("2x4", target) for target in ("1x8", "8x1", "4x2", "data-only", "none")] + [("none", "2x4")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=[f"{s}->{t}" for s, t in PAIRS])
+def test_round_trip_is_bit_identical_and_laid_out_as_planned(fmt, source, target, saved):
+    keras.distribution.set_distribution(distribution_for(target))
+    model = load(fmt, saved[source].paths[fmt])
+    assert_bit_identical(model, saved[source].values)
+    assert_laid_out_for(model, target)
+
+
+def test_loaded_model_trains_on_its_new_mesh(saved):
+    """Restored state is live state: a step on 1×8 matches the same step on 2×4."""
+    x, y = data()
+    results = []
+    for mesh in ("2x4", "1x8"):
+        keras.distribution.set_distribution(distribution_for(mesh))
+        model = compiled()
+        kml.load_checkpoint(model, saved["2x4"].paths["kml"])
+        model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        assert int(model.optimizer.iterations) == STEPS + 1
+        results.append(values(model))
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_load_checkpoint_into_a_model_without_optimizer_loads_the_weights(saved):
+    """Serving: an uncompiled model takes the weights and ignores the optimizer state."""
+    keras.distribution.set_distribution(distribution_for("1x8"))
+    model = build_mlp(name="served")
+    kml.load_checkpoint(model, saved["2x4"].paths["kml"])
+    weights = saved["2x4"].values[: len(model.weights)]
+    for variable, want in zip(model.weights, weights, strict=True):
+        assert np.array_equal(np.asarray(variable.value), want), variable.path
+
+
+def test_load_checkpoint_matches_in_order_whatever_the_names(saved):
+    """Layers named automatically get new names in every build; Keras loads them in order, so do we."""
+
+    def unnamed():
+        return keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(128), keras.layers.Dense(64), keras.layers.Dense(8)]
+        )
+
+    keras.distribution.set_distribution(distribution_for("data-only"))
+    model = compiled(unnamed)
+    assert not any("fc1" in v.path for v in model.weights)
+    kml.load_checkpoint(model, saved["2x4"].paths["kml"])
+    assert_bit_identical(model, saved["2x4"].values)
+
+
+# -- the plan travels with the checkpoint --------------------------------------------
+
+
+def test_checkpoint_holds_a_readable_plan_and_manifest(saved):
+    path = saved["2x4"].paths["kml"]
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.weights.h5", "plan.json"]
+    plan = json.loads((path / "plan.json").read_text())
+    assert plan["mesh"] == {"data": 2, "model": 4}
+    fc1 = next(v for v in plan["variables"] if v["path"] == "mlp/fc1/kernel")
+    assert (fc1["axes"], fc1["bytes_per_device"]) == ([None, "model"], 16 * 128 * 4 // 4)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["model"] == "mlp" and manifest["optimizer"]["class"] == "Adam"
+    kinds = [v["kind"] for v in manifest["variables"]]
+    assert kinds == ["model"] * 6 + ["optimizer"] * 14
+    assert manifest["variables"][0] == {
+        "path": "mlp/fc1/kernel",
+        "shape": [16, 128],
+        "dtype": "float32",
+        "kind": "model",
+    }
+    assert "training" not in manifest
+
+
+def test_plan_diff_from_2x4_to_1x8(saved):
+    keras.distribution.set_distribution(distribution_for("1x8"))
+    model = compiled()
+    diff = kml.load_checkpoint(model, saved["2x4"].paths["kml"])
+
+    assert (diff.mesh_before, diff.mesh_after) == ({"data": 2, "model": 4}, {"data": 1, "model": 8})
+    # Split over 'model' both times, but 8 ways instead of 4: each device holds half as much.
+    # The head and the unsplit biases are replicated on both meshes, so they are not listed.
+    by_path = {c.path: c for c in diff.changes}
+    assert list(by_path)[:3] == ["mlp/fc1/kernel", "mlp/fc1/bias", "mlp/fc2/kernel"]
+    fc2 = by_path["mlp/fc2/kernel"]
+    assert (fc2.shape, fc2.before, fc2.after) == ((128, 64), ("model", None), ("model", None))
+    assert (fc2.bytes_before, fc2.bytes_after) == (128 * 64 * 4 // 4, 128 * 64 * 4 // 8)
+    assert (by_path["mlp/fc1/bias"].bytes_before, by_path["mlp/fc1/bias"].bytes_after) == (128, 64)
+    slots = [c.path.split("/", 1)[1] for c in diff.changes[3:]]
+    assert slots == [
+        f"mlp_{v}_{s}" for v in ("fc1_kernel", "fc1_bias", "fc2_kernel") for s in ("momentum", "velocity")
+    ]
+    # By hand: split parameters take 2048 + 128 + 8192 B per device on 2×4 and half that on 1×8;
+    # parameters, gradients and Adam's two moments each hold them once: 4 × 5184 B fewer per device.
+    assert diff.memory_before["total"] - diff.memory_after["total"] == 4 * (2048 + 128 + 8192) // 2
+    assert diff.memory_before["parameters"] == 2048 + 128 + 8192 + 64 * 4 + 64 * 8 * 4 + 8 * 4
+    text = str(diff)
+    for fragment in [
+        "Layout changes: data=2 × model=4 → data=1 × model=8",
+        "(model=4, None)",
+        "(model=8, None)",
+        "8.0 KiB",
+        "Training state per device: 49.6 KiB → 29.4 KiB",
+    ]:
+        assert fragment in text, text
+    assert json.loads(json.dumps(diff.to_dict()))["changes"][2]["after"] == ["model", None]
+
+
+def test_plan_diff_to_data_parallel_lists_every_split_variable_and_no_change_on_same_mesh():
+    plans = []
+    for mesh in ("2x4", "data-only"):
+        distribution = distribution_for(mesh)
+        with distribution.scope():
+            plans.append(distribution.plan(build_mlp()))
+    before, after = plans
+    diff = kml.plan_diff(before, after)
+    assert [(c.path, c.after) for c in diff.changes] == [
+        ("mlp/fc1/kernel", (None, None)),
+        ("mlp/fc1/bias", (None,)),
+        ("mlp/fc2/kernel", (None, None)),
+    ]
+    same = kml.plan_diff(before.to_dict(), before)
+    assert same.changes == ()
+    assert "No layout changes" in str(same)
+
+
+def test_no_diff_without_a_distribution(saved):
+    model = compiled()
+    assert kml.load_checkpoint(model, saved["2x4"].paths["kml"]) is None
+
+
+# -- bad input: a clear error, and nothing lost -----------------------------------------
+
+
+def corrupt_copy(saved: dict[str, Saved], tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved["2x4"].paths["kml"], path)
+    return path
+
+
+def truncate_weights(path: Path) -> None:
+    weights = path / "model.weights.h5"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def flip_a_byte(path: Path) -> None:
+    weights = path / "model.weights.h5"
+    raw = bytearray(weights.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+
+
+def half_written(path: Path) -> None:
+    (path / "manifest.json").unlink()
+
+
+def moved_to_partial(path: Path) -> None:
+    path.rename(path.with_name(".ckpt.partial-1a2b3c4d"))
+
+
+def moved_to_old(path: Path) -> None:
+    path.rename(path.with_name(".ckpt.old-1a2b3c4d"))
+
+
+def write(name: str, content: bytes) -> Callable[[Path], None]:
+    return lambda path: (path / name).write_bytes(content)
+
+
+#: (id, how to build the model (compiled with Adam unless it compiles itself), how to damage
+#: the copied checkpoint, fragments of the message)
+BAD_INPUTS = [
+    (
+        "variable missing from the checkpoint",
+        lambda: build_mlp(extra=True),
+        None,
+        [
+            "does not match the model (6 model and 14 optimizer variables saved, "
+            "8 model and 18 optimizer variables in the model)",
+            "missing from the checkpoint: extra/kernel (8, 8)",
+            "missing from the checkpoint: extra/bias (8,)",
+            "missing from the checkpoint: optimizer: extra_kernel_momentum (8, 8)",
+            "Nothing was loaded; the model is unchanged.",
+            "Fix: build the same model",
+        ],
+    ),
+    (
+        "extra variable in the checkpoint",
+        lambda: keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(128, name="fc1"), keras.layers.Dense(64, name="fc2")],
+            name="mlp",
+        ),
+        None,
+        ["only in the checkpoint: head/kernel (64, 8)", "only in the checkpoint: head/bias (8,)"],
+    ),
+    (
+        "different shape",
+        lambda: build_mlp(fc1=64),
+        None,
+        [
+            "different: fc1/kernel: checkpoint (16, 128) float32, model (16, 64) float32",
+            "different: fc2/kernel: checkpoint (128, 64) float32, model (64, 64) float32",
+            "different: optimizer: fc1_kernel_momentum: checkpoint (16, 128) float32, model (16, 64) float32",
+        ],
+    ),
+    (
+        "other optimizer",
+        lambda: compiled(optimizer="sgd"),
+        None,
+        ["optimizer: checkpoint Adam, model SGD", "only in the checkpoint: optimizer: fc1_kernel_velocity"],
+    ),
+    (
+        "truncated weights file",
+        build_mlp,
+        truncate_weights,
+        ["model.weights.h5 is missing, truncated or corrupt", "Nothing was loaded; the model is unchanged."],
+    ),
+    ("corrupt weights file", build_mlp, flip_a_byte, ["its checksum does not match the manifest"]),
+    (
+        "corrupt manifest (bytes)",
+        build_mlp,
+        write("manifest.json", b"\x89\xff{\x00garbage"),
+        ["manifest.json is corrupt", "Nothing was loaded; the model is unchanged."],
+    ),
+    (
+        "corrupt manifest (cut short)",
+        build_mlp,
+        write("manifest.json", b'{"format": 1, "vari'),
+        ["manifest.json is corrupt"],
+    ),
+    (
+        "corrupt manifest (keys)",
+        build_mlp,
+        write("manifest.json", b"[1, 2]"),
+        [
+            "manifest.json is corrupt: it needs the keys ['format', 'variables', 'weights_sha256']",
+            "Received: list.",
+        ],
+    ),
+    (
+        "corrupt plan",
+        build_mlp,
+        write("plan.json", b'{"mesh": '),
+        ["plan.json is missing, truncated or corrupt"],
+    ),
+    (
+        "half-written directory",
+        build_mlp,
+        half_written,
+        ["has no manifest.json", "its save did not finish", "Nothing was loaded; the model is unchanged."],
+    ),
+    (
+        "no directory, a partial save beside it",
+        build_mlp,
+        moved_to_partial,
+        ["No checkpoint at", "A half-written save was found beside it (.ckpt.partial-1a2b3c4d)"],
+    ),
+    (
+        "no directory, the previous one moved aside",
+        build_mlp,
+        moved_to_old,
+        ["No checkpoint at", "moved aside to .ckpt.old-1a2b3c4d", "rename it back to ckpt"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("build", "damage", "fragments"), [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
+)
+def test_bad_input_is_a_clear_error_and_the_model_is_untouched(build, damage, fragments, saved, tmp_path):
+    path = corrupt_copy(saved, tmp_path)
+    if damage is not None:
+        damage(path)
+    keras.distribution.set_distribution(distribution_for("2x4"))
+    model = build()
+    if getattr(model, "optimizer", None) is None:
+        model = compiled(lambda: model)
+    model.optimizer.build(model.trainable_variables)
+    randomise(model)
+    before = values(model)
+    shardings = [v.value.sharding for v in [*model.weights, *model.optimizer.variables]]
+
+    with pytest.raises(kml.CheckpointError) as raised:
+        kml.load_checkpoint(model, path)
+
+    message = str(raised.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+    assert_untouched(model, before, shardings)
+
+
+def randomise(model: keras.Model) -> None:
+    """Gives every float variable, optimizer moments included, values no checkpoint has."""
+    rng = np.random.default_rng(7)
+    for variable in [*model.weights, *model.optimizer.variables]:
+        if "float" in str(variable.dtype):
+            variable.assign(rng.normal(size=variable.shape).astype(variable.dtype))
+
+
+def assert_untouched(model: keras.Model, before: list[np.ndarray], shardings: list) -> None:
+    after = values(model)
+    assert len(after) == len(before)
+    for a, b in zip(after, before, strict=True):
+        assert np.array_equal(a, b)
+    assert [v.value.sharding for v in [*model.weights, *model.optimizer.variables]] == shardings
+
+
+@pytest.mark.parametrize("rollback", [True, False], ids=["rollback", "no-rollback"])
+def test_a_load_that_fails_part_way(rollback, saved, monkeypatch):
+    """Keras assigns layer after layer and reports failures at the end; by default we put everything back."""
+    keras.distribution.set_distribution(distribution_for("2x4"))
+    model = compiled()
+    model.optimizer.build(model.trainable_variables)
+    randomise(model)
+    before = values(model)
+    shardings = [v.value.sharding for v in [*model.weights, *model.optimizer.variables]]
+    fc1, head = model.get_layer("fc1"), model.get_layer("head")
+    loaded = []
+
+    def load_and_record(store):
+        type(fc1).load_own_variables(fc1, store)
+        loaded.append(np.array_equal(np.asarray(fc1.kernel.value), saved["2x4"].values[0]))
+
+    def broken(store):
+        raise OSError("unreadable dataset")
+
+    monkeypatch.setattr(fc1, "load_own_variables", load_and_record)
+    monkeypatch.setattr(head, "load_own_variables", broken)
+    with pytest.raises(
+        kml.CheckpointError, match=r"(?s)failed part-way \(ValueError: .*unreadable dataset"
+    ) as raised:
+        kml.load_checkpoint(model, saved["2x4"].paths["kml"], rollback=rollback)
+    assert loaded == [True], "fc1 was overwritten before head failed: there was something to put back"
+    if rollback:
+        assert "Every variable was put back as it was; the model is unchanged." in str(raised.value)
+        assert_untouched(model, before, shardings)
+    else:
+        assert "The model is partly loaded (rollback=False): load it again, or rebuild it." in str(
+            raised.value
+        )
+        assert np.array_equal(np.asarray(fc1.kernel.value), saved["2x4"].values[0])
+
+
+KILL_POINTS = ["writing the weights", "writing the manifest", "moving into place"]
+
+
+@pytest.mark.parametrize("cleanup", [True, False], ids=["exception", "killed"])
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(
+    point, cleanup, saved, tmp_path, monkeypatch
+):
+    """A save that raises, or is killed (no clean-up runs), at any point never replaces the old one.
+
+    Whatever it wrote sits in a hidden `.ckpt.partial-*` directory: nothing at a visible path
+    looks like a checkpoint except the previous, complete one.
+    """
+    path = corrupt_copy(saved, tmp_path)
+    old_manifest = (path / "manifest.json").read_bytes()
+    keras.distribution.set_distribution(distribution_for("2x4"))
+    model = compiled()
+    model.optimizer.build(model.trainable_variables)
+    randomise(model)
+
+    failure = OSError("No space left on device")
+    if point == "writing the weights":
+
+        def save_weights_then_fail(filepath, *args, **kwargs):
+            Path(filepath).write_bytes(b"\x89HDF\r\n\x1a\n half of the weights")
+            raise failure
+
+        model.save_weights = save_weights_then_fail
+    elif point == "writing the manifest":
+        write_json = _checkpoint._write_json
+
+        def write_json_until_manifest(file, content):
+            if file.name == "manifest.json":
+                file.write_text('{"format": 1, "vari')
+                raise failure
+            write_json(file, content)
+
+        monkeypatch.setattr(_checkpoint, "_write_json", write_json_until_manifest)
+    else:
+
+        def fail(partial, target):
+            raise failure
+
+        monkeypatch.setattr(_checkpoint, "_replace_directory", fail)
+    if not cleanup:
+        monkeypatch.setattr(_checkpoint.shutil, "rmtree", lambda *args, **kwargs: None)
+
+    with pytest.raises(OSError, match="No space left"):
+        kml.save_checkpoint(model, path)
+    monkeypatch.undo()
+
+    visible = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert visible == ["ckpt"]
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.partial-")]
+    assert len(leftovers) == (0 if cleanup else 1)
+    assert (path / "manifest.json").read_bytes() == old_manifest
+    fresh = compiled()
+    kml.load_checkpoint(fresh, path)
+    assert_bit_identical(fresh, saved["2x4"].values)
+
+
+# -- Keras's Orbax callback ---------------------------------------------------------------
+#
+# `keras.callbacks.OrbaxCheckpoint` saves; `model.load_weights(directory)` and
+# `keras.saving.load_model(directory)` restore, resharding onto the current
+# distribution. Keras 3.15 matches saved arrays to variables by their exact
+# `variable.path` and silently skips any path it does not find, so the cases
+# below that change a path are pinned as known Keras bugs (strict xfail: they
+# start failing the day Keras fixes them). For a leaf it found no variable for,
+# Keras hands Orbax no target sharding, and Orbax warns that it falls back to the
+# saved one: those tests let that warning through to reach the real outcome.
+ORBAX_SAVED_SHARDING = "ignore:Sharding info not provided when restoring:UserWarning"
+
+
+def build_functional(name: str = "mlp") -> keras.Model:
+    """A functional model: its variable paths survive `load_model` (a Sequential's lose the model name)."""
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(128, activation="relu", name="fc1")(inputs)
+    hidden = keras.layers.Dense(64, activation="relu", name="fc2")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(8, name="head")(hidden), name=name)
+
+
+def orbax_compiled(build: Callable[[], keras.Model], optimizer_name: str | None = "adam") -> keras.Model:
+    """Compiled with Adam named `optimizer_name` (`None`: Keras's automatic, unique name)."""
+    model = build()
+    named = {} if optimizer_name is None else {"name": optimizer_name}
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2, **named),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxSaved:
+    path: Path
+    values: list[np.ndarray]
+
+
+def orbax_train_and_save(build: Callable[[], keras.Model], directory: Path) -> OrbaxSaved:
+    keras.distribution.set_distribution(distribution_for("2x4"))
+    keras.utils.set_random_seed(1)
+    model = orbax_compiled(build)
+    callback = keras.callbacks.OrbaxCheckpoint(directory, save_freq="epoch", save_on_background=False)
+    model.fit(*data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    saved = OrbaxSaved(directory, values(model))
+    keras.distribution.set_distribution(None)
+    return saved
+
+
+@pytest.fixture(scope="module")
+def orbax_saved(tmp_path_factory) -> dict[str, OrbaxSaved]:
+    pytest.importorskip(
+        "orbax.checkpoint", reason="install the orbax extra: pip install keras_meshlayout[orbax]"
+    )
+    return {
+        "functional": orbax_train_and_save(build_functional, tmp_path_factory.mktemp("orbax") / "functional"),
+        "sequential": orbax_train_and_save(build_mlp, tmp_path_factory.mktemp("orbax") / "sequential"),
+    }
+
+
+def orbax_load(how: str, path: Path, build: Callable[[], keras.Model], optimizer_name: str | None = "adam"):
+    if how == "load_model":
+        return keras.saving.load_model(path)
+    model = orbax_compiled(build, optimizer_name)
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(path)
+    return model
+
+
+@pytest.mark.parametrize("how", ["load_weights", "load_model"])
+@pytest.mark.parametrize("target", ["1x8", "4x2", "data-only"])
+def test_orbax_checkpoint_restores_on_another_mesh(how, target, orbax_saved):
+    """Saved on 2×4 by the callback, restored bit for bit with the new plan's layouts."""
+    keras.distribution.set_distribution(distribution_for(target))
+    saved = orbax_saved["functional"]
+    model = orbax_load(how, saved.path, build_functional)
+    assert_bit_identical(model, saved.values)
+    assert_laid_out_for(model, target)
+
+
+@pytest.mark.filterwarnings(ORBAX_SAVED_SHARDING)
+@pytest.mark.xfail(
+    strict=True,
+    reason="Keras 3.15: a Sequential reloaded by load_model has paths without the model name "
+    "('fc1/kernel', not 'mlp/fc1/kernel'); set_state_tree skips every unmatched path silently, "
+    "so nothing is restored.",
+)
+def test_orbax_load_model_of_a_sequential_restores_its_weights(orbax_saved):
+    keras.distribution.set_distribution(distribution_for("1x8"))
+    saved = orbax_saved["sequential"]
+    model = keras.saving.load_model(saved.path)
+    assert_bit_identical(model, saved.values)
+
+
+@pytest.mark.filterwarnings(ORBAX_SAVED_SHARDING)
+@pytest.mark.xfail(
+    strict=True,
+    reason="Keras 3.15: an optimizer named automatically is 'adam_1', 'adam_2', ... after the first "
+    "in a process; its variable paths differ from the saved 'adam/...', and set_state_tree skips "
+    "them silently: the optimizer state is not restored.",
+)
+def test_orbax_restores_the_state_of_an_optimizer_named_otherwise(orbax_saved):
+    keras.distribution.set_distribution(distribution_for("1x8"))
+    saved = orbax_saved["functional"]
+    keras.optimizers.Adam()  # any optimizer made before: the next one is named 'adam_<n>'
+    model = orbax_load("load_weights", saved.path, build_functional, optimizer_name=None)
+    assert model.optimizer.name.startswith("adam_")
+    assert_bit_identical(model, saved.values)
+
+
+@pytest.mark.filterwarnings(ORBAX_SAVED_SHARDING)
+@pytest.mark.xfail(
+    strict=True,
+    reason="Keras 3.15: without a distribution, build_orbax_abstract_pytree asks Orbax for the saved "
+    "shardings, so the arrays come back spread over the 2×4 mesh they were saved on, not on one "
+    "device (and a machine with fewer devices cannot restore them).",
+)
+def test_orbax_restores_onto_one_device_without_a_distribution(orbax_saved):
+    saved = orbax_saved["functional"]
+    model = orbax_load("load_weights", saved.path, build_functional)
+    assert_bit_identical(model, saved.values)
+    assert_laid_out_for(model, "none")
