@@ -46,6 +46,13 @@ from ._errors import UnsupportedBackendError as UnsupportedBackendError
 from ._memory import MemoryEstimate as MemoryEstimate
 from ._memory import check_plan as check_plan
 from ._mesh import Mesh as Mesh
+from ._mesh import ProcessSplitWarning as ProcessSplitWarning
+from ._mesh import process_layout as process_layout
+from ._multiprocess import ProcessInfo as ProcessInfo
+from ._multiprocess import initialize as initialize
+from ._multiprocess import local_batch_size as local_batch_size
+from ._multiprocess import process_slice as process_slice
+from ._multiprocess import save_weights as save_weights
 from ._pictures import Picture as Picture
 from ._pictures import ShardBlock as ShardBlock
 from ._pictures import plot_plan as plot_plan
@@ -92,6 +99,8 @@ __all__ = [
     "ModelParallel",
     "Picture",
     "Plan",
+    "ProcessInfo",
+    "ProcessSplitWarning",
     "RankMismatchError",
     "Resolution",
     "Rule",
@@ -104,6 +113,11 @@ __all__ = [
     "dry_plan",
     "conv_rules",
     "emulate_devices",
+    "initialize",
+    "local_batch_size",
+    "process_layout",
+    "process_slice",
+    "save_weights",
     "mlp_rules",
     "plot_plan",
     "sharding_blocks",

@@ -87,7 +87,24 @@ def save_checkpoint(
         >>> sorted(p.name for p in path.iterdir())
         ['manifest.json', 'model.weights.h5', 'plan.json']
     """
-    return _save(model, Path(directory), distribution)
+    import jax
+
+    if jax.process_count() == 1:
+        return _save(model, Path(directory), distribution)
+    # Several processes: every one calls this. Process 0 writes, with the distribution
+    # lifted: Keras's save_weights builds a throwaway optimizer, whose variables would be
+    # a collective under a distribution spanning processes. The others wait until done.
+    from jax.experimental import multihost_utils
+
+    current = keras.distribution.distribution()
+    if jax.process_index() == 0:
+        keras.distribution.set_distribution(None)
+        try:
+            _save(model, Path(directory), distribution if distribution is not None else current)
+        finally:
+            keras.distribution.set_distribution(current)
+    multihost_utils.sync_global_devices(f"kml.save_checkpoint {os.fspath(directory)}")
+    return Path(directory)
 
 
 def load_checkpoint(

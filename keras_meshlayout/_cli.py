@@ -1,6 +1,7 @@
 """The `keras-meshlayout` command line (also `python -m keras_meshlayout`).
 
-Commands: `devices` (what JAX sees, and the meshes that fit), `plan` (the plan
+Commands: `devices` (what JAX sees, and the meshes that fit), `launch` (a script in
+several local processes, as `python -m keras_meshlayout.launch`), `plan` (the plan
 of a model on a mesh, built without allocating weights, with its memory per
 device; exit status 0 when the plan is valid, so it can gate a CI job), and
 `demo` (trains an MLP on a 2×4 mesh).
@@ -46,6 +47,11 @@ rules files:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # everything after it is the launcher's and the script's
+        from ._launch import main as launch
+
+        return launch(argv[1:], prog="keras-meshlayout launch")
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -79,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_emulate(devices)
     devices.add_argument("--json", action="store_true", help="print JSON instead of tables")
     devices.set_defaults(run=_devices)
+
+    commands.add_parser(
+        "launch",
+        help="run a script in N local processes, as on N hosts (see: launch --help)",
+        add_help=False,
+    )
 
     plan = commands.add_parser(
         "plan",

@@ -10,6 +10,7 @@ import keras
 
 from ._backend import require_jax_backend
 from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError
+from ._multiprocess import process_batch_block
 from ._plan import Plan, plan_model
 from ._resolve import DEFAULT_REPLICATE_BELOW, IndivisiblePolicy, Resolution, check_policy, resolve
 from ._rules import LayoutRules
@@ -50,7 +51,10 @@ class ModelParallel(keras.distribution.ModelParallel):
         on_indivisible: `"replicate"` (default) or `"error"`.
         replicate_below: Weight matrices (rank 2 or more, not biases) with
             fewer elements stay replicated. Defaults to 4096 (16 KiB in float32); 0 disables it.
-        auto_shard_dataset: As in Keras, for multi-process input pipelines.
+        auto_shard_dataset: Let Keras shard a `tf.data.Dataset` over processes
+            itself. Defaults to `False`: in a multi-process run each process
+            passes `fit` its own part of every global batch (`kml.process_slice`);
+            with `True`, Keras refuses any input that is not a `tf.data.Dataset`.
 
     Raises:
         InvalidMeshError: `batch_axis` is not an axis of the mesh.
@@ -80,7 +84,7 @@ class ModelParallel(keras.distribution.ModelParallel):
         batch_axis: str | None = None,
         on_indivisible: IndivisiblePolicy = "replicate",
         replicate_below: int = DEFAULT_REPLICATE_BELOW,
-        auto_shard_dataset: bool = True,
+        auto_shard_dataset: bool = False,
     ) -> None:
         require_jax_backend()
         if not isinstance(mesh, keras.distribution.DeviceMesh):
@@ -212,7 +216,7 @@ class ModelParallel(keras.distribution.ModelParallel):
         included) before it reaches JAX.
         """
         axis_size = self._axis_sizes[self.batch_dim_name]
-        global_batch = int(data_shape[0]) * self.num_processes
+        global_batch = int(data_shape[0]) * axis_size // self._batch_positions_here
         if global_batch % axis_size:
             raise IndivisibleBatchError(
                 f"A batch of {global_batch} samples (input shape {tuple(data_shape)}) cannot be "
@@ -221,6 +225,12 @@ class ModelParallel(keras.distribution.ModelParallel):
                 f"a multiple of {axis_size}. If this is the short last batch of an epoch, make "
                 "the number of samples a multiple of the batch size, or drop the remainder."
             )
+
+    @functools.cached_property
+    def _batch_positions_here(self) -> int:
+        """Positions of the batch axis on this process's devices (all of them when alone)."""
+        first, stop, _ = process_batch_block(self.device_mesh, self.batch_dim_name)
+        return stop - first
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import UnmatchedRuleWarning
 from ._memory import MemoryEstimate, check_plan, memory_of
+from ._mesh import process_layout
 from ._render import format_axes, format_bytes, to_text
 from ._resolve import Resolution
 from ._rules import Axes, Rule
@@ -40,6 +41,8 @@ class Plan:
         device_capacity: Memory of one device in bytes, where JAX reports it.
         on_indivisible: The divisibility policy in force.
         replicate_below: The small-variable threshold in force.
+        processes: Which process holds which part of the mesh, one line each
+            (`kml.process_layout`); empty in a single process.
 
     `str(plan)` (or `print(plan)`) renders a table; `plan.to_dict()` gives the
     same content as JSON-serialisable data; `plan[path]` looks up one variable.
@@ -53,6 +56,7 @@ class Plan:
     device_capacity: int | None = None
     on_indivisible: str = "replicate"
     replicate_below: int = 0
+    processes: tuple[str, ...] = ()
 
     @property
     def device_count(self) -> int:
@@ -151,6 +155,7 @@ class Plan:
                 for rule, layers in self.outputs
             ],
             "warnings": self.warnings,
+            "processes": list(self.processes),
         }
 
     def __rich_console__(self, console: rich.console.Console, options: Any) -> Iterator[Any]:
@@ -195,6 +200,8 @@ class Plan:
             f"{format_bytes(memory.parameters)}, gradients {format_bytes(memory.gradients)}, optimizer "
             f"{format_bytes(memory.optimizer)}; activations not counted)"
         )
+        for line in self.processes:
+            yield Text(line)
         if self.outputs:
             outputs = Table(title="Layer outputs kept in a layout", title_justify="left")
             for column in ("rule", "layout", "layers"):
@@ -257,10 +264,17 @@ def plan_model(
         device_capacity=_device_capacity(distribution.device_mesh),
         on_indivisible=distribution.on_indivisible,
         replicate_below=distribution.replicate_below,
+        processes=_processes(distribution.device_mesh),
     )
     for message in plan.warnings:
         warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
     return plan
+
+
+def _processes(mesh: keras.distribution.DeviceMesh) -> tuple[str, ...]:
+    """`process_layout` lines when the mesh spans processes; none in a single process."""
+    lines = process_layout(mesh)
+    return tuple(lines) if len(lines) > 1 else ()
 
 
 def _device_capacity(mesh: keras.distribution.DeviceMesh) -> int | None:

@@ -849,7 +849,7 @@ ERRORS = [
     kml.DevicesAlreadyInitializedError,
 ]
 
-WARNINGS = [kml.IndivisibleShapeWarning, kml.UnmatchedRuleWarning]
+WARNINGS = [kml.IndivisibleShapeWarning, kml.UnmatchedRuleWarning, kml.ProcessSplitWarning]
 
 
 @pytest.mark.parametrize("error", ERRORS, ids=lambda error: error.__name__)

@@ -1,0 +1,826 @@
+"""Past one process: the launcher, `kml.initialize`, hybrid meshes, per-process data, checkpoints.
+
+The end-to-end cases start real processes on loopback with
+`python -m keras_meshlayout.launch`, each bounded by a timeout; the others run
+in this process, with fake devices standing in for the devices of other
+processes where a mesh must span several.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import keras
+import numpy as np
+import pytest
+from helpers import BATCH, MLP_RULES, assert_same_weights, build_mlp, train
+
+import keras_meshlayout as kml
+from keras_meshlayout import launch as launch_module
+from keras_meshlayout._launch import _environment
+from keras_meshlayout._multiprocess import INIT_TIMEOUT_EXIT_STATUS, cluster_config
+
+TESTS = Path(__file__).resolve().parent
+STEPS = 8
+LAUNCH_TIMEOUT_S = 120  # a hard bound on every launcher run; each finishes far sooner
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without the test session's JAX, Keras and distribution settings."""
+    drop = ("XLA_FLAGS", "KERAS_BACKEND", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in drop and not k.startswith(("KML_", "KERAS_DISTRIBUTION_", "SLURM_"))
+    }
+    return {**env, "PYTHONIOENCODING": "utf-8", **extra}
+
+
+def run_launcher(script: Path, *args: str, n: int = 2, options: tuple[str, ...] = ()) -> tuple:
+    """Runs the launcher on `script`; returns the completed process and the seconds it took."""
+    command = [sys.executable, "-m", "keras_meshlayout.launch", "-n", str(n), *options, str(script), *args]
+    start = time.monotonic()
+    result = subprocess.run(
+        command,
+        cwd=script.parent,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    return result, time.monotonic() - start
+
+
+def output(result: subprocess.CompletedProcess) -> str:
+    return (
+        f"exit status {result.returncode}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+    )
+
+
+def launched_pids(stderr: str) -> dict[int, int]:
+    """The pids the launcher announces: `rank 0: pid 123, rank 1: pid 124`."""
+    return {int(rank): int(pid) for rank, pid in re.findall(r"rank (\d+): pid (\d+)", stderr)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def processes_running(fragment: str) -> list[int]:
+    """Pids of processes whose command line mentions `fragment` (from /proc, no psutil)."""
+    found = []
+    if not Path("/proc").is_dir():
+        return found  # not Linux: the pid checks still run
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if fragment in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def write_script(directory: Path, name: str, source: str) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+# -- 2 processes x 4 devices train exactly as 1 process x 8 ------------------------
+
+TRAIN_WORKER = """
+import json, sys, warnings
+from pathlib import Path
+
+import keras_meshlayout as kml
+
+process_id, num_processes = kml.initialize(emulate_devices=8)
+
+import keras
+import numpy as np
+
+sys.path.insert(0, {tests!r})
+from helpers import BATCH, MLP_RULES, build_mlp, train
+
+out = Path(sys.argv[1])
+inputs = np.load(out / "inputs.npz")
+initial = [inputs[f"w{{i}}"] for i in range(len(inputs.files) - 2)]
+
+mesh = kml.Mesh(data=2, model=4)
+report = {{
+    "process": [process_id, num_processes],
+    "process_ids": mesh.process_ids.tolist(),
+    "axes_across_processes": list(mesh.axes_across_processes),
+    "process_layout": kml.process_layout(mesh),
+}}
+try:
+    kml.Mesh(data=1, model=8)
+except kml.InvalidMeshError as err:
+    report["refused"] = str(err)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    split = kml.Mesh(data=1, model=8, allow_split_across_processes=True)
+report["split_warnings"] = [str(w.message) for w in caught if issubclass(w.category, kml.ProcessSplitWarning)]
+report["split_process_ids"] = split.process_ids.tolist()
+
+dist = kml.ModelParallel(mesh, MLP_RULES, batch_axis="data", auto_shard_dataset=False)
+local = kml.process_slice((inputs["x"], inputs["y"]), batch_size=BATCH, distribution=dist)
+report["local_rows"] = int(local[0].shape[0])
+model = train(build_mlp, initial, local, dist, batch_size=kml.local_batch_size(BATCH, dist))
+weights = [np.asarray(w.value) for w in model.weights]  # each process holds them whole
+kml.save_weights(model, out / "model.weights.h5")  # every process calls it; process 0 writes
+if process_id == 0:
+    np.savez(out / "trained.npz", *weights)
+    (out / "report.json").write_text(json.dumps(report))
+print(f"process {{process_id}} of {{num_processes}} done", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def mlp_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, 32)).astype("float32")
+    return x, x[:, :10].argmax(axis=1).astype("int32")
+
+
+@pytest.fixture(scope="module")
+def initial_weights() -> list[np.ndarray]:
+    keras.distribution.set_distribution(None)
+    keras.utils.set_random_seed(42)
+    return build_mlp().get_weights()
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, mlp_data, initial_weights):
+    """One launcher run of 2 processes x 4 devices training the MLP; its outputs."""
+    out = tmp_path_factory.mktemp("two_process_run")
+    x, y = mlp_data
+    np.savez(out / "inputs.npz", x=x, y=y, **{f"w{i}": w for i, w in enumerate(initial_weights)})
+    script = write_script(out, "train_worker.py", TRAIN_WORKER.format(tests=str(TESTS)))
+    result, seconds = run_launcher(
+        script, str(out), options=("--devices-per-process", "4", "--init-timeout", "60")
+    )
+    assert result.returncode == 0, output(result)
+    trained = np.load(out / "trained.npz")
+    return {
+        "result": result,
+        "seconds": seconds,
+        "out": out,
+        "trained": [trained[f"arr_{i}"] for i in range(len(trained.files))],
+        "report": json.loads((out / "report.json").read_text()),
+    }
+
+
+def test_two_processes_train_like_one_process_of_eight_devices(two_process_run, mlp_data, initial_weights):
+    keras.distribution.set_distribution(None)
+    dist = kml.ModelParallel(kml.Mesh(data=2, model=4), MLP_RULES, batch_axis="data")
+    reference = train(build_mlp, initial_weights, mlp_data, dist)
+    moved = max(np.abs(a - b).max() for a, b in zip(initial_weights, two_process_run["trained"], strict=True))
+    assert moved > 1e-3, "training must change the weights for the comparison to mean anything"
+    assert_same_weights(reference, two_process_run["trained"])
+
+
+def test_two_process_run_output_is_prefixed_by_rank(two_process_run):
+    result = two_process_run["result"]
+    assert "[0] process 0 of 2 done" in result.stdout, output(result)
+    assert "[1] process 1 of 2 done" in result.stdout, output(result)
+    assert set(launched_pids(result.stderr)) == {0, 1}, output(result)
+
+
+def test_two_process_mesh_puts_data_across_processes(two_process_run):
+    report = two_process_run["report"]
+    assert report["process"] == [0, 2]
+    assert report["process_ids"] == [[0, 0, 0, 0], [1, 1, 1, 1]]
+    assert report["axes_across_processes"] == ["data"]
+    assert report["local_rows"] == BATCH * STEPS // 2
+    assert report["process_layout"] == [
+        "2 processes × 4 devices; across processes: data; within each process: model",
+        "process 0: data=0, model=0..3 (devices 0-3)",
+        "process 1: data=1, model=0..3 (devices 2048-2051)",
+    ]
+
+
+def test_two_process_mesh_refuses_model_axis_across_processes(two_process_run):
+    report = two_process_run["report"]
+    assert report["refused"].startswith(
+        "Mesh(data=1, model=8) on 2 processes × 4 devices: the axes across processes ('data',) can "
+        "hold only 1 of the 2 processes, so axis 'model' would also span processes"
+    ), report["refused"]
+    assert "allow_split_across_processes=True" in report["refused"]
+    assert report["split_process_ids"] == [[0, 0, 0, 0, 1, 1, 1, 1]]
+    assert report["split_warnings"] == [
+        "Mesh(data=1, model=8): axis 'model' spans processes (model: 2 processes), as "
+        "allow_split_across_processes=True permits; collectives over it cross the links between "
+        "hosts every step."
+    ]
+
+
+def test_multi_process_checkpoint_restores_in_one_process(two_process_run, mlp_data):
+    """Weights saved by process 0 of the 2-process run load on a 1x8 mesh in this process."""
+    dist = kml.ModelParallel(kml.Mesh(data=1, model=8), MLP_RULES, batch_axis="data")
+    keras.distribution.set_distribution(dist)
+    model = build_mlp()
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(two_process_run["out"] / "model.weights.h5")
+    assert_same_weights(model, two_process_run["trained"])
+    kernel = model.get_layer("hidden_1").kernel.value
+    assert tuple(kernel.sharding.spec) == (None, "model") and kernel.sharding.mesh.shape["model"] == 8
+    momentum = [v for v in model.optimizer.variables if v.path.endswith("hidden_1_kernel_momentum")]
+    assert momentum and np.abs(np.asarray(momentum[0].value)).max() > 0, "optimizer state restored"
+
+
+# -- failures end the run, bounded, with nothing left behind ------------------------------
+
+KILLED_WORKER = """
+import os, signal
+
+import keras_meshlayout as kml
+
+process_id, _ = kml.initialize(emulate_devices=8)
+
+import keras
+import numpy as np
+
+
+class KillRankOne(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if process_id == 1 and batch == 2:
+            print("rank 1 kills itself", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+dist = kml.ModelParallel(kml.Mesh(data=2, model=4), auto_shard_dataset=False)
+keras.distribution.set_distribution(dist)
+model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64), keras.layers.Dense(10)])
+model.compile(optimizer="sgd", loss="mse")
+x, y = np.zeros((64 * 50, 32), "float32"), np.zeros((64 * 50, 10), "float32")
+x, y = kml.process_slice((x, y), batch_size=64)
+model.fit(x, y, batch_size=kml.local_batch_size(64), epochs=100, verbose=0, callbacks=[KillRankOne()])
+"""
+
+
+def test_sigkill_of_one_process_stops_the_run(tmp_path):
+    script = write_script(tmp_path, "killed_worker.py", KILLED_WORKER)
+    result, seconds = run_launcher(
+        script, options=("--devices-per-process", "4", "--init-timeout", "60", "--grace", "3")
+    )
+    assert result.returncode == 128 + signal.SIGKILL, output(result)
+    assert seconds < 60, f"took {seconds:.0f} s\n{output(result)}"
+    assert "[1] rank 1 kills itself" in result.stdout, output(result)
+    assert re.search(
+        r"rank 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\); stopped rank 0 by SIGTERM\.", result.stderr
+    ), output(result)
+    pids = launched_pids(result.stderr)
+    assert set(pids) == {0, 1}, output(result)
+    assert not [pid for pid in pids.values() if alive(pid)], "a launched process outlived the launcher"
+    assert not processes_running(str(script)), "a process of the run is still running"
+
+
+def test_failing_process_stops_the_others_and_sets_the_exit_status(tmp_path):
+    script = write_script(
+        tmp_path,
+        "fails.py",
+        """
+        import os, sys, time
+        if os.environ["KML_PROCESS_ID"] == "1":
+            print("rank 1 fails", flush=True)
+            sys.exit(3)
+        print("rank 0 waits", flush=True)
+        time.sleep(100)
+        """,
+    )
+    result, seconds = run_launcher(script, options=("--grace", "2"))
+    assert result.returncode == 3, output(result)
+    assert seconds < 20, output(result)
+    assert "[1] rank 1 fails" in result.stdout
+    assert re.search(
+        r"rank 1 \(pid \d+\) exited with status 3; stopped rank 0 by SIGTERM\.", result.stderr
+    ), output(result)
+    assert not processes_running(str(script))
+
+
+def test_launcher_timeout_stops_everything(tmp_path):
+    script = write_script(tmp_path, "sleeps.py", "import time\ntime.sleep(100)\n")
+    result, seconds = run_launcher(script, options=("--timeout", "1", "--grace", "2"))
+    assert result.returncode == 124, output(result)
+    assert seconds < 20
+    assert (
+        "--timeout 1 s passed with ranks 0, 1 still running; stopped ranks 0, 1 by SIGTERM." in result.stderr
+    )
+    assert not processes_running(str(script))
+
+
+def test_process_that_never_joins_times_out_with_a_clear_message(tmp_path):
+    script = write_script(
+        tmp_path,
+        "leaves_early.py",
+        """
+        import os, sys
+        if os.environ["KML_PROCESS_ID"] == "1":
+            sys.exit(0)  # never calls kml.initialize()
+        import keras_meshlayout as kml
+        kml.initialize()
+        print("unreachable")
+        """,
+    )
+    result, seconds = run_launcher(script, options=("--devices-per-process", "4", "--init-timeout", "3"))
+    assert result.returncode == INIT_TIMEOUT_EXIT_STATUS, output(result)
+    assert seconds < 40, output(result)
+    assert "unreachable" not in result.stdout
+    assert (
+        "[0] keras_meshlayout: process 0 of 2 waited 3 s for all 2 processes to join at the coordinator "
+        "127.0.0.1:"
+    ) in result.stderr, output(result)
+    assert "at least one process never called kml.initialize()" in result.stderr
+    assert "--init-timeout (launcher) or KML_INIT_TIMEOUT" in result.stderr
+    assert re.search(
+        r"rank 0 \(pid \d+\) exited with status 75\. It gave up waiting for the other processes to join "
+        r"\(--init-timeout 3 s\)\. Rank 1 exited with status 0 without joining",
+        result.stderr,
+    ), output(result)
+
+
+def test_unreachable_coordinator_times_out_with_a_clear_message(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    code = "import keras_meshlayout as kml\nkml.initialize()\nprint('unreachable')\n"
+    env = clean_env(
+        KML_COORDINATOR=f"127.0.0.1:{port}", KML_NUM_PROCESSES="2", KML_PROCESS_ID="1", KML_INIT_TIMEOUT="2"
+    )
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
+    assert result.returncode == INIT_TIMEOUT_EXIT_STATUS, output(result)
+    assert time.monotonic() - start < 30
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(
+        f"keras_meshlayout: process 1 of 2 could not reach the coordinator at 127.0.0.1:{port} "
+        "within 2 s: nothing accepted a connection there. Process 0 runs the coordinator"
+    ), output(result)
+
+
+def free_slurm_job_id() -> int:
+    """A job id whose coordinator port (JAX: 61440 + id % 4096) is free on loopback now."""
+    for job_id in np.random.default_rng().permutation(4096):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", 61440 + int(job_id)))
+            except OSError:
+                continue
+            return int(job_id)
+    pytest.skip("no free port in JAX's SLURM coordinator range")
+
+
+def test_script_runs_unchanged_under_slurm(tmp_path):
+    """Two tasks with the variables `srun` sets: kml.initialize lets JAX find them."""
+    script = write_script(
+        tmp_path,
+        "slurm_task.py",
+        """
+        import keras_meshlayout as kml
+        process_id, num_processes = kml.initialize(init_timeout=60)
+        mesh = kml.Mesh(data=2, model=4)
+        print(process_id, num_processes, mesh.process_ids.tolist(), flush=True)
+        """,
+    )
+    job_id = free_slurm_job_id()
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=clean_env(
+                SLURM_JOB_ID=str(job_id),
+                SLURM_STEP_NODELIST="localhost",
+                SLURM_NTASKS="2",
+                SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank),
+                KML_DEVICES_PER_PROCESS="4",
+                JAX_PLATFORMS="cpu",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [task.communicate(timeout=LAUNCH_TIMEOUT_S) for task in tasks]
+    finally:
+        for task in tasks:
+            task.kill()
+            task.wait()
+    for rank, (task, (stdout, stderr)) in enumerate(zip(tasks, outputs, strict=True)):
+        assert task.returncode == 0, f"task {rank}: {task.returncode}\n{stdout}\n{stderr}"
+        assert f"{rank} 2 [[0, 0, 0, 0], [1, 1, 1, 1]]" in stdout, stdout
+
+
+# -- settings: arguments, our variables, Keras's, clusters ---------------------------------
+
+KML = {"KML_COORDINATOR": "10.0.0.1:1234", "KML_NUM_PROCESSES": "2", "KML_PROCESS_ID": "1"}
+SLURM = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_STEP_NODELIST": "node[1-2]",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+}
+
+
+@pytest.mark.parametrize(
+    "environ, arguments, expected",
+    [
+        ({}, {}, (None, None, None, "none", False)),
+        (KML, {}, ("10.0.0.1:1234", 2, 1, "kml", True)),
+        (
+            {
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.9:99,10.0.0.8:99",
+                "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+                "KERAS_DISTRIBUTION_PROCESS_ID": "0",
+            },
+            {},
+            ("10.0.0.9:99", 2, 0, "keras", True),
+        ),
+        (KML, {"coordinator": "h:5", "num_processes": 4, "process_id": 3}, ("h:5", 4, 3, "arguments", True)),
+        ({"KML_NUM_PROCESSES": "1"}, {}, (None, 1, 0, "kml", False)),
+        (SLURM, {}, (None, None, None, "slurm", True)),
+        ({**SLURM, "SLURM_NTASKS": "1"}, {}, (None, None, None, "none", False)),
+        (
+            {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "4"},
+            {},
+            (None,) * 3 + ("openmpi", True),
+        ),
+        (
+            {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "0"},
+            {},
+            (None,) * 3 + ("kubernetes", True),
+        ),
+        ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, {}, (None,) * 3 + ("tpu", True)),
+        ({"TPU_WORKER_HOSTNAMES": "t0"}, {}, (None,) * 3 + ("none", False)),
+        (SLURM, {"auto_detect": False}, (None,) * 3 + ("none", False)),
+        ({}, {"auto_detect": True}, (None,) * 3 + ("auto", True)),
+    ],
+    ids=[
+        "nothing",
+        "kml-variables",
+        "keras-variables-first-address",
+        "arguments-win",
+        "one-process",
+        "slurm",
+        "slurm-one-task",
+        "openmpi",
+        "kubernetes",
+        "tpu-hosts",
+        "tpu-one-host",
+        "detection-off",
+        "detection-forced",
+    ],
+)
+def test_cluster_config(environ, arguments, expected):
+    config = cluster_config(environ, **arguments)
+    got = (config.coordinator, config.num_processes, config.process_id, config.source, config.multi_process)
+    assert got == expected
+
+
+def test_cluster_config_timeout_and_devices():
+    config = cluster_config({**KML, "KML_INIT_TIMEOUT": "12.5", "KML_DEVICES_PER_PROCESS": "4"})
+    assert (config.init_timeout, config.devices_per_process) == (12.5, 4)
+    assert cluster_config({}).init_timeout == 300
+    assert cluster_config(KML, init_timeout=3).init_timeout == 3
+
+
+@pytest.mark.parametrize(
+    "environ, arguments, message",
+    [
+        (
+            {"KML_COORDINATOR": "10.0.0.1:1234", "KML_NUM_PROCESSES": "2"},
+            {},
+            "A multi-process run needs the coordinator address, the number of processes and this "
+            "process's id, but KML_PROCESS_ID is not set.",
+        ),
+        ({}, {"num_processes": 2}, "but coordinator, process_id are not set."),
+        (
+            {**KML, "KML_PROCESS_ID": "2"},
+            {},
+            "The process id must be in 0..1 for 2 processes. Received: process_id=2.",
+        ),
+        ({**KML, "KML_NUM_PROCESSES": "two"}, {}, "KML_NUM_PROCESSES must be an integer. Received: 'two'."),
+        ({**KML, "KML_COORDINATOR": "10.0.0.1"}, {}, "The coordinator address must be host:port"),
+        ({**KML, "KML_INIT_TIMEOUT": "0"}, {}, "The initialization timeout must be a positive number"),
+        ({**KML, "KML_DEVICES_PER_PROCESS": "0"}, {}, "devices_per_process must be a positive integer."),
+    ],
+    ids=[
+        "missing-id",
+        "missing-two",
+        "id-out-of-range",
+        "not-an-integer",
+        "no-port",
+        "zero-timeout",
+        "zero-devices",
+    ],
+)
+def test_cluster_config_errors(environ, arguments, message):
+    with pytest.raises(kml.InvalidOptionError) as caught:
+        cluster_config(environ, **arguments)
+    assert str(caught.value).startswith(message) or message in str(caught.value), str(caught.value)
+
+
+def test_initialize_alone_is_a_no_op(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("KML_", "KERAS_DISTRIBUTION_", "SLURM_", "OMPI_", "TPU_")):
+            monkeypatch.delenv(name)
+    assert kml.initialize() == (0, 1)
+    assert kml.initialize(emulate_devices=8) == kml.ProcessInfo(process_id=0, num_processes=1)
+    assert not jax.distributed.is_initialized()
+
+
+def test_initialize_after_jax_started_is_a_clear_error():
+    jax.devices()  # this session's backends have started
+    with pytest.raises(kml.DevicesAlreadyInitializedError) as caught:
+        kml.initialize(coordinator="127.0.0.1:1", num_processes=2, process_id=1)
+    message = str(caught.value)
+    assert message.startswith(
+        "kml.initialize() was called after JAX had started its backends, so this process can no longer "
+        "join the 2-process run (settings from arguments)."
+    )
+    assert message.endswith(
+        "Fix: call kml.initialize() at the very top of the script, right after the imports."
+    )
+
+
+def test_initialize_needs_devices_to_split_evenly(monkeypatch):
+    monkeypatch.setenv("KML_NUM_PROCESSES", "3")
+    monkeypatch.setenv("KML_PROCESS_ID", "0")
+    monkeypatch.setenv("KML_COORDINATOR", "127.0.0.1:1")
+    from keras_meshlayout import _multiprocess
+
+    monkeypatch.setattr(_multiprocess, "backends_started", lambda: False)  # reach the device check
+    with pytest.raises(
+        kml.InvalidOptionError, match=r"emulate_devices=8 cannot be split evenly over 3 processes"
+    ):
+        kml.initialize(emulate_devices=8)
+
+
+def test_launcher_environment():
+    env = _environment(1, 2, "127.0.0.1:5000", 4, 30, Path("/tmp/status"), cpu_only=True)
+    assert {k: env[k] for k in env if k.startswith(("KML_", "KERAS_DISTRIBUTION_"))} == {
+        "KML_COORDINATOR": "127.0.0.1:5000",
+        "KML_NUM_PROCESSES": "2",
+        "KML_PROCESS_ID": "1",
+        "KML_DEVICES_PER_PROCESS": "4",
+        "KML_INIT_TIMEOUT": "30",
+        "KML_LAUNCH_DIR": "/tmp/status",
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": "127.0.0.1:5000",
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+        "KERAS_DISTRIBUTION_PROCESS_ID": "1",
+    }
+    assert env["XLA_FLAGS"].split().count("--xla_force_host_platform_device_count=4") == 1
+    assert "--xla_force_host_platform_device_count=8" not in env["XLA_FLAGS"]  # the session's own, replaced
+    assert env["JAX_NUM_CPU_DEVICES"] == "4"
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+    assert env["JAX_ENABLE_PREEMPTION_SERVICE"] == "false"  # so that SIGTERM stops a process
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-n", "0", "x.py"], "-n must be at least 1. Received: 0."),
+        (["--init-timeout", "0", "x.py"], "--init-timeout must be positive. Received: 0.0."),
+        (["no_such_script.py"], "no_such_script.py: no such file."),
+    ],
+    ids=["no-processes", "zero-timeout", "missing-script"],
+)
+def test_launcher_usage_errors(argv, message, capsys):
+    assert launch_module.main(argv) == 2
+    assert capsys.readouterr().err == f"keras_meshlayout.launch: error: {message}\n"
+
+
+# -- hybrid meshes, with fake devices of several processes ------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """What JAX's mesh utilities read from a CPU device, in a given process."""
+
+    id: int
+    process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
+
+
+def fake_devices(processes: int, per_process: int) -> list[FakeDevice]:
+    return [FakeDevice(p * 1000 + i, p) for p in range(processes) for i in range(per_process)]
+
+
+@pytest.mark.parametrize(
+    "axes, processes, per_process, options, process_ids",
+    [
+        ({"data": 2, "model": 4}, 2, 4, {}, [[0, 0, 0, 0], [1, 1, 1, 1]]),
+        ({"data": 4, "model": 2}, 2, 4, {}, [[0, 0], [0, 0], [1, 1], [1, 1]]),
+        ({"model": 4, "data": 2}, 2, 4, {}, [[0, 1]] * 4),
+        ({"data": 8}, 2, 4, {}, [0, 0, 0, 0, 1, 1, 1, 1]),
+        ({"batch": 4, "model": 2}, 4, 2, {}, [[0, 0], [1, 1], [2, 2], [3, 3]]),
+        ({"data": 2, "model": 4}, 2, 4, {"across_processes": "model"}, [[0, 0, 1, 1], [0, 0, 1, 1]]),
+        (
+            {"data": 2, "expert": 2, "model": 2},
+            4,
+            2,
+            {"across_processes": ("data", "expert")},
+            [[[0, 0], [1, 1]], [[2, 2], [3, 3]]],
+        ),
+    ],
+    ids=["2x4", "4x2", "model-first", "1-d", "batch-axis-default", "across-model", "two-axes-across"],
+)
+def test_hybrid_mesh_process_grid(axes, processes, per_process, options, process_ids):
+    mesh = kml.Mesh(axes, devices=fake_devices(processes, per_process), **options)
+    assert mesh.process_ids.tolist() == process_ids
+    assert mesh.process_count == processes
+
+
+def test_hybrid_mesh_process_layout_lines():
+    mesh = kml.Mesh(data=4, model=2, devices=fake_devices(2, 4))
+    assert kml.process_layout(mesh) == [
+        "2 processes × 4 devices; across processes: data; within each process: model",
+        "process 0: data=0..1, model=0..1 (devices 0-3)",
+        "process 1: data=2..3, model=0..1 (devices 1000-1003)",
+    ]
+    assert mesh.axes_across_processes == ("data",)
+
+
+def test_hybrid_mesh_refuses_model_axis_across_processes():
+    with pytest.raises(kml.InvalidMeshError) as caught:
+        kml.Mesh(data=2, model=4, devices=fake_devices(4, 2))
+    assert str(caught.value) == (
+        "Mesh(data=2, model=4) on 4 processes × 2 devices: the axes across processes ('data',) can "
+        "hold only 2 of the 4 processes, so axis 'model' would also span processes and every "
+        "collective of it (the all-reduces and all-gathers of tensor-parallel layers, every step) "
+        "would cross the slow links between hosts. Fix: make the sizes of the across_processes axes "
+        "multiply to a multiple of 4 (e.g. a larger data axis and a smaller model axis), name more "
+        "axes in across_processes=, or pass allow_split_across_processes=True to accept it."
+    )
+
+
+def test_hybrid_mesh_split_allowed_with_a_warning():
+    with pytest.warns(kml.ProcessSplitWarning, match=r"axis 'model' spans processes \(model: 2 processes\)"):
+        mesh = kml.Mesh(data=2, model=4, devices=fake_devices(4, 2), allow_split_across_processes=True)
+    assert mesh.process_ids.tolist() == [[0, 0, 1, 1], [2, 2, 3, 3]]
+    assert mesh.axes_across_processes == ("data", "model")
+
+
+@pytest.mark.parametrize(
+    "axes, devices, options, message",
+    [
+        (
+            {"data": 2, "model": 4},
+            fake_devices(2, 4),
+            {"across_processes": "expert"},
+            "across_processes names axis 'expert', which the mesh does not have. The mesh has axes "
+            "('data', 'model').",
+        ),
+        (
+            {"data": 2, "model": 4},
+            fake_devices(1, 3) + [FakeDevice(1000 + i, 1) for i in range(5)],
+            {},
+            "Mesh(data=2, model=4) spans 2 processes holding different numbers of devices ({0: 3, 1: 5} "
+            "by process)",
+        ),
+        (
+            {"data": 2, "model": 4},
+            fake_devices(2, 4),
+            {"across_processes": ("data", "data")},
+            "across_processes names an axis twice. Received: ('data', 'data').",
+        ),
+    ],
+    ids=["unknown-axis", "uneven-processes", "axis-twice"],
+)
+def test_hybrid_mesh_errors(axes, devices, options, message):
+    with pytest.raises(kml.InvalidMeshError) as caught:
+        kml.Mesh(axes, devices=devices, **options)
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_single_process_mesh_is_unchanged():
+    mesh = kml.Mesh(data=2, model=4, across_processes="model")
+    np.testing.assert_array_equal(mesh.device_ids, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    assert mesh.process_ids.tolist() == [[0] * 4] * 2
+    assert mesh.axes_across_processes == ()
+    assert kml.process_layout(mesh) == ["1 process with 8 devices"]
+
+
+# -- each process's part of the data -----------------------------------------------------
+
+
+@pytest.fixture
+def two_process_dist():
+    """A distribution over a 2x4 mesh of fake devices in 2 processes (this one is process 0)."""
+    return kml.ModelParallel(kml.Mesh(data=2, model=4, devices=fake_devices(2, 4)), batch_axis="data")
+
+
+def as_process(monkeypatch, index: int) -> None:
+    monkeypatch.setattr(jax, "process_index", lambda: index)
+
+
+@pytest.mark.parametrize(
+    "process, rows", [(0, [0, 1, 2, 3, 8, 9, 10, 11]), (1, [4, 5, 6, 7, 12, 13, 14, 15])]
+)
+def test_process_slice_takes_each_global_batch_part(monkeypatch, two_process_dist, process, rows):
+    as_process(monkeypatch, process)
+    x = np.arange(16 * 3).reshape(16, 3)
+    y = np.arange(16)
+    local_x, local_y = kml.process_slice((x, y), batch_size=8, distribution=two_process_dist)
+    np.testing.assert_array_equal(local_y, rows)
+    np.testing.assert_array_equal(local_x, x[rows])
+    assert kml.local_batch_size(8, two_process_dist) == 4
+    np.testing.assert_array_equal(kml.process_slice(y[:8], distribution=two_process_dist), rows[:4])
+
+
+def test_process_slice_short_last_batch_and_dicts(monkeypatch, two_process_dist):
+    as_process(monkeypatch, 1)
+    data = {"a": np.arange(12), "b": np.arange(12) * 10}
+    local = kml.process_slice(data, batch_size=8, distribution=two_process_dist)
+    np.testing.assert_array_equal(local["a"], [4, 5, 6, 7, 10, 11])
+    np.testing.assert_array_equal(local["b"], [40, 50, 60, 70, 100, 110])
+
+
+def test_process_slice_generator_and_pydataset(monkeypatch, two_process_dist):
+    as_process(monkeypatch, 1)
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            start = index * 4
+            return np.arange(start, start + 4), np.arange(start, start + 4) * 2
+
+    local = kml.process_slice(Batches(), distribution=two_process_dist)
+    assert isinstance(local, keras.utils.PyDataset) and local.num_batches == 2
+    np.testing.assert_array_equal(local[1][0], [6, 7])
+    np.testing.assert_array_equal(local[1][1], [12, 14])
+    generator = kml.process_slice(iter(Batches()), distribution=two_process_dist)
+    assert [batch[0].tolist() for batch in generator] == [[2, 3], [6, 7]]
+
+
+@pytest.mark.parametrize(
+    "data, batch_size, message",
+    [
+        (
+            np.arange(7),
+            None,
+            "A global batch of 7 rows cannot be split over batch axis 'data' of size 2: 7 is not a "
+            "multiple of 2, so the processes cannot feed equal parts.",
+        ),
+        (
+            np.arange(13),
+            8,
+            "A global batch of 5 rows cannot be split over batch axis 'data' of size 2",
+        ),
+    ],
+    ids=["batch", "short-last-batch"],
+)
+def test_process_slice_indivisible_batch(two_process_dist, data, batch_size, message):
+    with pytest.raises(kml.IndivisibleBatchError) as caught:
+        kml.process_slice(data, batch_size=batch_size, distribution=two_process_dist)
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_process_slice_rejects_what_it_cannot_split(two_process_dist):
+    with pytest.raises(kml.MeshLayoutError, match=r"process_slice cannot split data of type str"):
+        kml.process_slice("not data", distribution=two_process_dist)
+    with pytest.raises(kml.MeshLayoutError, match=r"different numbers of rows: \[8, 6\]"):
+        kml.process_slice((np.zeros(8), np.zeros(6)), distribution=two_process_dist)
+
+
+def test_process_slice_alone_keeps_everything():
+    x = np.arange(8)
+    assert kml.process_slice(x) is x  # no distribution, one process
+    dist = kml.ModelParallel(kml.Mesh(data=2, model=4))
+    np.testing.assert_array_equal(kml.process_slice(x, batch_size=4, distribution=dist), x)
+    assert kml.local_batch_size(64, dist) == 64
