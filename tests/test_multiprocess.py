@@ -148,6 +148,7 @@ report["local_rows"] = int(local[0].shape[0])
 model = train(build_mlp, initial, local, dist, batch_size=kml.local_batch_size(BATCH, dist))
 weights = [np.asarray(w.value) for w in model.weights]  # each process holds them whole
 kml.save_weights(model, out / "model.weights.h5")  # every process calls it; process 0 writes
+kml.save_checkpoint(model, out / "checkpoint")  # likewise, with the plan and the manifest
 if process_id == 0:
     np.savez(out / "trained.npz", *weights)
     (out / "report.json").write_text(json.dumps(report))
@@ -250,6 +251,24 @@ def test_multi_process_checkpoint_restores_in_one_process(two_process_run, mlp_d
     assert tuple(kernel.sharding.spec) == (None, "model") and kernel.sharding.mesh.shape["model"] == 8
     momentum = [v for v in model.optimizer.variables if v.path.endswith("hidden_1_kernel_momentum")]
     assert momentum and np.abs(np.asarray(momentum[0].value)).max() > 0, "optimizer state restored"
+
+
+def test_multi_process_save_checkpoint_loads_in_one_process(two_process_run):
+    """`kml.save_checkpoint` from both processes: one complete checkpoint, loadable on 1x8."""
+    dist = kml.ModelParallel(kml.Mesh(data=1, model=8), MLP_RULES, batch_axis="data")
+    keras.distribution.set_distribution(dist)
+    model = build_mlp()
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.optimizer.build(model.trainable_variables)
+    diff = kml.load_checkpoint(model, two_process_run["out"] / "checkpoint")
+    assert_same_weights(model, two_process_run["trained"])
+    assert (dict(diff.mesh_before), dict(diff.mesh_after)) == (
+        {"data": 2, "model": 4},
+        {"data": 1, "model": 8},
+    )
 
 
 # -- failures end the run, bounded, with nothing left behind ------------------------------
