@@ -235,16 +235,23 @@ def test_two_process_mesh_refuses_model_axis_across_processes(two_process_run):
     ]
 
 
-def test_multi_process_checkpoint_restores_in_one_process(two_process_run, mlp_data):
-    """Weights saved by process 0 of the 2-process run load on a 1x8 mesh in this process."""
-    dist = kml.ModelParallel(kml.Mesh(data=1, model=8), MLP_RULES, batch_axis="data")
-    keras.distribution.set_distribution(dist)
+def compiled_mlp_on_1x8() -> keras.Model:
+    """The MLP built and compiled (optimizer built) under a 1x8 distribution in this process."""
+    keras.distribution.set_distribution(
+        kml.ModelParallel(kml.Mesh(data=1, model=8), MLP_RULES, batch_axis="data")
+    )
     model = build_mlp()
     model.compile(
         optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_multi_process_checkpoint_restores_in_one_process(two_process_run, mlp_data):
+    """Weights saved by process 0 of the 2-process run load on a 1x8 mesh in this process."""
+    model = compiled_mlp_on_1x8()
     model.load_weights(two_process_run["out"] / "model.weights.h5")
     assert_same_weights(model, two_process_run["trained"])
     kernel = model.get_layer("hidden_1").kernel.value
@@ -255,14 +262,7 @@ def test_multi_process_checkpoint_restores_in_one_process(two_process_run, mlp_d
 
 def test_multi_process_save_checkpoint_loads_in_one_process(two_process_run):
     """`kml.save_checkpoint` from both processes: one complete checkpoint, loadable on 1x8."""
-    dist = kml.ModelParallel(kml.Mesh(data=1, model=8), MLP_RULES, batch_axis="data")
-    keras.distribution.set_distribution(dist)
-    model = build_mlp()
-    model.compile(
-        optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    model.optimizer.build(model.trainable_variables)
+    model = compiled_mlp_on_1x8()
     diff = kml.load_checkpoint(model, two_process_run["out"] / "checkpoint")
     assert_same_weights(model, two_process_run["trained"])
     assert (dict(diff.mesh_before), dict(diff.mesh_after)) == (
