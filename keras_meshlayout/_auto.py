@@ -159,44 +159,58 @@ class _Planner:
                 self._attention(layer)
 
     def _attention(self, layer: Any) -> None:
-        if isinstance(layer, keras.layers.GroupQueryAttention):
-            heads, kv_heads = layer.num_query_heads, layer.num_key_value_heads
-        else:
-            heads = kv_heads = layer.num_heads
-        split, whole = self.axis, None
+        """Splits an attention layer's projections over heads, read off their einsum equations."""
+        projections = [
+            sub for sub in layer._flatten_layers(include_self=False) if _heads_dim(sub) is not None
+        ]
+        query_like = [sub for sub in projections if _heads_dim(sub)[1] == "in"]
+        heads = max((sub.kernel.shape[_heads_dim(sub)[0]] for sub in query_like), default=0)
+        for sub in projections:
+            self._heads_projection(sub, heads)
         for variable in layer.weights:
-            part, name = variable.path.split("/")[-2:]
-            if heads % self.size:
-                self.decide(
-                    variable,
-                    (None,) * len(variable.shape),
-                    f"attention replicated: {heads} heads do not divide by {self.axis!r} ({self.size})",
+            self.decide(variable, (None,) * len(variable.shape), "attention: not a projection over heads")
+
+    def _heads_projection(self, layer: Any, heads: int) -> None:
+        """One EinsumDense projecting into heads (query/key/value) or out of them."""
+        index, side = _heads_dim(layer)
+        count = layer.kernel.shape[index]
+        if heads % self.size or count % self.size:
+            if side == "in" and not heads % self.size:
+                note = (
+                    f"grouped-query attention: {count} key/value heads do not divide by "
+                    f"{self.axis!r} ({self.size}), so every device keeps them all"
                 )
-            elif part in ("key", "value") and kv_heads % self.size:
-                self.decide(
-                    variable,
-                    (None,) * len(variable.shape),
-                    f"grouped-query attention: {kv_heads} key/value heads do not divide by "
-                    f"{self.axis!r} ({self.size}), so every device keeps them all",
-                )
-                self._keep_output_whole(variable.path.rsplit("/", 1)[0])
-            elif part in ("query", "key", "value"):
-                axes = (whole, split, whole) if name == "kernel" else (split, whole)
-                self.decide(variable, axes, f"attention {part}: heads split ({heads} heads)")
-            elif part == "attention_output" and name == "kernel":
-                self.decide(
-                    variable,
-                    (split, whole, whole),
-                    "attention output: heads split on its input side; one all-reduce forward, one backward",
-                )
+                self._keep_output_whole(layer.path, rank=len(layer.equation.split("->")[1]))
             else:
-                self.decide(
-                    variable,
+                note = f"attention replicated: {heads} heads do not divide by {self.axis!r} ({self.size})"
+            for variable in layer.weights:
+                self.decide(variable, (None,) * len(variable.shape), note)
+            return
+        for variable in layer.weights:
+            labels = _labels(layer, variable)
+            head_label = layer.equation.split(",")[1].split("->")[0][index]
+            if head_label in labels:
+                axes = tuple(self.axis if label == head_label else None for label in labels)
+                if side == "in":
+                    note = f"attention {layer.name}: heads split ({count} heads)"
+                else:
+                    note = "attention output: heads split on its input side; one all-reduce each way"
+            else:
+                axes, note = (
                     (None,) * len(variable.shape),
                     "attention output bias: added after the all-reduce",
                 )
+            self.decide(variable, axes, note)
 
-    def _keep_output_whole(self, layer_path: str) -> None:
+    def _heads_near(self, layer: Any, owners: dict[int, Any]) -> int:
+        """The query head count of the attention block `layer` belongs to."""
+        parent = layer.path.rsplit("/", 1)[0]
+        for candidate in owners.values():
+            if candidate.path == f"{parent}/query" and _heads_dim(candidate) is not None:
+                return candidate.kernel.shape[_heads_dim(candidate)[0]]
+        return layer.kernel.shape[_heads_dim(layer)[0]]
+
+    def _keep_output_whole(self, layer_path: str, rank: int = 4) -> None:
         """Keeps a replicated key/value projection's output whole over the model axis.
 
         Otherwise XLA splits the replicated projection's gradient over the
@@ -206,7 +220,7 @@ class _Planner:
         pattern = self._pattern(layer_path) + "/output"
         if pattern not in {rule[0] for rule in self.rules}:
             note = "grouped-query attention: key/value output kept whole over the model axis"
-            self.rules.append((pattern, (self.batch_axis, None, None, None), note))
+            self.rules.append((pattern, (self.batch_axis,) + (None,) * (rank - 1), note))
 
     # -- projection pairs -------------------------------------------------------------
 
@@ -309,8 +323,17 @@ class _Planner:
     def plan_by_name(self) -> None:
         """Variables of layers the graph does not show, matched by `transformer_rules`."""
         presets = transformer_rules(model_axis=self.axis)
+        owners = {
+            id(v): layer for layer in self.model._flatten_layers(include_self=False) for v in layer.weights
+        }
         for variable in self.model.weights:
             if variable.path in self.decided:
+                continue
+            owner = owners.get(id(variable))
+            if owner is not None and _heads_dim(owner) is not None and owner.name in _HEAD_PROJECTIONS:
+                # Custom attention: which dimension holds the heads is read off its equation,
+                # (hidden, heads, head_dim) in Keras, (heads, hidden, head_dim) in Gemma.
+                self._heads_projection(owner, self._heads_near(owner, owners))
                 continue
             rule = presets.match(variable.path)
             if rule is None:
@@ -324,6 +347,37 @@ class _Planner:
                 )
             else:
                 self.decide(variable, axes, f"by name: {rule.note}")
+
+
+_HEAD_PROJECTIONS = ("query", "key", "value", "attention_output")
+
+
+def _heads_dim(layer: Any) -> tuple[int, str] | None:
+    """`(kernel dimension holding the heads, "in" | "out")` of an attention projection.
+
+    An `EinsumDense` projects into heads when its output has one more
+    dimension than its input (`btd,dnh->btnh`: the heads are the output's
+    second-to-last label) and out of them when its input has one more
+    (`btnh,nhd->btd`: the input's second-to-last label). `None` otherwise.
+    """
+    equation = getattr(layer, "equation", None)
+    if not isinstance(layer, keras.layers.EinsumDense) or not equation or "," not in equation:
+        return None
+    inputs, rest = equation.split(",")
+    kernel, output = rest.split("->")
+    if len(output) == len(inputs) + 1 and output[-2] in kernel:
+        return kernel.index(output[-2]), "in"
+    if len(inputs) == len(output) + 1 and inputs[-2] in kernel:
+        return kernel.index(inputs[-2]), "out"
+    return None
+
+
+def _labels(layer: Any, variable: Any) -> str:
+    """The einsum labels of an EinsumDense variable's dimensions."""
+    if variable is layer.kernel:
+        return layer.equation.split(",")[1].split("->")[0]
+    bias_axes = getattr(layer, "bias_axes", None) or ""
+    return bias_axes if len(bias_axes) == len(variable.shape) else ""
 
 
 def _features(layer: Any) -> tuple[int, int] | None:

@@ -215,3 +215,63 @@ def test_transformer_preset_embedding_choices(embeddings, forward, reverse):
     rules = kml.transformer_rules(embeddings=embeddings)
     assert rules.match("m/token_embedding/embeddings").axes == forward
     assert rules.match("m/token_embedding/reverse_embeddings").axes == reverse
+
+
+class HeadsFirstAttention(keras.layers.Layer):
+    """Self-attention written the way Gemma is: kernels laid out (heads, hidden, head_dim).
+
+    A custom layer, so the planner cannot see its call graph and must read the
+    heads dimension off each projection's einsum equation.
+    """
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, hidden: int, **kwargs):
+        super().__init__(**kwargs)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.query = keras.layers.EinsumDense("btd,ndh->btnh", (None, heads, head_dim), name="query")
+        self.key = keras.layers.EinsumDense("btd,ndh->btnh", (None, kv_heads, head_dim), name="key")
+        self.value = keras.layers.EinsumDense("btd,ndh->btnh", (None, kv_heads, head_dim), name="value")
+        self.attention_output = keras.layers.EinsumDense(
+            "btnh,nhd->btd", (None, hidden), name="attention_output"
+        )
+
+    def build(self, input_shape):
+        projected = (*input_shape[:-1], self.heads, self.head_dim)
+        for layer in (self.query, self.key, self.value):
+            layer.build(input_shape)
+        self.attention_output.build(projected)
+
+    def call(self, x):
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        repeat = self.heads // self.kv_heads
+        k, v = keras.ops.repeat(k, repeat, axis=2), keras.ops.repeat(v, repeat, axis=2)
+        scores = keras.ops.softmax(keras.ops.einsum("btnh,bsnh->bnts", q, k) / self.head_dim**0.5, axis=-1)
+        return self.attention_output(keras.ops.einsum("bnts,bsnh->btnh", scores, v))
+
+
+def build_heads_first(kv_heads: int = 4) -> keras.Model:
+    tokens = keras.Input((16,), dtype="int32")
+    hidden = keras.layers.Embedding(128, 64, name="token_embedding")(tokens)
+    hidden = HeadsFirstAttention(4, kv_heads, 16, 64, name="attention")(hidden)
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(tokens, keras.layers.Dense(10, name="head")(pooled), name="gemma_like")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["multi-head", "grouped-query"])
+def test_heads_first_attention_is_split_on_its_heads_dimension(kv_heads, mesh):
+    """Regression: by name alone, (heads, hidden, head_dim) kernels got their hidden dimension split."""
+    build = lambda: build_heads_first(kv_heads)  # noqa: E731
+    auto = kml.auto_rules(build(), mesh)
+    assert auto.match("attention/query/kernel").axes == ("model", None, None)
+    assert auto.match("attention/attention_output/kernel").axes == ("model", None, None)
+    key = auto.match("attention/key/kernel")
+    if kv_heads == 4:
+        assert key.axes == ("model", None, None)
+    else:
+        assert key.axes == (None, None, None) and "2 key/value heads" in key.note
+        assert auto.match("attention/key/output").axes == ("data", None, None, None)
+    data = data_for(build())
+    reference = Reference(build, data, BATCH)
+    distribution = kml.ModelParallel(mesh, auto, replicate_below=0)
+    model = train(build, reference.initial, data, distribution, BATCH)
+    assert_same_weights(model, reference.trained)
+    assert_laid_out_as_planned(model, distribution.plan(model), mesh)
