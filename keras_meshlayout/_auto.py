@@ -326,6 +326,7 @@ class _Planner:
         owners = {
             id(v): layer for layer in self.model._flatten_layers(include_self=False) for v in layer.weights
         }
+        matched: list[tuple[Any, Axes, str]] = []
         for variable in self.model.weights:
             if variable.path in self.decided:
                 continue
@@ -340,16 +341,37 @@ class _Planner:
                 continue
             axes = rule.expand(len(variable.shape))
             if axes is None or any(a and d % self.size for a, d in zip(axes, variable.shape, strict=True)):
-                self.decide(
-                    variable,
-                    (None,) * len(variable.shape),
-                    f"by name ({rule.note}), but its shape does not fit: replicated",
+                matched.append(
+                    (
+                        variable,
+                        (None,) * len(variable.shape),
+                        f"by name ({rule.note}), but its shape does not fit: replicated",
+                    )
                 )
             else:
-                self.decide(variable, axes, f"by name: {rule.note}")
+                matched.append((variable, axes, f"by name: {rule.note}"))
+        self._pair_by_scope(matched)
+
+    def _pair_by_scope(self, matched: list[tuple[Any, Axes, str]]) -> None:
+        """Keeps a by-name column-parallel layer only beside a split row-parallel one.
+
+        A column layer alone leaves its output split, and whatever reads it
+        must gather it; so without a partner in the same scope it stays whole.
+        """
+        rows = {_scope(v.path) for v, axes, note in matched if "row-parallel" in note and any(axes)}
+        for variable, axes, note in matched:
+            if "column-parallel" in note and any(axes) and _scope(variable.path) not in rows:
+                axes = (None,) * len(variable.shape)
+                note = f"{note}; no row-parallel partner beside it, so replicated"
+            self.decide(variable, axes, note)
 
 
 _HEAD_PROJECTIONS = ("query", "key", "value", "attention_output")
+
+
+def _scope(path: str) -> str:
+    """The scope a variable's layer sits in: `block_0/ffn_up/kernel` → `block_0`."""
+    return path.rsplit("/", 2)[0] if path.count("/") >= 2 else ""
 
 
 def _heads_dim(layer: Any) -> tuple[int, str] | None:

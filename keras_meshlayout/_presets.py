@@ -138,7 +138,13 @@ def transformer_rules(
     return LayoutRules(
         [
             (r"(?:.*/)?\w*position\w*/\w+", (...,), "position embeddings: small, replicated"),
-            (r"(?:.*/)?\w*(?:norm|ln)\w*/\w+", (...,), "normalisation: needs whole features, replicated"),
+            (
+                r"(?:.*/)?(?:\w*norm\w*|(?:\w*_)?ln(?:_\w*|\d*))/\w+",
+                (...,),
+                "normalisation: needs whole features, replicated",
+            ),
+            # A mixture-of-experts router picks experts from whole logits: never split it.
+            (r"(?:.*/)?\w*(?:router|sparse_feedforward_gate)\w*/\w+", (...,), "expert router: replicated"),
             (r"(?:.*/)?(?:query|key|value)/kernel", (fsdp_axis, model_axis, None), "attention: heads split"),
             (r"(?:.*/)?(?:query|key|value)/bias", (model_axis, None), "attention bias: heads split"),
             (

@@ -275,3 +275,55 @@ def test_heads_first_attention_is_split_on_its_heads_dimension(kv_heads, mesh):
     model = train(build, reference.initial, data, distribution, BATCH)
     assert_same_weights(model, reference.trained)
     assert_laid_out_as_planned(model, distribution.plan(model), mesh)
+
+
+class FeedForwardBlock(keras.layers.Layer):
+    """A residual feed-forward block as a custom layer: its graph is invisible to the planner."""
+
+    def __init__(self, up_name: str, down_name: str, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(256, activation="gelu", name=up_name)
+        self.down = keras.layers.Dense(64, name=down_name)
+
+    def build(self, input_shape):
+        self.up.build(input_shape)
+        self.down.build((*input_shape[:-1], 256))
+
+    def call(self, x):
+        return x + self.down(self.up(x))
+
+
+@pytest.mark.parametrize(
+    "up, down, expected",
+    [
+        ("feedforward_intermediate_dense", "feedforward_output_dense", ((None, "model"), ("model", None))),
+        ("mlp_intermediate_dense", "mlp_out", ((None, None), (None, None))),
+    ],
+    ids=["pair-by-name", "column-without-row"],
+)
+def test_by_name_columns_need_a_row_partner(up, down, expected, mesh):
+    """Regression: a column-parallel match by name was kept without its row partner (Bloom, FNet)."""
+    inputs = keras.Input((64,))
+    model = keras.Model(
+        inputs, keras.layers.Dense(10, name="head")(FeedForwardBlock(up, down, name="block")(inputs))
+    )
+    rules = kml.auto_rules(model, mesh)
+    assert (
+        rules.match(f"block/{up}/kernel").axes,
+        getattr(rules.match(f"block/{down}/kernel"), "axes", (None, None)),
+    ) == expected
+
+
+@pytest.mark.parametrize(
+    "path, note",
+    [
+        ("xlnet_encoder_0/content_attention_bias/bias", None),
+        ("block/ln_1/gamma", "normalisation"),
+        ("block/attention_ln/gamma", "normalisation"),
+        ("mixtral_block_0/sparse_feedforward_gate_dense/kernel", "expert router"),
+    ],
+    ids=["xlnet-name-with-ln", "ln-prefix", "ln-suffix", "moe-router"],
+)
+def test_transformer_preset_norms_and_routers(path, note):
+    rule = kml.transformer_rules().match(path)
+    assert (None if rule is None else rule.note.split(":")[0]) == note
