@@ -97,31 +97,28 @@ def test_adafactor_memory_by_hand():
     assert memory.optimizer == PARAMS + factored * 4 + placeholders + COUNTERS
 
 
-def test_bfloat16_variables_halve_the_state():
-    def build_bf16():
-        keras.config.set_dtype_policy("bfloat16")
+def memory_under_policy(policy: str) -> kml.MemoryEstimate:
+    """The dry plan's memory of the MLP built under a Keras dtype policy, with Adam."""
+
+    def build():
+        keras.config.set_dtype_policy(policy)
         try:
             return build_mlp()
         finally:
             keras.config.set_dtype_policy("float32")
 
     distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), MLP_RULES)
-    memory = kml.dry_plan(build_bf16, distribution, optimizer="adam").memory()
+    return kml.dry_plan(build, distribution, optimizer="adam").memory()
+
+
+def test_bfloat16_variables_halve_the_state():
+    memory = memory_under_policy("bfloat16")
     assert (memory.parameters, memory.optimizer) == (PARAMS // 2, PARAMS + COUNTERS)
 
 
 def test_mixed_precision_keeps_float32_state():
     """Under mixed_bfloat16 variables, gradients and slots stay float32."""
-
-    def build_mixed():
-        keras.config.set_dtype_policy("mixed_bfloat16")
-        try:
-            return build_mlp()
-        finally:
-            keras.config.set_dtype_policy("float32")
-
-    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), MLP_RULES)
-    memory = kml.dry_plan(build_mixed, distribution, optimizer="adam").memory()
+    memory = memory_under_policy("mixed_bfloat16")
     assert (memory.parameters, memory.gradients, memory.optimizer) == (PARAMS, PARAMS, 2 * PARAMS + COUNTERS)
 
 
