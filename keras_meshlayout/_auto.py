@@ -124,6 +124,9 @@ class _Planner:
         self.replicate_below = replicate_below
         self.rules: list[tuple[str, Axes, str]] = []
         self.decided: set[str] = set()
+        #: variable path → the tensor-parallel unit it belongs to (a projection pair, an
+        #: attention block, a by-name scope): units split or stay whole together.
+        self.units: dict[str, str] = {}
         self.layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
         self.consumers: dict[int, list[Any]] = {id(layer): [] for layer in self.layers}
         self.producers: dict[int, list[Any]] = {id(layer): [] for layer in self.layers}
@@ -135,10 +138,12 @@ class _Planner:
 
     # -- recording --------------------------------------------------------------
 
-    def decide(self, variable: keras.Variable, axes: Axes, note: str) -> None:
+    def decide(self, variable: keras.Variable, axes: Axes, note: str, unit: str | None = None) -> None:
         if variable.path not in self.decided:
             self.decided.add(variable.path)
             self.rules.append((self._pattern(variable.path), tuple(axes), note))
+            if unit is not None and any(axes):
+                self.units[variable.path] = unit
 
     def _pattern(self, path: str) -> str:
         """The variable's path, tolerant of the model-name scope.
@@ -200,7 +205,7 @@ class _Planner:
                     (None,) * len(variable.shape),
                     "attention output bias: added after the all-reduce",
                 )
-            self.decide(variable, axes, note)
+            self.decide(variable, axes, note, unit=layer.path.rsplit("/", 1)[0])
 
     def _heads_near(self, layer: Any, owners: dict[int, Any]) -> int:
         """The query head count of the attention block `layer` belongs to."""
@@ -238,15 +243,21 @@ class _Planner:
             for column in columns:
                 paired.add(id(column))
                 self.decide(
-                    column.kernel, (None, self.axis), f"column-parallel: {pair}, output features split"
+                    column.kernel,
+                    (None, self.axis),
+                    f"column-parallel: {pair}, output features split",
+                    unit=pair,
                 )
                 if column.bias is not None:
-                    self.decide(column.bias, (self.axis,), f"column-parallel: {pair}, output features split")
+                    self.decide(
+                        column.bias, (self.axis,), f"column-parallel: {pair}, output features split", unit=pair
+                    )
             paired.add(id(row))
             self.decide(
                 row.kernel,
                 (self.axis, None),
                 f"row-parallel: {pair}, input features split; one all-reduce forward, one backward",
+                unit=pair,
             )
             if row.bias is not None:
                 self.decide(row.bias, (None,), f"row-parallel: {pair}, bias added after the all-reduce")
@@ -363,7 +374,7 @@ class _Planner:
             if "column-parallel" in note and any(axes) and _scope(variable.path) not in rows:
                 axes = (None,) * len(variable.shape)
                 note = f"{note}; no row-parallel partner beside it, so replicated"
-            self.decide(variable, axes, note)
+            self.decide(variable, axes, note, unit=_scope(variable.path))
 
 
 _HEAD_PROJECTIONS = ("query", "key", "value", "attention_output")
