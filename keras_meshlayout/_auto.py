@@ -26,7 +26,9 @@ from typing import Any
 
 import keras
 
+from ._budget import Costs, PlanCost, UnitChoice, check_budget_args, choose, explain
 from ._errors import InvalidRuleError
+from ._memory import parse_bytes
 from ._presets import transformer_rules
 from ._resolve import DEFAULT_REPLICATE_BELOW
 from ._rules import Axes, LayoutRules
@@ -56,6 +58,9 @@ def auto_rules(
     model_axis: str = "model",
     batch_axis: str | None = None,
     replicate_below: int = DEFAULT_REPLICATE_BELOW,
+    memory_budget: int | str | None = None,
+    batch: Any = None,
+    optimizer: str | keras.optimizers.Optimizer | None = None,
 ) -> LayoutRules:
     """Derives layout rules for a built model on a mesh, explaining each decision.
 
@@ -71,13 +76,30 @@ def auto_rules(
         batch_axis: The mesh axis the batch is split over (for the layer-output
             rules of grouped-query attention). Defaults to the first other axis.
         replicate_below: Projections whose kernels have fewer elements stay
-            replicated (as in `kml.ModelParallel`).
+            replicated (as in `kml.ModelParallel`; pass the same value to both).
+        memory_budget: Per-device memory (bytes or `"16GiB"`) that parameters,
+            gradients, optimizer slots and the activation reserve must fit.
+            Each unit of weights (a projection pair, an attention block, an
+            embedding) then gets the layout that fits at the least traffic:
+            replicated, tensor-parallel, 2-D (its largest other dimension also
+            split over `batch_axis`) or, for embeddings, vocab-parallel; the
+            note of each rule says what it saves and costs. `None` keeps the
+            planner's tensor-parallel layout.
+        batch: One global batch of inputs (arrays, or anything with `shape`
+            and `dtype`). Needed with `memory_budget`; with it, the returned
+            rules carry `rules.cost`, a `kml.PlanCost` predicting the bytes
+            each device sends per step (as `kml.comm_report` counts them) and
+            holds.
+        optimizer: The optimizer whose slots count towards the budget;
+            defaults to the model's own once compiled.
 
     Returns:
         The rules, bound to nothing: hand them to `kml.ModelParallel(mesh, rules)`.
 
     Raises:
         InvalidRuleError: `model_axis` is not an axis of `mesh`.
+        InvalidOptionError: `memory_budget` without `batch`.
+        MemoryBudgetError: Even the smallest layout does not fit `memory_budget`.
 
     Example:
         >>> import keras, keras_meshlayout as kml
@@ -97,6 +119,23 @@ def auto_rules(
         'row-parallel: up → down, input features split; one all-reduce forward, one backward'
         >>> rules.rules[-2].note
         'final layer: replicated, so its output needs no gathering'
+
+        With a memory budget, each unit gets the layout that fits at the least
+        traffic, and the rules predict what a training step costs:
+
+        >>> import numpy as np
+        >>> x = np.zeros((64, 64), "float32")
+        >>> mesh = kml.Mesh(data=2, model=4)
+        >>> roomy = kml.auto_rules(model, mesh, memory_budget="1GB", batch=x, optimizer="adam")
+        >>> roomy.rules[0].note.split(" (")[0]
+        'tensor-parallel: saves 387.0 KiB/device, sends 84.8 KiB less per step than replicated'
+        >>> tight = kml.auto_rules(model, mesh, memory_budget="150KB", batch=x, optimizer="adam")
+        >>> tight.rules[0].pattern, tight.rules[0].axes
+        ('(?:mlp/)?up/kernel', ('data', 'model'))
+        >>> tight.rules[0].note.split(" (")[0]
+        '2-D: saves 451.0 KiB/device, sends 68.8 KiB less per step than replicated'
+        >>> tight.cost.wire_bytes, tight.cost.memory_bytes <= 150_000, tight.cost.layouts()
+        (64556.0, True, {'2-D': 1})
     """
     if model_axis not in mesh.axis_names:
         raise InvalidRuleError(
@@ -106,11 +145,67 @@ def auto_rules(
     size = dict(zip(mesh.axis_names, mesh.shape, strict=True))[model_axis]
     if batch_axis is None:
         batch_axis = next((axis for axis in mesh.axis_names if axis != model_axis), None)
+    check_budget_args(memory_budget, batch)
     planner = _Planner(model, model_axis, size, replicate_below, batch_axis)
     planner.plan_attention()
     planner.plan_projections()
     planner.plan_by_name()
-    return LayoutRules(planner.rules)
+    if batch is None:
+        return LayoutRules(planner.rules)
+    return _within_budget(planner, model, mesh, memory_budget, batch, optimizer)
+
+
+def _within_budget(
+    planner: _Planner,
+    model: keras.Model,
+    mesh: keras.distribution.DeviceMesh,
+    memory_budget: int | str | None,
+    batch: Any,
+    optimizer: Any,
+) -> LayoutRules:
+    """The planner's units laid out to fit `memory_budget` at the least traffic (see `_budget`)."""
+    axis_sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    budget = None if memory_budget is None else parse_bytes(memory_budget)
+    costs = Costs(
+        model,
+        planner,
+        batch,
+        model_axis=planner.axis,
+        batch_axis=planner.batch_axis,
+        axis_sizes=axis_sizes,
+        optimizer=optimizer if optimizer is not None else getattr(model, "optimizer", None),
+    )
+    units = costs.units()
+    reserve = costs.activation_reserve()
+    if budget is None:
+        for unit in units:  # today's plan: the planner's own layout for every unit
+            unit.chosen = 1 if len(unit.options) > 1 and unit.options[1].layout == "tensor-parallel" else 0
+    else:
+        choose(units, budget, reserve)
+    owners = {v.path: v for v in model.weights}
+    choices = []
+    wire: dict[str, float] = {}
+    for unit in units:
+        option = unit.options[unit.chosen]
+        for axis, amount in option.wire.items():
+            wire[axis] = wire.get(axis, 0.0) + amount
+        if len(unit.options) == 1:
+            continue
+        why = explain(unit)
+        choices.append(UnitChoice(unit.name, option.layout, option.state, option.total, why))
+        for path, axes in option.axes.items():
+            detail = unit.note.get(path, "")
+            note = why if option.layout == "replicated" or not detail else f"{why} ({detail})"
+            planner.relayout(owners[path], axes, note)
+    rules = LayoutRules(planner.rules)
+    rules.cost = PlanCost(
+        wire_bytes_by_axis=wire,
+        state_bytes=sum(unit.options[unit.chosen].state for unit in units),
+        activation_bytes=reserve,
+        budget=budget,
+        choices=tuple(choices),
+    )
+    return rules
 
 
 class _Planner:
@@ -127,6 +222,8 @@ class _Planner:
         #: variable path → the tensor-parallel unit it belongs to (a projection pair, an
         #: attention block, a by-name scope): units split or stay whole together.
         self.units: dict[str, str] = {}
+        self.index_of: dict[str, int] = {}
+        self.axes_of: dict[str, Axes] = {}
         self.layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
         self.consumers: dict[int, list[Any]] = {id(layer): [] for layer in self.layers}
         self.producers: dict[int, list[Any]] = {id(layer): [] for layer in self.layers}
@@ -141,9 +238,24 @@ class _Planner:
     def decide(self, variable: keras.Variable, axes: Axes, note: str, unit: str | None = None) -> None:
         if variable.path not in self.decided:
             self.decided.add(variable.path)
+            self.index_of[variable.path] = len(self.rules)
+            self.axes_of[variable.path] = tuple(axes)
             self.rules.append((self._pattern(variable.path), tuple(axes), note))
             if unit is not None and any(axes):
                 self.units[variable.path] = unit
+
+    def kept_whole(self, layer_path: str) -> bool:
+        """Whether a `/output` rule keeps this layer's output whole over the model axis."""
+        return self._pattern(layer_path) + "/output" in {rule[0] for rule in self.rules}
+
+    def relayout(self, variable: keras.Variable, axes: Axes, note: str) -> None:
+        """Replaces the decision for `variable` (the budget planner's choice)."""
+        entry = (self._pattern(variable.path), tuple(axes), note)
+        if variable.path in self.index_of:
+            self.rules[self.index_of[variable.path]] = entry
+        else:
+            self.decide(variable, axes, note)
+        self.axes_of[variable.path] = tuple(axes)
 
     def _pattern(self, path: str) -> str:
         """The variable's path, tolerant of the model-name scope.
@@ -249,9 +361,8 @@ class _Planner:
                     unit=pair,
                 )
                 if column.bias is not None:
-                    self.decide(
-                        column.bias, (self.axis,), f"column-parallel: {pair}, output features split", unit=pair
-                    )
+                    note = f"column-parallel: {pair}, output features split"
+                    self.decide(column.bias, (self.axis,), note, unit=pair)
             paired.add(id(row))
             self.decide(
                 row.kernel,
@@ -332,20 +443,12 @@ class _Planner:
     # -- custom layers, by name --------------------------------------------------------
 
     def plan_by_name(self) -> None:
-        """Variables of layers the graph does not show, matched by `transformer_rules`."""
+        """Variables of layers the graph does not show: attention blocks, then `transformer_rules`."""
+        self._plan_attention_by_name()
         presets = transformer_rules(model_axis=self.axis)
-        owners = {
-            id(v): layer for layer in self.model._flatten_layers(include_self=False) for v in layer.weights
-        }
         matched: list[tuple[Any, Axes, str]] = []
         for variable in self.model.weights:
             if variable.path in self.decided:
-                continue
-            owner = owners.get(id(variable))
-            if owner is not None and _heads_dim(owner) is not None and owner.name in _HEAD_PROJECTIONS:
-                # Custom attention: which dimension holds the heads is read off its equation,
-                # (hidden, heads, head_dim) in Keras, (heads, hidden, head_dim) in Gemma.
-                self._heads_projection(owner, self._heads_near(owner, owners))
                 continue
             rule = presets.match(variable.path)
             if rule is None:
@@ -364,20 +467,161 @@ class _Planner:
         self._pair_by_scope(matched)
 
     def _pair_by_scope(self, matched: list[tuple[Any, Axes, str]]) -> None:
-        """Keeps a by-name column-parallel layer only beside a split row-parallel one.
+        """Keeps by-name column- and row-parallel layers only as a pair in one scope.
 
         A column layer alone leaves its output split, and whatever reads it
-        must gather it; so without a partner in the same scope it stays whole.
+        must gather it; a row layer alone all-reduces its output for a weight
+        no column layer prepared. So without a partner in the same scope each
+        stays whole.
         """
         rows = {_scope(v.path) for v, axes, note in matched if "row-parallel" in note and any(axes)}
+        columns = {_scope(v.path) for v, axes, note in matched if "column-parallel" in note and any(axes)}
         for variable, axes, note in matched:
             if "column-parallel" in note and any(axes) and _scope(variable.path) not in rows:
                 axes = (None,) * len(variable.shape)
                 note = f"{note}; no row-parallel partner beside it, so replicated"
+            elif "row-parallel" in note and any(axes) and _scope(variable.path) not in columns:
+                axes = (None,) * len(variable.shape)
+                note = f"{note}; no column-parallel partner beside it, so replicated"
             self.decide(variable, axes, note, unit=_scope(variable.path))
 
+    def _plan_attention_by_name(self) -> None:
+        """Attention blocks in custom layers, found by their projections' names.
 
-_HEAD_PROJECTIONS = ("query", "key", "value", "attention_output")
+        A block is a layer with a query projection (or a fused query/key/value
+        one) and an output projection among its direct sublayers, named as in
+        Keras and keras-hub code (`_HEAD_PROJECTIONS`). A layer's direct
+        sublayers are read off the layer objects, not the variable paths, since
+        some layers are built outside their parent's name scope (SmolLM's
+        `o_proj/kernel`).
+        """
+        for block in self.model._flatten_layers(include_self=False):
+            if isinstance(block, ATTENTION):
+                continue  # planned from its own structure by plan_attention
+            roles: dict[str, Any] = {}
+            for child in block._flatten_layers(include_self=False, recursive=False):
+                role = _HEAD_PROJECTIONS.get(child.name)
+                if role is not None and getattr(child, "kernel", None) is not None:
+                    roles.setdefault(role, child)
+            if not ({"query", "fused"} & roles.keys()):
+                continue
+            query = roles.get("query", roles.get("fused"))
+            if any(v.path in self.decided for v in query.weights):
+                continue  # the graph planner has it (an output projection's path may be shared)
+            self._attention_block(block, roles)
+
+    def _attention_block(self, block: Any, roles: dict[str, Any]) -> None:
+        """Splits one by-name attention block over heads, or replicates it with the reason."""
+        unit = block.path
+        heads = _head_count(block, roles)
+        head_dim = None
+        reason = None
+        query = roles.get("query", roles.get("fused"))
+        if heads is None:
+            reason = f"attention {block.name}: its head count is unknown, so replicated"
+        elif "output" not in roles:
+            reason = f"attention {block.name}: no output projection beside it, so replicated"
+        elif heads % self.size:
+            reason = f"attention replicated: {heads} heads do not divide by {self.axis!r} ({self.size})"
+        elif _heads_dim(query) is None:
+            width = query.kernel.shape[-1]
+            if "query" in roles and len(query.kernel.shape) == 2 and width % heads == 0:
+                head_dim = width // heads
+            else:
+                reason = (
+                    f"attention {block.name}: a fused query/key/value kernel of shape "
+                    f"{tuple(query.kernel.shape)} holds its heads inside one feature axis, so a split "
+                    "would cut across query, key and value: replicated"
+                    if "fused" in roles
+                    else f"attention {block.name}: {width} query features do not make {heads} heads"
+                )
+        if reason is not None:
+            for layer in roles.values():
+                self._by_name_replicate(layer, reason, unit)
+            return
+        for role, layer in roles.items():
+            if _heads_dim(layer) is not None:
+                self._heads_projection(layer, heads)
+                for variable in layer.weights:
+                    if variable.path in self.units:
+                        self.units[variable.path] = unit
+            elif role == "output" and _features(layer) is not None and _features(layer)[0] % heads == 0:
+                note = "attention output: heads split on its input side; one all-reduce each way"
+                self.decide(layer.kernel, (self.axis, None), note, unit=unit)
+                if layer.bias is not None:
+                    self.decide(layer.bias, (None,), "attention output bias: added after the all-reduce")
+            elif role in ("query", "key", "value") and head_dim and _features(layer) is not None:
+                self._dense_heads(layer, layer.kernel.shape[1] // head_dim, head_dim, heads, unit)
+            else:
+                self._by_name_replicate(
+                    layer,
+                    f"attention {block.name}: {layer.name} of kernel shape {tuple(layer.kernel.shape)} "
+                    "is not a projection over heads the planner can read",
+                    unit,
+                )
+
+    def _dense_heads(self, layer: Any, count: int, head_dim: int, heads: int, unit: str) -> None:
+        """A Dense query/key/value projection with an `(hidden, heads × head_dim)` kernel.
+
+        Its output features hold the heads one after another, so splitting
+        them over the model axis gives each device whole heads, provided the
+        head count divides.
+        """
+        if count * head_dim != layer.kernel.shape[1]:
+            self._by_name_replicate(
+                layer, f"attention: {layer.kernel.shape[1]} features are not whole heads of {head_dim}", unit
+            )
+        elif count % self.size:
+            note = (
+                f"grouped-query attention: {count} key/value heads do not divide by "
+                f"{self.axis!r} ({self.size}), so every device keeps them all"
+            )
+            self._by_name_replicate(layer, note, unit)
+            self._keep_output_whole(layer.path, rank=_input_rank(layer))
+        else:
+            note = f"attention {layer.name}: heads split ({count} heads of {head_dim}, output features)"
+            self.decide(layer.kernel, (None, self.axis), note, unit=unit)
+            if layer.bias is not None:
+                self.decide(layer.bias, (self.axis,), note, unit=unit)
+
+    def _by_name_replicate(self, layer: Any, reason: str, unit: str) -> None:
+        for variable in layer.weights:
+            self.decide(variable, (None,) * len(variable.shape), reason, unit=unit)
+
+
+#: Attention projections by name, as Keras and keras-hub write them, and their role.
+_HEAD_PROJECTIONS = {
+    **dict.fromkeys(("query", "q_proj", "query_dense", "query_projector", "q_dense_layer"), "query"),
+    **dict.fromkeys(("key", "k_proj", "key_dense", "key_projector", "k_dense_layer"), "key"),
+    **dict.fromkeys(("value", "v_proj", "value_dense", "value_projector", "v_dense_layer"), "value"),
+    **dict.fromkeys(("query_key_value",), "fused"),
+    **dict.fromkeys(
+        ("attention_output", "o_proj", "output_dense", "output_projector", "o_dense_layer"), "output"
+    ),
+}
+
+#: Attributes attention layers keep their query head count in (keras-hub, Keras, common code).
+_HEAD_COUNT_ATTRIBUTES = ("num_query_heads", "num_attention_heads", "num_heads", "heads", "_num_heads")
+
+
+def _head_count(block: Any, roles: dict[str, Any]) -> int | None:
+    """The query head count of an attention block, read off an einsum kernel or the layer."""
+    for role, side in (("query", "in"), ("fused", "in"), ("output", "out")):
+        layer = roles.get(role)
+        if layer is not None and _heads_dim(layer) is not None and _heads_dim(layer)[1] == side:
+            return int(layer.kernel.shape[_heads_dim(layer)[0]])
+    for name in _HEAD_COUNT_ATTRIBUTES:
+        value = getattr(block, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _input_rank(layer: Any) -> int:
+    """The rank of a built layer's input (and so of a Dense layer's output); 3 if unknown."""
+    shapes = getattr(layer, "_build_shapes_dict", None) or {}
+    shape = next(iter(shapes.values()), None)
+    return len(shape) if isinstance(shape, (tuple, list)) else 3
 
 
 def _scope(path: str) -> str:

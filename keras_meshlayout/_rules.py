@@ -110,6 +110,10 @@ class LayoutRules(keras.distribution.LayoutMap):
         True
     """
 
+    #: What `kml.auto_rules(..., batch=...)` predicts a training step of these rules
+    #: costs (a `kml.PlanCost`); `None` for rules written by hand.
+    cost = None
+
     def __init__(
         self,
         rules: Iterable[tuple[str, Sequence[str | None]]] | Mapping[str, Sequence[str | None]] = (),

@@ -1,0 +1,527 @@
+"""The memory-budget planner: per unit of weights, the layout that fits at the least traffic.
+
+`auto_rules(model, mesh, memory_budget=..., batch=...)` starts from the
+automatic planner's units (a column → row projection pair, an attention
+block, an embedding) and gives each a few candidate layouts:
+
+- `replicated`: every device holds the unit; its gradients are all-reduced
+  over the batch axis;
+- `tensor-parallel`: the planner's split over the model axis; the gradient
+  all-reduce shrinks by the model-axis size, and activations are all-reduced
+  over the model axis (forward after a row-parallel projection, backward
+  before each column-parallel one);
+- `2-D`: tensor-parallel, with each split kernel's largest other dimension
+  also split over the batch axis; XLA all-gathers those kernels over the batch
+  axis before use, once per step;
+- `vocab-parallel` (embeddings): the vocabulary split over the model axis,
+  one all-reduce of the looked-up activations forward.
+
+Costs are counted with the ring formulas of the communication report
+(`kml.comm_report`), from the shapes the model's projections see on one
+batch (traced with `jax.eval_shape`: nothing runs). Memory is per device:
+parameters, gradients and optimizer slots, plus an activation reserve (the
+outputs of every projection and embedding at their replicated size, a
+deliberately simple upper estimate that ignores attention scores and
+element-wise temporaries). The search starts from each unit's cheapest
+layout; while the total exceeds the budget it takes the move that saves the
+most memory per byte of extra traffic; then it walks back any move the
+budget no longer needs.
+
+This is where a memory budget is met: the costs (`Costs`), the search
+(`choose`) and the notes that explain each choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from ._errors import InvalidOptionError, MemoryBudgetError
+from ._hlo import wire_bytes
+from ._render import format_bytes
+from ._rules import Axes
+
+__all__ = ["PlanCost", "UnitChoice"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitChoice:
+    """The layout chosen for one unit of weights, and what it costs.
+
+    Attributes:
+        unit: The unit: a layer path, a projection pair or an attention block.
+        layout: `"replicated"`, `"tensor-parallel"`, `"2-D"` or `"vocab-parallel"`.
+        state_bytes: Per-device bytes of its parameters, gradients and optimizer slots.
+        wire_bytes: Bytes each device sends for it per training step.
+        note: Why, against keeping the unit replicated.
+    """
+
+    unit: str
+    layout: str
+    state_bytes: int
+    wire_bytes: float
+    note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+    """What the planner predicts one training step of its plan costs, per device.
+
+    Attributes:
+        wire_bytes_by_axis: Bytes each device sends per step, by mesh axis, as
+            `kml.comm_report` counts them (ring formulas).
+        state_bytes: Parameters, gradients, optimizer slots and non-trainable
+            state held by each device.
+        activation_bytes: The activation reserve (see `kml.auto_rules`).
+        budget: The memory budget per device, or `None`.
+        choices: One `UnitChoice` per unit of weights with more than one layout.
+    """
+
+    wire_bytes_by_axis: Mapping[str, float]
+    state_bytes: int
+    activation_bytes: int
+    budget: int | None
+    choices: tuple[UnitChoice, ...]
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends per step, over every axis."""
+        return float(sum(self.wire_bytes_by_axis.values()))
+
+    @property
+    def memory_bytes(self) -> int:
+        """State plus the activation reserve: what the budget is compared with."""
+        return self.state_bytes + self.activation_bytes
+
+    def layouts(self) -> dict[str, int]:
+        """How many units took each layout: `{"tensor-parallel": 4, "2-D": 2}`."""
+        counts: dict[str, int] = {}
+        for choice in self.choices:
+            counts[choice.layout] = counts.get(choice.layout, 0) + 1
+        return counts
+
+    def __str__(self) -> str:
+        budget = "no budget" if self.budget is None else f"budget {format_bytes(self.budget)}"
+        layouts = ", ".join(f"{n} {name}" for name, n in sorted(self.layouts().items()))
+        return (
+            f"{format_bytes(self.wire_bytes)} sent per device per step; "
+            f"{format_bytes(self.state_bytes)} state + {format_bytes(self.activation_bytes)} "
+            f"activations per device ({budget}); units: {layouts or 'none'}"
+        )
+
+
+@dataclasses.dataclass
+class _Option:
+    layout: str
+    axes: dict[str, Axes]
+    state: int
+    wire: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.wire.values())
+
+
+@dataclasses.dataclass
+class _Unit:
+    name: str
+    options: list[_Option]
+    note: dict[str, str]
+    chosen: int = 0
+
+
+class Costs:
+    """Per-unit layouts, their per-device state bytes and wire bytes, for one batch."""
+
+    def __init__(
+        self,
+        model: keras.Model,
+        planner: Any,
+        batch: Any,
+        *,
+        model_axis: str,
+        batch_axis: str | None,
+        axis_sizes: Mapping[str, int],
+        optimizer: Any,
+    ) -> None:
+        self.model = model
+        self.planner = planner
+        self.model_axis = model_axis
+        self.batch_axis = batch_axis
+        self.m = axis_sizes[model_axis]
+        self.d = axis_sizes.get(batch_axis, 1) if batch_axis else 1
+        self.calls, self.used = _trace_calls(model, batch)
+        self.slots, self.optimizer_scalars = _slot_factor(optimizer)
+        self.tp_axes = dict(planner.axes_of)
+
+    # -- bytes ---------------------------------------------------------------------
+
+    def _grad_sync(self, variable: Any, shards: int) -> float:
+        if variable.path not in self.used:
+            return 0.0  # the loss does not read it: no gradient to sum
+        return wire_bytes("all-reduce", _nbytes(variable) / shards, self.d)
+
+    def _state(self, variable: Any, shards: int, trainable: bool) -> int:
+        per_device = _nbytes(variable) // shards
+        return per_device * (2 + self.slots) if trainable else per_device
+
+    def _activation(self, shape: Sequence[int], dtype: str) -> float:
+        """Per-device bytes of an activation whose first dimension is the batch."""
+        return math.prod(shape) / self.d * np.dtype(dtype).itemsize
+
+    # -- units -----------------------------------------------------------------------
+
+    def units(self) -> list[_Unit]:
+        """One unit per group of weights that split together; the rest as one fixed unit."""
+        trainable = {id(v) for v in self.model.trainable_weights}
+        owners = _owners(self.model)
+        by_unit: dict[str, list[Any]] = {}
+        for variable in self.model.weights:
+            unit = self.planner.units.get(variable.path)
+            if unit is not None:
+                by_unit.setdefault(unit, []).append(variable)
+        in_units = {id(v) for variables in by_unit.values() for v in variables}
+        units = [self._tensor_parallel_unit(name, variables, owners) for name, variables in by_unit.items()]
+        fixed_state, fixed_wire = self.optimizer_scalars, {}
+        for variable in self.model.weights:
+            if id(variable) in in_units:
+                continue
+            owner = owners.get(id(variable))
+            embedding = self._embedding_unit(owner, variable) if owner is not None else None
+            if embedding is not None:
+                units.append(embedding)
+                continue
+            fixed_state += self._state(variable, 1, id(variable) in trainable)
+            if id(variable) in trainable:
+                _add(fixed_wire, self.batch_axis, self._grad_sync(variable, 1))
+        # The loss is averaged over the batch axis: one scalar all-reduce.
+        _add(fixed_wire, self.batch_axis, wire_bytes("all-reduce", 4, self.d))
+        units.append(_Unit("(everything else)", [_Option("replicated", {}, fixed_state, fixed_wire)], {}))
+        return units
+
+    def _replicated(self, variables: Sequence[Any]) -> _Option:
+        wire: dict[str, float] = {}
+        for variable in variables:
+            _add(wire, self.batch_axis, self._grad_sync(variable, 1))
+        return _Option(
+            "replicated",
+            {v.path: (None,) * len(v.shape) for v in variables},
+            sum(self._state(v, 1, v.trainable) for v in variables),
+            wire,
+        )
+
+    def _tensor_parallel_unit(self, name: str, variables: list[Any], owners: Mapping[int, Any]) -> _Unit:
+        replicated = self._replicated(variables)
+        tp_wire: dict[str, float] = {}
+        tp_axes: dict[str, Axes] = {}
+        two_d_axes: dict[str, Axes] = {}
+        tp_state = two_d_state = 0
+        gathers = 0.0
+        layers: dict[int, Any] = {}
+        for variable in variables:
+            axes = self.tp_axes[variable.path]
+            shards = self.m if self.model_axis in axes else 1
+            tp_axes[variable.path] = axes
+            tp_state += self._state(variable, shards, variable.trainable)
+            _add(tp_wire, self.batch_axis, self._grad_sync(variable, shards))
+            spread = _second_axis(axes, variable.shape, self.batch_axis, self.d)
+            two_d_axes[variable.path] = spread
+            if spread != axes:
+                gathers += wire_bytes("all-gather", _nbytes(variable) / shards, self.d)
+                two_d_state += self._state(variable, shards * self.d, variable.trainable)
+            else:
+                two_d_state += self._state(variable, shards, variable.trainable)
+            owner = owners.get(id(variable))
+            if owner is not None and variable is getattr(owner, "kernel", None):
+                layers[id(owner)] = owner
+        for layer in layers.values():
+            side = _side(layer, self.tp_axes[layer.kernel.path], self.model_axis)
+            for inputs, output, from_input, dtype in self.calls.get(layer.path, ()):
+                if side == "row":
+                    _add(
+                        tp_wire,
+                        self.model_axis,
+                        wire_bytes("all-reduce", self._activation(output, dtype), self.m),
+                    )
+                elif side == "column" and not from_input:
+                    _add(
+                        tp_wire,
+                        self.model_axis,
+                        wire_bytes("all-reduce", self._activation(inputs, dtype), self.m),
+                    )
+        for kv in self._grouped_kv(name, layers):
+            _add(tp_wire, self.model_axis, kv)
+        options = [replicated, _Option("tensor-parallel", tp_axes, tp_state, tp_wire)]
+        if self.d > 1 and two_d_axes != tp_axes:
+            options.append(_Option("2-D", two_d_axes, two_d_state, _plus(tp_wire, self.batch_axis, gathers)))
+        notes = {path: self.planner.rules[self.planner.index_of[path]][2] for path in tp_axes}
+        return _Unit(name, options, notes)
+
+    def _grouped_kv(self, unit: str, layers: Mapping[int, Any]) -> list[float]:
+        """The traffic of key/value projections kept whole beside split query heads.
+
+        Their gradients are summed over the devices whose query heads share a
+        key/value head, and gathered back to all heads: per projection one
+        all-reduce of one head's activations over those devices, and (with
+        more than one key/value head) one all-gather of all of them.
+        """
+        from ._auto import _heads_dim
+
+        extra = []
+        split_queries = [layer for layer in layers.values() if (_heads_dim(layer) or (0, ""))[1] == "in"]
+        if not split_queries:
+            return extra
+        for layer in self.model._flatten_layers(include_self=False):
+            if not (getattr(layer, "path", None) or "").startswith(unit + "/") or id(layer) in layers:
+                continue
+            heads = _heads_dim(layer)
+            if heads is None or heads[1] != "in" or not self.planner.kept_whole(layer.path):
+                continue
+            count = layer.kernel.shape[heads[0]]
+            if count == 0 or self.m % count:
+                continue
+            group = self.m // count
+            for _, output, _, dtype in self.calls.get(layer.path, ()):
+                all_heads = self._activation(output, dtype)
+                extra.append(wire_bytes("all-reduce", all_heads / count, group))
+                if count > 1:
+                    extra.append(wire_bytes("all-gather", all_heads, count))
+        return extra
+
+    def _embedding_unit(self, owner: Any, variable: Any) -> _Unit | None:
+        if not isinstance(owner, keras.layers.Embedding) or variable is not owner.embeddings:
+            return None
+        calls = self.calls.get(owner.path, ())
+        if (
+            len(calls) != 1
+            or len(variable.shape) != 2
+            or variable.shape[0] % self.m
+            or not variable.trainable
+        ):
+            return None  # a tied embedding used twice, or one that does not divide: kept whole
+        (_, output, _, dtype) = calls[0]
+        wire: dict[str, float] = {}
+        _add(wire, self.batch_axis, self._grad_sync(variable, self.m))
+        _add(wire, self.model_axis, wire_bytes("all-reduce", self._activation(output, dtype), self.m))
+        split = _Option(
+            "vocab-parallel",
+            {variable.path: (self.model_axis, None)},
+            self._state(variable, self.m, True),
+            wire,
+        )
+        note = {
+            variable.path: f"embedding: vocabulary split over {self.model_axis!r}, one all-reduce forward"
+        }
+        return _Unit(owner.path, [self._replicated([variable]), split], note)
+
+    def activation_reserve(self) -> int:
+        total = 0.0
+        for calls in self.calls.values():
+            for _, output, _, dtype in calls:
+                total += self._activation(output, dtype)
+        return int(total)
+
+
+def choose(units: list[_Unit], budget: int | None, reserve: int) -> None:
+    """Picks one option per unit: the least traffic whose memory fits `budget`."""
+    for unit in units:
+        unit.chosen = min(
+            range(len(unit.options)), key=lambda i: (unit.options[i].total, unit.options[i].state)
+        )
+    if budget is None:
+        return
+
+    def memory() -> int:
+        return reserve + sum(u.options[u.chosen].state for u in units)
+
+    while memory() > budget:
+        best, best_score = None, -math.inf
+        for unit in units:
+            current = unit.options[unit.chosen]
+            for index, option in enumerate(unit.options):
+                saved = current.state - option.state
+                if saved <= 0:
+                    continue
+                added = option.total - current.total
+                score = math.inf if added <= 0 else saved / added
+                if score > best_score or (score == best_score and saved > best[2]):
+                    best, best_score = (unit, index, saved), score
+        if best is None:
+            raise MemoryBudgetError(
+                f"auto_rules: the smallest plan needs {format_bytes(memory())} per device "
+                f"({format_bytes(reserve)} of it the activation reserve), over the memory budget of "
+                f"{format_bytes(budget)}. Fix: a larger budget, a mesh with a larger model axis, a "
+                "smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor)."
+            )
+        best[0].chosen = best[1]
+    # Walk back: any unit whose cheaper-traffic option still fits takes it.
+    improved = True
+    while improved:
+        improved = False
+        for unit in sorted(units, key=lambda u: -u.options[u.chosen].total):
+            current = unit.options[unit.chosen]
+            for index, option in enumerate(unit.options):
+                if option.total < current.total and memory() - current.state + option.state <= budget:
+                    unit.chosen, current, improved = index, option, True
+
+
+def explain(unit: _Unit) -> str:
+    option, base = unit.options[unit.chosen], unit.options[0]
+    saved = base.state - option.state
+    added = option.total - base.total
+    if option.layout == "replicated":
+        if len(unit.options) == 1:
+            return "replicated"
+        cheapest = min(unit.options[1:], key=lambda o: o.state)
+        return (
+            f"replicated: the budget allows it; splitting ({cheapest.layout}) would save "
+            f"{format_bytes(base.state - cheapest.state)}/device but cost "
+            f"{format_bytes(cheapest.total - base.total)} more per step"
+        )
+    if added > 0:
+        traffic = f"costs {format_bytes(added)} more per step than replicated"
+    elif added < 0:
+        traffic = f"sends {format_bytes(-added)} less per step than replicated"
+    else:
+        traffic = "sends as much per step as replicated"
+    return f"{option.layout}: saves {format_bytes(saved)}/device, {traffic}"
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def _trace_calls(
+    model: keras.Model, batch: Any
+) -> tuple[dict[str, list[tuple[tuple, tuple, bool, str]]], set[str]]:
+    """What one forward pass on `batch` touches, traced on abstract values: nothing runs.
+
+    Returns, per layer path, `(input shape, output shape, reads a model
+    input, dtype)` of each call of its projections and embeddings (wrapped
+    for the duration), and the paths of the trainable variables the pass
+    reads: only those get gradients, hence gradient traffic.
+    """
+    import jax
+
+    kinds = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
+    layers = [layer for layer in model._flatten_layers(include_self=False) if isinstance(layer, kinds)]
+    from_inputs = {id(layer) for layer in model.layers if _reads_model_input(layer)}
+    calls: dict[str, list[tuple[tuple, tuple, bool, str]]] = {}
+
+    def recorder(layer: Any, call: Any) -> Any:
+        def recorded(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            outputs = call(inputs, *args, **kwargs)
+            calls.setdefault(layer.path, []).append(
+                (tuple(inputs.shape), tuple(outputs.shape), id(layer) in from_inputs, layer.compute_dtype)
+            )
+            return outputs
+
+        return recorded
+
+    def abstract(value: Any) -> Any:
+        return jax.ShapeDtypeStruct(
+            tuple(value.shape), np.dtype(getattr(value, "dtype", None) or np.asarray(value).dtype)
+        )
+
+    def forward(trainable: Any, non_trainable: Any, x: Any) -> Any:
+        return model.stateless_call(trainable, non_trainable, x, training=False)[0]
+
+    for layer in layers:
+        object.__setattr__(layer, "call", recorder(layer, layer.call))
+    try:
+        traced = jax.make_jaxpr(forward)(
+            [abstract(v) for v in model.trainable_variables],
+            [abstract(v) for v in model.non_trainable_variables],
+            keras.tree.map_structure(abstract, batch),
+        )
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "call")
+    jaxpr = traced.jaxpr
+    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    used = {
+        variable.path
+        for variable, invar in zip(model.trainable_variables, jaxpr.invars, strict=False)
+        if id(invar) in read
+    }
+    return calls, used
+
+
+def _reads_model_input(layer: Any) -> bool:
+    nodes = getattr(layer, "_inbound_nodes", [])
+    return bool(nodes) and all(
+        isinstance(t._keras_history.operation, keras.layers.InputLayer) for t in nodes[0].input_tensors
+    )
+
+
+def _slot_factor(optimizer: Any) -> tuple[float, int]:
+    """Optimizer slot bytes per parameter byte, and its scalar bytes, measured on one 4×4 variable."""
+    if optimizer is None:
+        return 0.0, 0
+    optimizer = keras.optimizers.get(optimizer)
+    fresh = optimizer.__class__.from_config(optimizer.get_config())
+    probe = keras.Variable(np.zeros((4, 4), "float32"), name="kml_slot_probe")
+    fresh.build([probe])
+    slots = sum(math.prod(v.shape) for v in fresh.variables if len(v.shape) > 0)
+    scalars = sum(np.dtype(v.dtype).itemsize for v in fresh.variables if len(v.shape) == 0)
+    return slots / 16, scalars
+
+
+def _owners(model: keras.Model) -> dict[int, Any]:
+    owners = {}
+    for layer in model._flatten_layers(include_self=False):
+        for variable in layer._trainable_variables + layer._non_trainable_variables:
+            owners[id(variable)] = layer
+    return owners
+
+
+def _side(layer: Any, axes: Axes, axis: str) -> str:
+    """`"column"` when the kernel's split dimension is an output one, `"row"` when an input one."""
+    if axis not in axes:
+        return ""
+    index = axes.index(axis)
+    if isinstance(layer, keras.layers.Dense):
+        return "column" if index == 1 else "row"
+    inputs, rest = layer.equation.split(",")
+    kernel, output = rest.split("->")
+    label = kernel[index]
+    return "column" if label in output and label not in inputs else "row"
+
+
+def _second_axis(axes: Axes, shape: Sequence[int], batch_axis: str | None, size: int) -> Axes:
+    """`axes` with the largest whole dimension also split over the batch axis, when one divides."""
+    if batch_axis is None or size <= 1 or len(shape) < 2 or batch_axis in axes or not any(axes):
+        return tuple(axes)
+    free = [i for i, a in enumerate(axes) if a is None and shape[i] % size == 0]
+    if not free:
+        return tuple(axes)
+    widest = max(free, key=lambda i: shape[i])
+    return tuple(batch_axis if i == widest else a for i, a in enumerate(axes))
+
+
+def _nbytes(variable: Any) -> int:
+    return math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
+
+
+def _add(wire: dict[str, float], axis: str | None, amount: float) -> None:
+    if axis is not None and amount:
+        wire[axis] = wire.get(axis, 0.0) + amount
+
+
+def _plus(wire: Mapping[str, float], axis: str | None, amount: float) -> dict[str, float]:
+    out = dict(wire)
+    _add(out, axis, amount)
+    return out
+
+
+def check_budget_args(memory_budget: Any, batch: Any) -> None:
+    if memory_budget is not None and batch is None:
+        raise InvalidOptionError(
+            "auto_rules(memory_budget=...) needs batch=: one global batch of inputs (arrays, or "
+            "anything with .shape and .dtype), to size the activations and the traffic they cause. "
+            'Fix: auto_rules(model, mesh, memory_budget="16GiB", batch=x).'
+        )

@@ -1,0 +1,176 @@
+"""The memory-budget planner: `kml.auto_rules(model, mesh, memory_budget=..., batch=...)`.
+
+Its predicted bytes are checked against the compiled HLO (`kml.comm_report`)
+and the plan's own memory figures, and a plan it makes under a tight budget
+trains like one device.
+"""
+
+import functools
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+from helpers import Reference, assert_laid_out_as_planned, assert_same_weights, train
+
+import keras_meshlayout as kml
+
+BATCH, LENGTH, CLASSES = 16, 16, 10
+MESHES = {"2x4": (2, 4), "4x2": (4, 2)}
+
+
+def build(arch: str) -> keras.Model:
+    """A small keras-hub decoder with a pooled classification head."""
+    if arch == "llama":  # grouped-query attention: 2 key/value heads for 8 query heads
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=512, num_layers=2, num_query_heads=8, num_key_value_heads=2,
+            hidden_dim=128, intermediate_dim=512, dropout=0.0,
+        )  # fmt: skip
+    else:  # Gemma: one key/value head, heads-first kernels, gated FFN
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=512, num_layers=2, num_query_heads=8, num_key_value_heads=1,
+            hidden_dim=128, intermediate_dim=1024, head_dim=16, dropout=0.0,
+        )  # fmt: skip
+    inputs = {
+        name: keras.Input((LENGTH,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")
+    }
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone(inputs))
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(pooled), name=arch)
+
+
+def batch(size: int = BATCH) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "token_ids": rng.integers(0, 512, (size, LENGTH)).astype("int32"),
+        "padding_mask": np.ones((size, LENGTH), "int32"),
+    }
+
+
+@functools.cache
+def reference_model(arch: str) -> keras.Model:
+    keras.distribution.set_distribution(None)
+    return build(arch)
+
+
+def plan_for(arch: str, mesh_name: str, budget) -> tuple[kml.Mesh, kml.LayoutRules]:
+    mesh = kml.Mesh(data=MESHES[mesh_name][0], model=MESHES[mesh_name][1])
+    rules = kml.auto_rules(
+        reference_model(arch), mesh, replicate_below=0, memory_budget=budget, batch=batch(), optimizer="adam"
+    )
+    return mesh, rules
+
+
+def tp_memory(arch: str, mesh_name: str) -> int:
+    return plan_for(arch, mesh_name, None)[1].cost.memory_bytes
+
+
+# Budgets as fractions of the no-budget (tensor-parallel) plan's memory; `inf` = least traffic.
+AGREEMENT = [
+    ("llama", "2x4", None),
+    ("llama", "2x4", 0.8),
+    ("llama", "4x2", None),
+    ("llama", "4x2", float("inf")),
+    ("gemma", "2x4", 0.9),
+    ("gemma", "4x2", None),
+]
+
+
+@pytest.mark.parametrize(("arch", "mesh_name", "fraction"), AGREEMENT)
+def test_predicted_bytes_match_the_compiled_step(arch, mesh_name, fraction):
+    budget = (
+        None if fraction is None else int(tp_memory(arch, mesh_name) * fraction) if fraction < 1 else "1TB"
+    )
+    mesh, rules = plan_for(arch, mesh_name, budget)
+    dist = kml.ModelParallel(mesh, rules, replicate_below=0)
+    keras.distribution.set_distribution(dist)
+    model = build(arch)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = kml.comm_report(model, batch(), np.zeros(BATCH, "int32"))
+    model.optimizer.build(model.trainable_variables)
+    memory = dist.plan(model).memory()
+
+    cost = rules.cost
+    for axis, measured in report.wire_bytes_by_axis.items():
+        assert cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
+    assert cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
+    if budget is not None and fraction < 1:
+        assert cost.memory_bytes <= budget
+        assert "2-D" in cost.layouts() or "vocab-parallel" in cost.layouts()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="XLA:CPU all-gathers a 2-D kernel of 128 KiB or more again in the backward pass when the "
+    "batch axis has 4 devices (not with 2); the planner counts one gather per step",
+)
+def test_predicted_bytes_for_large_2d_kernels_on_a_4_way_batch_axis():
+    budget = int(tp_memory("gemma", "4x2") * 0.8)
+    mesh, rules = plan_for("gemma", "4x2", budget)
+    assert "2-D" in rules.cost.layouts()
+    keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
+    model = build("gemma")
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = kml.comm_report(model, batch(), np.zeros(BATCH, "int32"))
+    assert rules.cost.wire_bytes == pytest.approx(report.wire_bytes, rel=0.05)
+
+
+def test_no_budget_keeps_todays_rules():
+    mesh = kml.Mesh(data=2, model=4)
+    plain = kml.auto_rules(reference_model("llama"), mesh, replicate_below=0)
+    costed = plan_for("llama", "2x4", None)[1]
+    assert [(r.pattern, r.axes) for r in plain.rules] == [(r.pattern, r.axes) for r in costed.rules]
+    assert plain.cost is None and costed.cost.budget is None
+
+
+@pytest.mark.parametrize("mesh_name", ["2x4", "4x2"])
+def test_smaller_budgets_never_send_less(mesh_name):
+    full = tp_memory("llama", mesh_name)
+    previous_wire, previous_memory = -1.0, None
+    for fraction in (4.0, 1.0, 0.95, 0.9, 0.85, 0.8):
+        budget = int(full * fraction)
+        cost = plan_for("llama", mesh_name, budget)[1].cost
+        assert cost.memory_bytes <= budget
+        assert cost.wire_bytes >= previous_wire - 1e-6
+        previous_wire, previous_memory = cost.wire_bytes, cost.memory_bytes
+    assert previous_memory < full
+
+
+def test_least_traffic_plan_sends_no_more_than_tensor_parallel():
+    no_budget = plan_for("llama", "2x4", None)[1].cost
+    roomy = plan_for("llama", "2x4", "1TB")[1].cost
+    assert roomy.wire_bytes < no_budget.wire_bytes
+    assert "replicated" in roomy.layouts()  # small attention blocks send less left whole
+
+
+def test_every_choice_is_explained_in_the_plan():
+    mesh, rules = plan_for("llama", "2x4", int(tp_memory("llama", "2x4") * 0.8))
+    keras.distribution.set_distribution(dist := kml.ModelParallel(mesh, rules, replicate_below=0))
+    table = str(dist.plan(build("llama")))
+    assert "2-D: saves" in table and "/device" in table and "per step" in table
+    for choice in rules.cost.choices:
+        assert choice.note.startswith(choice.layout)
+    assert "sent per device per step" in str(rules.cost)
+
+
+def test_a_budget_too_small_is_refused_with_the_smallest_plan():
+    with pytest.raises(kml.MemoryBudgetError, match=r"smallest plan needs .* activation reserve.*Fix"):
+        plan_for("llama", "2x4", "1MB")
+
+
+def test_a_budget_needs_a_batch():
+    with pytest.raises(kml.InvalidOptionError, match="needs batch="):
+        kml.auto_rules(reference_model("llama"), kml.Mesh(data=2, model=4), memory_budget="1GB")
+
+
+def test_a_plan_under_a_tight_budget_trains_like_one_device():
+    def build_gemma():
+        return build("gemma")
+
+    data = (batch(32), np.random.default_rng(1).integers(0, CLASSES, 32))
+    reference = Reference(build_gemma, data)
+    mesh, rules = plan_for("gemma", "2x4", int(tp_memory("gemma", "2x4") * 0.85))
+    assert {"2-D", "vocab-parallel"} <= set(rules.cost.layouts())
+    dist = kml.ModelParallel(mesh, rules, replicate_below=0)
+    model = train(build_gemma, reference.initial, data, dist)
+    assert_same_weights(model, reference.trained)
+    assert_laid_out_as_planned(model, dist.plan(model), mesh)
