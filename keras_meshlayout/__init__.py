@@ -43,6 +43,7 @@ from ._errors import MeshLayoutWarning as MeshLayoutWarning
 from ._errors import RankMismatchError as RankMismatchError
 from ._errors import UnmatchedRuleWarning as UnmatchedRuleWarning
 from ._errors import UnsupportedBackendError as UnsupportedBackendError
+from ._hub import rules_from_layout_map as rules_from_layout_map
 from ._memory import MemoryEstimate as MemoryEstimate
 from ._memory import check_plan as check_plan
 from ._mesh import Mesh as Mesh
@@ -124,5 +125,6 @@ __all__ = [
     "show_mesh",
     "show_sharding",
     "plan_model",
+    "rules_from_layout_map",
     "transformer_rules",
 ]

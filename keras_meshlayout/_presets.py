@@ -29,12 +29,17 @@ EmbeddingLayout = Literal["replicated", "vocab", "hidden"]
 FFN_COLUMN = (
     r"ffw_gating\w*",
     r"\w*feedforward_(?:gate|intermediate|up)_dense",
-    r"(?:\w*_)?(?:gate|up|intermediate|fc1|wi(?:_\d+)?)_dense",
+    r"(?:\w*_)?(?:gate|up|intermediate|fc1|wi(?:_\d+)?)_(?:dense|proj)",  # Llama-style, SmolLM
+    r"(?:input|gate)_projector",  # T5
+    r"dense_h_to_4h",  # Falcon
 )
 FFN_ROW = (
     r"ffw_linear",
     r"\w*feedforward_output_dense",
-    r"(?:\w*_)?(?:down|fc2|wo)_dense",
+    r"(?:\w*_)?(?:down|fc2|wo)_(?:dense|proj)",
+    r"(?:mlp_)?output_dense",  # Bloom, FNet
+    r"output_projector",  # T5
+    r"dense_4h_to_h",  # Falcon
 )
 
 
@@ -97,10 +102,15 @@ def transformer_rules(
       grouped-query attention, key/value projections whose head count does not
       divide by the model axis are replicated (by the `on_indivisible`
       policy) rather than crash.
-    - Feed-forward: `ffw_gating*`, `feedforward_{gate,intermediate,up}_dense`
-      and `*_{gate,up,intermediate,fc1}_dense` column-parallel; `ffw_linear`,
-      `feedforward_output_dense`, `*_{down,fc2}_dense` row-parallel.
-    - Norms, position embeddings and row-parallel biases replicated.
+    - Feed-forward: `ffw_gating*`, `feedforward_{gate,intermediate,up}_dense`,
+      `*_{gate,up,intermediate,fc1}_{dense,proj}`, T5's
+      `{input,gate}_projector` and Falcon's `dense_h_to_4h` column-parallel;
+      `ffw_linear`, `feedforward_output_dense`, `*_{down,fc2}_{dense,proj}`,
+      `[mlp_]output_dense`, `output_projector` and `dense_4h_to_h`
+      row-parallel.
+    - Norms, position embeddings, row-parallel biases, mixture-of-experts
+      routers and stacked expert weights (`experts/*`: expert parallelism is
+      not planned) and RWKV's mixing layers replicated.
     - Token embeddings by `embeddings`: `"replicated"` (no traffic, full
       memory), `"vocab"` (rows split: each device looks up its part of the
       vocabulary and an all-reduce of the embedded batch combines them: saves
@@ -145,6 +155,15 @@ def transformer_rules(
             ),
             # A mixture-of-experts router picks experts from whole logits: never split it.
             (r"(?:.*/)?\w*(?:router|sparse_feedforward_gate)\w*/\w+", (...,), "expert router: replicated"),
+            # Expert weights stacked as (experts, in, out): splitting experts over an axis
+            # (expert parallelism) needs an all-to-all dispatch that these rules do not plan.
+            (r"(?:.*/)?experts/\w+", (...,), "mixture-of-experts weights: replicated, experts not split"),
+            # RWKV's time mixing carries a recurrent state across all channels.
+            (
+                r"(?:.*/)?RWKV_(?:TIME_MIX|CMIX)/.+",
+                (...,),
+                "RWKV time/channel mixing: replicated, not planned",
+            ),
             (r"(?:.*/)?(?:query|key|value)/kernel", (fsdp_axis, model_axis, None), "attention: heads split"),
             (r"(?:.*/)?(?:query|key|value)/bias", (model_axis, None), "attention bias: heads split"),
             (
