@@ -196,6 +196,11 @@ class Costs:
             if embedding is not None:
                 units.append(embedding)
                 continue
+            if id(variable) in trainable and variable.path not in self.used:
+                idle = self._idle_unit(variable)
+                if idle is not None:
+                    units.append(idle)
+                    continue
             fixed_state += self._state(variable, 1, id(variable) in trainable)
             if id(variable) in trainable:
                 _add(fixed_wire, self.batch_axis, self._grad_sync(variable, 1))
@@ -318,6 +323,26 @@ class Costs:
             variable.path: f"embedding: vocabulary split over {self.model_axis!r}, one all-reduce forward"
         }
         return _Unit(owner.path, [self._replicated([variable]), split], note)
+
+    def _idle_unit(self, variable: Any) -> _Unit | None:
+        """A trainable weight the step never reads (an untied output embedding, say).
+
+        It gets no gradient, so splitting it over both axes costs no traffic.
+        """
+        shape = tuple(variable.shape)
+        dims = sorted(range(len(shape)), key=lambda i: -shape[i])
+        axes: list[str | None] = [None] * len(shape)
+        shards = 1
+        for axis, size in ((self.model_axis, self.m), (self.batch_axis, self.d)):
+            free = [i for i in dims if axes[i] is None and size > 1 and shape[i] % size == 0]
+            if axis is not None and free:
+                axes[free[0]] = axis
+                shards *= size
+        if shards == 1:
+            return None
+        split = _Option("split, unused", {variable.path: tuple(axes)}, self._state(variable, shards, True), {})
+        note = {variable.path: "the training step never reads it: no gradient, so no traffic"}
+        return _Unit(variable.path, [self._replicated([variable]), split], note)
 
     def activation_reserve(self) -> int:
         total = 0.0
