@@ -64,12 +64,17 @@ def llama() -> keras.Model:
     )  # fmt: skip
 
 
-MODELS = {"gemma-like": (gemma, keras_hub.models.GemmaBackbone), "llama-like": (llama, keras_hub.models.LlamaBackbone)}
+MODELS = {
+    "gemma-like": (gemma, keras_hub.models.GemmaBackbone),
+    "llama-like": (llama, keras_hub.models.LlamaBackbone),
+}
 
 
 def classifier(backbone_fn) -> keras.Model:
     backbone = backbone_fn()
-    inputs = {name: keras.Input((LENGTH,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")}
+    inputs = {
+        name: keras.Input((LENGTH,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")
+    }
     pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone(inputs))
     model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(pooled))
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -77,7 +82,10 @@ def classifier(backbone_fn) -> keras.Model:
 
 
 def batch() -> dict[str, np.ndarray]:
-    return {"token_ids": np.zeros((BATCH, LENGTH), "int32"), "padding_mask": np.ones((BATCH, LENGTH), "int32")}
+    return {
+        "token_ids": np.zeros((BATCH, LENGTH), "int32"),
+        "padding_mask": np.ones((BATCH, LENGTH), "int32"),
+    }
 
 
 def measure(backbone_fn, dist: kml.ModelParallel) -> tuple[float, int]:
@@ -96,11 +104,13 @@ def measure(backbone_fn, dist: kml.ModelParallel) -> tuple[float, int]:
 def plain_keras(backbone_cls, backbone_fn, mesh: kml.Mesh) -> str:
     """Whether keras-hub's own map builds under plain `keras.distribution.ModelParallel`."""
     layout_map = backbone_cls.get_layout_map(mesh, data_parallel_dim_name="data")
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    )
     try:
         backbone_fn()
         return "builds"
-    except Exception as error:  # noqa: BLE001 - the benchmark reports what plain Keras raises
+    except Exception as error:
         return f"crashes ({type(error).__name__})"
     finally:
         keras.distribution.set_distribution(None)
@@ -147,15 +157,27 @@ def run(name: str, mesh_shape: tuple[int, int]) -> list[dict]:
     try:
         planner("planner at keras-hub memory", hub_state + reserve)
     except kml.MemoryBudgetError as error:
-        rows.append({"model": name, "mesh": f"{mesh_shape[0]}×{mesh_shape[1]}", "layout": "planner at keras-hub memory",
-                     "wire_bytes": None, "state_bytes": None, "predicted_wire_bytes": None, "note": str(error)})  # fmt: skip
+        where = f"{mesh_shape[0]}×{mesh_shape[1]}"
+        rows.append(
+            {
+                "model": name,
+                "mesh": where,
+                "layout": "planner at keras-hub memory",
+                "wire_bytes": None,
+                "state_bytes": None,
+                "predicted_wire_bytes": None,
+                "note": str(error),
+            }
+        )
     return rows
 
 
 def table(rows: list[dict]) -> Table:
     out = Table(title="keras-hub backbones: bytes sent per device per step, and per-device state (Adam)")
     for column in ("model", "mesh", "layout", "wire", "state", "predicted", "pred/HLO", "note"):
-        out.add_column(column, justify="right" if column in ("wire", "state", "predicted", "pred/HLO") else "left")
+        out.add_column(
+            column, justify="right" if column in ("wire", "state", "predicted", "pred/HLO") else "left"
+        )
     for row in rows:
         wire, state, predicted = row["wire_bytes"], row["state_bytes"], row["predicted_wire_bytes"]
         out.add_row(

@@ -340,7 +340,9 @@ class Costs:
                 shards *= size
         if shards == 1:
             return None
-        split = _Option("split, unused", {variable.path: tuple(axes)}, self._state(variable, shards, True), {})
+        split = _Option(
+            "split, unused", {variable.path: tuple(axes)}, self._state(variable, shards, True), {}
+        )
         note = {variable.path: "the training step never reads it: no gradient, so no traffic"}
         return _Unit(variable.path, [self._replicated([variable]), split], note)
 
