@@ -17,6 +17,8 @@ if "keras" not in __import__("sys").modules:
 
 from ._auto import auto_rules as auto_rules
 from ._backend import emulate_devices as emulate_devices
+from ._budget import PlanCost as PlanCost
+from ._budget import UnitChoice as UnitChoice
 from ._checkpoint import LayoutChange as LayoutChange
 from ._checkpoint import PlanDiff as PlanDiff
 from ._checkpoint import ResumableCheckpoint as ResumableCheckpoint
@@ -127,4 +129,6 @@ __all__ = [
     "plan_model",
     "rules_from_layout_map",
     "transformer_rules",
+    "PlanCost",
+    "UnitChoice",
 ]
