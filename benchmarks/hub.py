@@ -197,8 +197,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the Llama-like model on 2×4 only")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--only", nargs="*", help="cases such as llama-like:4x2")
     args = parser.parse_args()
     cases = [("llama-like", (2, 4))] if args.quick else [(m, s) for m in MODELS for s in ((2, 4), (4, 2))]
+    if args.only:
+        cases = [(m, s) for m, s in cases if f"{m}:{s[0]}x{s[1]}" in args.only]
     rows = [row for name, shape in cases for row in run(name, shape)]
     Console(width=200).print(table(rows))
     if args.json:

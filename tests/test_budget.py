@@ -72,6 +72,7 @@ AGREEMENT = [
     ("llama", "4x2", float("inf")),
     ("gemma", "2x4", 0.9),
     ("gemma", "4x2", None),
+    ("gemma", "4x2", 0.8),  # 2-D kernels of 128 KiB and more, gathered again for the backward pass
 ]
 
 
@@ -96,22 +97,6 @@ def test_predicted_bytes_match_the_compiled_step(arch, mesh_name, fraction):
     if budget is not None and fraction < 1:
         assert cost.memory_bytes <= budget
         assert "2-D" in cost.layouts() or "vocab-parallel" in cost.layouts()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="XLA:CPU all-gathers a 2-D kernel of 128 KiB or more again in the backward pass when the "
-    "batch axis has 4 devices (not with 2); the planner counts one gather per step",
-)
-def test_predicted_bytes_for_large_2d_kernels_on_a_4_way_batch_axis():
-    budget = int(tp_memory("gemma", "4x2") * 0.8)
-    mesh, rules = plan_for("gemma", "4x2", budget)
-    assert "2-D" in rules.cost.layouts()
-    keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
-    model = build("gemma")
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    report = kml.comm_report(model, batch(), np.zeros(BATCH, "int32"))
-    assert rules.cost.wire_bytes == pytest.approx(report.wire_bytes, rel=0.05)
 
 
 def test_no_budget_keeps_todays_rules():
