@@ -380,12 +380,14 @@ def choose(units: list[_Unit], budget: int | None, reserve: int) -> None:
                 if score > best_score or (score == best_score and saved > best[2]):
                     best, best_score = (unit, index, saved), score
         if best is None:
-            raise MemoryBudgetError(
+            error = MemoryBudgetError(
                 f"auto_rules: the smallest plan needs {format_bytes(memory())} per device "
                 f"({format_bytes(reserve)} of it the activation reserve), over the memory budget of "
                 f"{format_bytes(budget)}. Fix: a larger budget, a mesh with a larger model axis, a "
                 "smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor)."
             )
+            error.smallest_bytes = memory()  # what the smallest plan needs, for callers that search
+            raise error
         best[0].chosen = best[1]
     # Walk back: any unit whose cheaper-traffic option still fits takes it.
     improved = True

@@ -61,7 +61,9 @@ def save_small_preset(directory: str) -> None:
 def classifier(preset: str, load_weights: bool = True) -> keras.Model:
     """The preset's backbone, mean-pooled, with a new classification head."""
     backbone = keras_hub.models.LlamaBackbone.from_preset(preset, load_weights=load_weights)
-    inputs = {name: keras.Input((LENGTH,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")}
+    inputs = {
+        name: keras.Input((LENGTH,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")
+    }
     pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone(inputs))
     return keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(pooled), name="classifier")
 
