@@ -238,7 +238,7 @@ class Costs:
             two_d_axes[variable.path] = spread
             if spread != axes:
                 gathered = _nbytes(variable) / shards
-                gathers += _gathers_per_step(gathered, self.d) * wire_bytes("all-gather", gathered, self.d)
+                gathers += _gathers_per_step(gathered, self.d, len(variable.shape)) * wire_bytes("all-gather", gathered, self.d)
                 two_d_state += self._state(variable, shards * self.d, variable.trainable)
             else:
                 two_d_state += self._state(variable, shards, variable.trainable)
@@ -534,15 +534,17 @@ def _second_axis(axes: Axes, shape: Sequence[int], batch_axis: str | None, size:
 
 
 #: Measured on XLA:CPU (jaxlib 0.10): a 2-D kernel is all-gathered once per step, before the
-#: forward pass, and kept for the backward one, except when the batch axis has 4 or more
-#: devices and the gathered kernel is 128 KiB or more: then it is gathered again for the
-#: backward pass. The benchmark and tests check this against the compiled HLO.
+#: forward pass, and kept for the backward one, except a matrix (rank 2, a `Dense` kernel)
+#: of 128 KiB or more gathered over 4 or more devices: that one is gathered again for the
+#: backward pass (einsum kernels of rank 3 are not). `tests/test_budget.py` and
+#: `benchmarks/hub.py` hold this against the compiled HLO.
 REGATHER_MIN_BYTES = 128 * 1024
 REGATHER_MIN_DEVICES = 4
 
 
-def _gathers_per_step(gathered_bytes: float, devices: int) -> int:
-    return 2 if devices >= REGATHER_MIN_DEVICES and gathered_bytes >= REGATHER_MIN_BYTES else 1
+def _gathers_per_step(gathered_bytes: float, devices: int, rank: int) -> int:
+    large = gathered_bytes >= REGATHER_MIN_BYTES and devices >= REGATHER_MIN_DEVICES
+    return 2 if large and rank == 2 else 1
 
 
 def _nbytes(variable: Any) -> int:
