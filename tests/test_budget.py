@@ -70,6 +70,7 @@ AGREEMENT = [
     ("llama", "2x4", 0.8),
     ("llama", "4x2", None),
     ("llama", "4x2", float("inf")),
+    ("llama", "4x2", 0.6),
     ("gemma", "2x4", 0.9),
     ("gemma", "4x2", None),
     ("gemma", "4x2", 0.8),  # 2-D kernels of 128 KiB and more, gathered again for the backward pass
