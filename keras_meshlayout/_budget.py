@@ -203,7 +203,12 @@ class Costs:
                     continue
             fixed_state += self._state(variable, 1, id(variable) in trainable)
             if id(variable) in trainable:
-                _add(fixed_wire, self.batch_axis, self._grad_sync(variable, 1))
+                # A table looked up more than once (T5's shared encoder/decoder embedding)
+                # has its gradient summed once per lookup: XLA does not add them first.
+                lookups = (
+                    len(self.calls.get(id(owner), ())) if isinstance(owner, keras.layers.Embedding) else 1
+                )
+                _add(fixed_wire, self.batch_axis, max(lookups, 1) * self._grad_sync(variable, 1))
         # The loss is averaged over the batch axis: one scalar all-reduce.
         _add(fixed_wire, self.batch_axis, wire_bytes("all-reduce", 4, self.d))
         units.append(_Unit("(everything else)", [_Option("replicated", {}, fixed_state, fixed_wire)], {}))
@@ -248,7 +253,7 @@ class Costs:
                 layers[id(owner)] = owner
         for layer in layers.values():
             side = _side(layer, self.tp_axes[layer.kernel.path], self.model_axis)
-            for inputs, output, from_input, dtype in self.calls.get(layer.path, ()):
+            for inputs, output, from_input, dtype in self.calls.get(id(layer), ()):
                 if side == "row":
                     _add(
                         tp_wire,
@@ -283,7 +288,7 @@ class Costs:
             return 1
         side = _side(layer, self.tp_axes[kernel.path], self.model_axis)
         largest = 0.0
-        for inputs, output, _, dtype in self.calls.get(layer.path, ()):
+        for inputs, output, _, dtype in self.calls.get(id(layer), ()):
             local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
             local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
             largest = max(largest, local_in, local_out)
@@ -313,7 +318,7 @@ class Costs:
             if count == 0 or self.m % count:
                 continue
             group = self.m // count
-            for _, output, _, dtype in self.calls.get(layer.path, ()):
+            for _, output, _, dtype in self.calls.get(id(layer), ()):
                 all_heads = self._activation(output, dtype)
                 extra.append(wire_bytes("all-reduce", all_heads / count, group))
                 if count > 1:
@@ -323,7 +328,7 @@ class Costs:
     def _embedding_unit(self, owner: Any, variable: Any) -> _Unit | None:
         if not isinstance(owner, keras.layers.Embedding) or variable is not owner.embeddings:
             return None
-        calls = self.calls.get(owner.path, ())
+        calls = self.calls.get(id(owner), ())
         if (
             len(calls) != 1
             or len(variable.shape) != 2
@@ -451,7 +456,7 @@ def _trace_calls(
 ) -> tuple[dict[str, list[tuple[tuple, tuple, bool, str]]], set[str]]:
     """What one forward pass on `batch` touches, traced on abstract values: nothing runs.
 
-    Returns, per layer path, `(input shape, output shape, reads a model
+    Returns, per layer (by `id`: some models reuse a path), `(input shape, output shape, reads a model
     input, dtype)` of each call of its projections and embeddings (wrapped
     for the duration), and the paths of the trainable variables the pass
     reads: only those get gradients, hence gradient traffic.
@@ -466,7 +471,7 @@ def _trace_calls(
     def recorder(layer: Any, call: Any) -> Any:
         def recorded(inputs: Any, *args: Any, **kwargs: Any) -> Any:
             outputs = call(inputs, *args, **kwargs)
-            calls.setdefault(layer.path, []).append(
+            calls.setdefault(id(layer), []).append(
                 (tuple(inputs.shape), tuple(outputs.shape), id(layer) in from_inputs, layer.compute_dtype)
             )
             return outputs

@@ -160,3 +160,32 @@ def test_a_plan_under_a_tight_budget_trains_like_one_device():
     model = train(build_gemma, reference.initial, data, dist)
     assert_same_weights(model, reference.trained)
     assert_laid_out_as_planned(model, dist.plan(model), mesh)
+
+
+# Other keras-hub architectures (tests/hub_models.py): embeddings with positions sliced off a
+# longer table (BERT), a table looked up twice (T5), fused query/key/value heads (Falcon).
+# keras-hub's T5 layers build inside their own call and drop a mask, which Keras flags.
+@pytest.mark.filterwarnings(r"ignore:.*'transformer_(en|de)coder_layer_\d+'.*unbuilt state:UserWarning")
+@pytest.mark.filterwarnings(r"ignore:Layer '\w+' \(of type T5MultiHeadAttention\) was passed an input with")
+@pytest.mark.parametrize(
+    ("backbone", "mesh_name", "tight"),
+    [("BertBackbone", "4x2", True), ("T5Backbone", "2x4", True), ("FalconBackbone", "4x2", False)],
+)
+def test_predicted_bytes_match_on_other_backbones(backbone, mesh_name, tight):
+    import hub_models
+
+    row = next(row for row in hub_models.ROWS if row.name == backbone)
+    mesh = kml.Mesh(data=MESHES[mesh_name][0], model=MESHES[mesh_name][1])
+    probe = hub_models.build_classifier(row)
+    x = hub_models.inputs_for(probe)
+    budget = None
+    if tight:
+        with pytest.raises(kml.MemoryBudgetError) as error:
+            kml.auto_rules(probe, mesh, replicate_below=0, memory_budget=1, batch=x, optimizer="adam")
+        budget = error.value.smallest_bytes
+    rules = kml.auto_rules(probe, mesh, replicate_below=0, memory_budget=budget, batch=x, optimizer="adam")
+    keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
+    model = hub_models.build_classifier(row)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = kml.comm_report(model, x, np.zeros(hub_models.BATCH, "int32"))
+    assert rules.cost.wire_bytes == pytest.approx(report.wire_bytes, rel=0.02)
