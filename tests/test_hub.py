@@ -187,16 +187,23 @@ def _reference(row: Row) -> tuple:
     return build, data, initial, trained
 
 
-_DATA_PARALLEL = (
+_CHAOTIC = (
     "keras-hub's {} trained data-parallel (kml.ModelParallel with no rule: no weight split) already "
-    "differs from single-device by {} after two steps, so equality cannot test the layout"
+    "differs from single-device by {} after two steps: float32 rounding, amplified (one step: {}), not "
+    "the layout; single-device training from initial weights moved by one ulp differs by {} too"
+)
+_CONV_GRAD = (
+    "XLA bug (jax 0.10.2, Shardy and GSPMD): the kernel gradient of the gated delta-net's depthwise "
+    "conv1d (a batch_group_count convolution) is all-reduced over the whole mesh, not just 'data', so "
+    "on 2x4 it is 4x too large even with no rule (kml.ModelParallel(mesh, LayoutRules([]))); "
+    "conv1d_kernel is off by 0.05 after one step; data=8 and data=2 meshes agree to 1e-7"
 )
 #: Planned above, not trained here, and why (measured with keras-hub 0.32.0, jax 0.10.2).
 NOT_TRAINED = {
-    "EdRecBackbone": _DATA_PARALLEL.format("EdRec", "0.1"),
-    "T5Gemma2Backbone": _DATA_PARALLEL.format("T5Gemma2", "1e-3"),
-    "Qwen3_5Backbone": "its gated delta-net linear attention takes over a minute to compile on CPU",
-    "Qwen3_5MoeBackbone": "its gated delta-net linear attention takes over a minute to compile on CPU",
+    "EdRecBackbone": _CHAOTIC.format("EdRec", "0.1", "5e-5", "0.08"),
+    "T5Gemma2Backbone": _CHAOTIC.format("T5Gemma2", "1e-3", "5e-5", "2e-3"),
+    "Qwen3_5Backbone": _CONV_GRAD,
+    "Qwen3_5MoeBackbone": _CONV_GRAD,
 }
 TRAIN = [(row, "2x4") for row in ROWS] + [(row, "4x2") for row in ROWS if row.name in GQA_DECODERS]
 
