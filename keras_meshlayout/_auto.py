@@ -319,14 +319,6 @@ class _Planner:
                 )
             self.decide(variable, axes, note, unit=layer.path.rsplit("/", 1)[0])
 
-    def _heads_near(self, layer: Any, owners: dict[int, Any]) -> int:
-        """The query head count of the attention block `layer` belongs to."""
-        parent = layer.path.rsplit("/", 1)[0]
-        for candidate in owners.values():
-            if candidate.path == f"{parent}/query" and _heads_dim(candidate) is not None:
-                return candidate.kernel.shape[_heads_dim(candidate)[0]]
-        return layer.kernel.shape[_heads_dim(layer)[0]]
-
     def _keep_output_whole(self, layer_path: str, rank: int = 4) -> None:
         """Keeps a replicated key/value projection's output whole over the model axis.
 

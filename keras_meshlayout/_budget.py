@@ -277,18 +277,22 @@ class Costs:
     def _gathers_per_step(self, layer: Any, kernel: Any, gathered: float) -> int:
         """How often XLA all-gathers a 2-D kernel over the batch axis in one step.
 
-        Measured on XLA:CPU (jaxlib 0.10) across the Llama, Gemma, Mistral,
-        Falcon, Qwen, SmolLM3, GPT-2, BERT and T5 backbones of the tests: the
-        gathered kernel is kept from the forward pass for the backward one
-        while it is no larger than the larger of the projection's input and
-        output on one device; a larger one is gathered again for the backward
-        pass. `tests/test_budget.py` holds this against the compiled HLO.
+        Measured on XLA:CPU (jaxlib 0.10) on MLPs and on the Llama, Gemma,
+        Mistral, Falcon, Qwen, SmolLM3, GPT-2, BERT and T5 backbones of the
+        tests: the kernel gathered for the forward pass is kept for the
+        backward one, except over a batch axis of 4 or more devices when it is
+        larger than both the projection's input and output on one device; then
+        it is gathered again, unless the projection reads the model's input
+        (no input gradient, so the backward pass needs no kernel).
+        `tests/test_budget.py` holds this against the compiled HLO.
         """
-        if layer is None or kernel is not getattr(layer, "kernel", None):
+        if layer is None or kernel is not getattr(layer, "kernel", None) or self.d < 4:
             return 1
         side = _side(layer, self.tp_axes[kernel.path], self.model_axis)
         largest = 0.0
-        for inputs, output, _, dtype in self.calls.get(id(layer), ()):
+        for inputs, output, from_input, dtype in self.calls.get(id(layer), ()):
+            if from_input:
+                return 1
             local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
             local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
             largest = max(largest, local_in, local_out)

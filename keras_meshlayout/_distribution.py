@@ -293,7 +293,9 @@ def _as_rules(rules: Any) -> LayoutRules:
     if isinstance(rules, LayoutRules):
         return rules
     if isinstance(rules, keras.distribution.LayoutMap):
-        return LayoutRules([(key, rules[key]) for key in rules])
+        from ._hub import rules_from_layout_map
+
+        return rules_from_layout_map(rules)  # the same paths as Keras would match
     if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
         raise InvalidRuleError(
             "rules must be a kml.LayoutRules, a keras.distribution.LayoutMap or a list of "
