@@ -457,20 +457,21 @@ def explain(unit: _Unit) -> str:
 
 def _trace_calls(
     model: keras.Model, batch: Any
-) -> tuple[dict[str, list[tuple[tuple, tuple, bool, str]]], set[str]]:
+) -> tuple[dict[int, list[tuple[tuple, tuple, bool, str]]], dict[str, float]]:
     """What one forward pass on `batch` touches, traced on abstract values: nothing runs.
 
-    Returns, per layer (by `id`: some models reuse a path), `(input shape, output shape, reads a model
-    input, dtype)` of each call of its projections and embeddings (wrapped
-    for the duration), and the paths of the trainable variables the pass
-    reads: only those get gradients, hence gradient traffic.
+    Returns, per layer (by `id`: some models reuse a path), `(input shape,
+    output shape, reads a model input, dtype)` of each call of its
+    projections and embeddings (wrapped for the duration); and, per path of a
+    trainable variable the pass reads, the fraction it reads (see
+    `_fraction_read`): only that gets a gradient, hence gradient traffic.
     """
     import jax
 
     kinds = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
     layers = [layer for layer in model._flatten_layers(include_self=False) if isinstance(layer, kinds)]
     from_inputs = {id(layer) for layer in model.layers if _reads_model_input(layer)}
-    calls: dict[str, list[tuple[tuple, tuple, bool, str]]] = {}
+    calls: dict[int, list[tuple[tuple, tuple, bool, str]]] = {}
 
     def recorder(layer: Any, call: Any) -> Any:
         def recorded(inputs: Any, *args: Any, **kwargs: Any) -> Any:
