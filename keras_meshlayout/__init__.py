@@ -33,6 +33,7 @@ from ._dry import dry_build as dry_build
 from ._dry import dry_plan as dry_plan
 from ._errors import CheckpointError as CheckpointError
 from ._errors import DevicesAlreadyInitializedError as DevicesAlreadyInitializedError
+from ._errors import GroupedConvWarning as GroupedConvWarning
 from ._errors import IndivisibleBatchError as IndivisibleBatchError
 from ._errors import IndivisibleShapeError as IndivisibleShapeError
 from ._errors import IndivisibleShapeWarning as IndivisibleShapeWarning
@@ -87,6 +88,7 @@ __all__ = [
     "comm_report",
     "DEFAULT_REPLICATE_BELOW",
     "DevicesAlreadyInitializedError",
+    "GroupedConvWarning",
     "IndivisibleBatchError",
     "IndivisibleShapeError",
     "IndivisibleShapeWarning",

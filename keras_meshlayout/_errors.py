@@ -23,6 +23,7 @@ __all__ = [
     "MeshLayoutWarning",
     "IndivisibleShapeWarning",
     "UnmatchedRuleWarning",
+    "GroupedConvWarning",
 ]
 
 
@@ -107,3 +108,30 @@ class IndivisibleShapeWarning(MeshLayoutWarning):
 
 class UnmatchedRuleWarning(MeshLayoutWarning):
     """A rule matched no variable of the model: most likely a typo."""
+
+
+class GroupedConvWarning(MeshLayoutWarning):
+    """The model has grouped convolutions and the mesh splits more than the batch.
+
+    Issued by `dist.plan(model)` for Keras `DepthwiseConv1D`/`DepthwiseConv2D`,
+    `SeparableConv1D`/`SeparableConv2D` and `Conv1D`/`Conv2D`/`Conv3D` with
+    `groups > 1` when a mesh axis other than the batch axis is larger than 1.
+
+    The kernel gradient of a grouped convolution (`feature_group_count > 1`) is
+    itself a convolution with `batch_group_count > 1`, and XLA's SPMD
+    partitioner sums its per-shard results over every device of the mesh
+    instead of over the batch shards only: the kernel gradient comes out N times
+    too large, N being the product of the sizes of the other mesh axes
+    (measured on XLA:CPU with jax 0.10.2: 4x on data=2 x model=4, 2x on
+    data=4 x model=2, exact on data=8). Nothing fails; the model trains wrongly.
+
+    Fix: a mesh whose only axis larger than 1 is the batch axis (for instance
+    `kml.Mesh(data=8)`), or split each grouped convolution's channels over the
+    other axes (its input, through an `/output` rule on the layer feeding it,
+    and its kernel's channel dimension), which makes the gradient exact.
+
+    A custom layer that calls `keras.ops.depthwise_conv` or
+    `jax.lax.conv_general_dilated(..., feature_group_count=...)` itself cannot
+    be recognised by its class and gets no warning, although it has the same
+    problem (keras-hub's Qwen3.5 gated delta-net is one).
+    """

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import UnmatchedRuleWarning
+from ._errors import GroupedConvWarning, UnmatchedRuleWarning
 from ._memory import MemoryEstimate, check_plan, memory_of
 from ._mesh import process_layout
 from ._render import format_axes, format_bytes, to_text
@@ -43,6 +43,9 @@ class Plan:
         replicate_below: The small-variable threshold in force.
         processes: Which process holds which part of the mesh, one line each
             (`kml.process_layout`); empty in a single process.
+        grouped_convs: `(layer path, class name)` of each grouped convolution
+            (Keras depthwise, separable, or `groups > 1` convolution) of the
+            model; see `grouped_conv_warning`.
 
     `str(plan)` (or `print(plan)`) renders a table; `plan.to_dict()` gives the
     same content as JSON-serialisable data; `plan[path]` looks up one variable.
@@ -57,6 +60,7 @@ class Plan:
     on_indivisible: str = "replicate"
     replicate_below: int = 0
     processes: tuple[str, ...] = ()
+    grouped_convs: tuple[tuple[str, str], ...] = ()
 
     @property
     def device_count(self) -> int:
@@ -77,7 +81,25 @@ class Plan:
 
     @property
     def warnings(self) -> list[str]:
-        """Human-readable warnings: rules that matched nothing."""
+        """Human-readable warnings: rules that matched nothing, then `grouped_conv_warning`."""
+        grouped = self.grouped_conv_warning
+        return self._unmatched_messages() + ([grouped] if grouped else [])
+
+    @property
+    def grouped_conv_warning(self) -> str | None:
+        """Why this model's grouped convolutions would train wrongly on this mesh, or `None`.
+
+        Set when the model has grouped convolutions and a mesh axis other than
+        the batch axis is larger than 1 (see `kml.GroupedConvWarning`).
+        """
+        others = {
+            name: size for name, size in self.axis_sizes.items() if name != self.batch_axis and size > 1
+        }
+        if not self.grouped_convs or not others:
+            return None
+        return _grouped_conv_message(self.grouped_convs, self.axis_sizes, self.batch_axis, others)
+
+    def _unmatched_messages(self) -> list[str]:
         return [
             f"{rule.describe()} matched no variable: check the pattern for a typo "
             "(it is matched with re.fullmatch against variable.path)."
@@ -154,6 +176,7 @@ class Plan:
                 }
                 for rule, layers in self.outputs
             ],
+            "grouped_convolutions": [{"layer": path, "class": cls} for path, cls in self.grouped_convs],
             "warnings": self.warnings,
             "processes": list(self.processes),
         }
@@ -265,10 +288,61 @@ def plan_model(
         on_indivisible=distribution.on_indivisible,
         replicate_below=distribution.replicate_below,
         processes=_processes(distribution.device_mesh),
+        grouped_convs=_grouped_convs(model),
     )
-    for message in plan.warnings:
+    for message in plan._unmatched_messages():
         warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
+    if plan.grouped_conv_warning:
+        warnings.warn(plan.grouped_conv_warning, GroupedConvWarning, stacklevel=3)
     return plan
+
+
+#: Measured on XLA:CPU, jax/jaxlib 0.10.2 (tests/test_grouped_conv.py pins it).
+_GROUPED_CONV_MEASURED = "measured on XLA:CPU with jax 0.10.2: 4x on data=2 x model=4, 2x on data=4 x model=2"
+
+
+def _grouped_conv_message(
+    layers: Sequence[tuple[str, str]],
+    axis_sizes: Mapping[str, int],
+    batch_axis: str,
+    others: Mapping[str, int],
+) -> str:
+    factor = 1
+    for size in others.values():
+        factor *= size
+    shown = ", ".join(f"{path!r} ({cls})" for path, cls in layers[:5])
+    if len(layers) > 5:
+        shown += f" and {len(layers) - 5} more"
+    mesh = " x ".join(f"{name}={size}" for name, size in axis_sizes.items())
+    other = " x ".join(f"{name}={size}" for name, size in others.items())
+    example = f"kml.Mesh({batch_axis}={factor * axis_sizes[batch_axis]})"
+    return (
+        f"Grouped convolutions in {shown} on mesh {mesh} with the batch over {batch_axis!r}: XLA computes "
+        f"their kernel gradients {factor}x too large here ({factor} = {other}, the mesh axes other than "
+        f"the batch axis; {_GROUPED_CONV_MEASURED}), because it sums the per-shard kernel gradients over "
+        f"every device instead of over the {axis_sizes[batch_axis]} batch shards. Nothing fails; these "
+        f"layers train wrongly. Fix: for this model use a mesh whose only axis larger than 1 is the batch "
+        f"axis, e.g. {example}; or split each such layer's channels over {', '.join(map(repr, others))}, "
+        f"both its input (an '/output' rule on the layer feeding it) and its kernel's channel dimension. "
+        f"Custom layers that call keras.ops.depthwise_conv (or a lax convolution with "
+        f"feature_group_count > 1) themselves have the same problem but cannot be detected."
+    )
+
+
+def _grouped_convs(model: keras.Model) -> tuple[tuple[str, str], ...]:
+    """`(path, class name)` of each Keras layer that runs a grouped convolution."""
+    import keras
+
+    layers = keras.layers
+    grouped = (layers.DepthwiseConv1D, layers.DepthwiseConv2D, layers.SeparableConv1D, layers.SeparableConv2D)
+    plain = (layers.Conv1D, layers.Conv2D, layers.Conv3D)
+    found = []
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, grouped) or (isinstance(layer, plain) and getattr(layer, "groups", 1) > 1):
+            path = getattr(layer, "path", None) or f"{model.name}/{layer.name}"
+            if all(path != seen for seen, _ in found):
+                found.append((path, type(layer).__name__))
+    return tuple(found)
 
 
 def _processes(mesh: keras.distribution.DeviceMesh) -> tuple[str, ...]:

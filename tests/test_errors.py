@@ -849,7 +849,12 @@ ERRORS = [
     kml.DevicesAlreadyInitializedError,
 ]
 
-WARNINGS = [kml.IndivisibleShapeWarning, kml.UnmatchedRuleWarning, kml.ProcessSplitWarning]
+WARNINGS = [
+    kml.IndivisibleShapeWarning,
+    kml.UnmatchedRuleWarning,
+    kml.ProcessSplitWarning,
+    kml.GroupedConvWarning,
+]
 
 
 @pytest.mark.parametrize("error", ERRORS, ids=lambda error: error.__name__)
