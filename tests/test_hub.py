@@ -160,24 +160,24 @@ def test_auto_plan(row, mesh_name):
         assert split > 0, f"the auto plan of {row.name} splits nothing over 'model'"
 
 
-def _data(row: Row):
-    """`STEPS` batches of inputs for the backbone and class labels for the head."""
+def _data(row: Row, steps: int):
+    """`steps` batches of inputs for the backbone and class labels for the head."""
     with kml.dry_build(functools.partial(hub_models.build_backbone, row)) as backbone:
-        batches = [hub_models.inputs_for(backbone, seed) for seed in range(STEPS)]
+        batches = [hub_models.inputs_for(backbone, seed) for seed in range(steps)]
     x = {name: np.concatenate([batch[name] for batch in batches]) for name in batches[0]}
-    y = np.random.default_rng(STEPS).integers(0, hub_models.CLASSES, size=STEPS * hub_models.BATCH)
+    y = np.random.default_rng(steps).integers(0, hub_models.CLASSES, size=steps * hub_models.BATCH)
     return x, y
 
 
 @functools.cache
-def _reference(row: Row) -> tuple:
+def _reference(row: Row, steps: int = STEPS) -> tuple:
     """The build function, the data, and the initial and single-device trained weights.
 
     Like `helpers.Reference`, with one build fewer: the model whose initial
     weights are taken is the one trained.
     """
     build = _fresh_names(functools.partial(hub_models.build_classifier, row))
-    data = _data(row)
+    data = _data(row, steps)
     keras.utils.set_random_seed(42)
     model = build()
     initial = model.get_weights()
@@ -198,36 +198,43 @@ _CONV_GRAD = (
     "on 2x4 it is 4x too large even with no rule (kml.ModelParallel(mesh, LayoutRules([]))); "
     "conv1d_kernel is off by 0.05 after one step; data=8 and data=2 meshes agree to 1e-7"
 )
-#: Planned above, not trained here, and why (measured with keras-hub 0.32.0, jax 0.10.2).
-NOT_TRAINED = {
+#: Trained one step, compared to `ONE_STEP_ATOL`, and why: their second step amplifies float32
+#: rounding past 1e-5 whatever the layout (measured with keras-hub 0.32.0, jax 0.10.2).
+ONE_STEP = {
     "EdRecBackbone": _CHAOTIC.format("EdRec", "0.1", "5e-5", "0.08"),
     "T5Gemma2Backbone": _CHAOTIC.format("T5Gemma2", "1e-3", "5e-5", "2e-3"),
-    "Qwen3_5Backbone": _CONV_GRAD,
-    "Qwen3_5MoeBackbone": _CONV_GRAD,
 }
-TRAIN = [(row, "2x4") for row in ROWS] + [(row, "4x2") for row in ROWS if row.name in GQA_DECODERS]
+#: One step of data-parallel training differs by up to 7e-5 there; a layout error moves weights by
+#: the size of a step (1e-2 and more).
+ONE_STEP_ATOL = 2e-4
+#: Planned above, not trained: the XLA bug of tests/test_grouped_conv.py (kml.GroupedConvWarning
+#: cannot see a depthwise convolution inside a custom layer).
+NOT_TRAINED = {"Qwen3_5Backbone": _CONV_GRAD, "Qwen3_5MoeBackbone": _CONV_GRAD}
+TRAIN = [(row, "2x4") for row in ROWS if row.name not in NOT_TRAINED] + [
+    (row, "4x2") for row in ROWS if row.name in GQA_DECODERS
+]
 
 
-def _train_params():
-    params = []
-    for row, mesh in TRAIN:
-        marks = _marks(row)
-        if row.name in NOT_TRAINED:
-            marks.append(pytest.mark.skip(reason=NOT_TRAINED[row.name]))
-        params.append(pytest.param(row, mesh, id=f"{row.name}-{mesh}", marks=marks))
-    return params
-
-
-@pytest.mark.parametrize(("row", "mesh_name"), _train_params())
+@pytest.mark.parametrize(
+    ("row", "mesh_name"),
+    [pytest.param(row, mesh, id=f"{row.name}-{mesh}", marks=_marks(row)) for row, mesh in TRAIN],
+)
 def test_sharded_fit_matches_single_device(row, mesh_name):
     """Backbone + head trained with `fit` under the auto plan equals the single-device run."""
-    build, data, initial, trained = _reference(row)
+    steps = 1 if row.name in ONE_STEP else STEPS
+    build, data, initial, trained = _reference(row, steps)
     mesh = kml.Mesh(**MESHES[mesh_name])
     with kml.dry_build(build) as model:
         rules = kml.auto_rules(model, mesh)
     dist = kml.ModelParallel(mesh, rules)
     model = train(build, initial, data, dist, batch_size=hub_models.BATCH)
-    assert_same_weights(model, trained)
+    if row.name in ONE_STEP:
+        for variable, want in zip(model.weights, trained, strict=True):
+            np.testing.assert_allclose(
+                variable.value, want, atol=ONE_STEP_ATOL, rtol=0, err_msg=variable.path
+            )
+    else:
+        assert_same_weights(model, trained)
     assert_laid_out_as_planned(model, dist.plan(model), mesh)
 
 
