@@ -133,6 +133,20 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--strict", action="store_true", help="fail (exit 1) on warnings such as unmatched rules"
     )
+    plan.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help='with --auto: per-device memory the plan must fit at the least traffic, e.g. "40GiB" '
+        "(needs --batch-size; prints the predicted bytes per step; replaces the replication guard)",
+    )
+    plan.add_argument("--batch-size", type=int, default=None, help="global batch for --memory-budget")
+    plan.add_argument(
+        "--sequence-length",
+        type=int,
+        default=None,
+        help="length for the model inputs' other unknown dimensions (token ids), with --batch-size",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     _add_emulate(plan)
     plan.set_defaults(run=_plan)
@@ -223,16 +237,32 @@ def _plan(args: argparse.Namespace) -> int:
 
     mesh = Mesh.parse(args.mesh)
     build = _load_builder(args.model)
+    replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
+    if args.memory_budget is not None and not args.auto:
+        raise _InputError("--memory-budget chooses layouts for --auto: add --auto.")
+    if args.memory_budget is not None and args.batch_size is None:
+        raise _InputError("--memory-budget needs --batch-size (and --sequence-length for token inputs).")
     if args.auto:
         with dry_build(build) as model:
-            rules = auto_rules(model, mesh, model_axis=args.model_axis)
+            batch = (
+                None if args.batch_size is None else _batch_spec(model, args.batch_size, args.sequence_length)
+            )
+            rules = auto_rules(
+                model,
+                mesh,
+                model_axis=args.model_axis,
+                batch_axis=args.batch_axis,
+                replicate_below=replicate_below,
+                memory_budget=args.memory_budget,
+                batch=batch,
+                optimizer=args.optimizer,
+            )
     elif args.preset:
         rules = _preset(args.preset, args.model_axis)
     elif args.rules:
         rules = _rules_file(args.rules, build, mesh)
     else:
         rules = None
-    replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
     distribution = ModelParallel(
         mesh,
         rules,
@@ -246,13 +276,26 @@ def _plan(args: argparse.Namespace) -> int:
     messages = sorted({str(w.message) for w in caught if issubclass(w.category, MeshLayoutWarning)})
     failure = None
     try:
-        plan.check(max_replicated_fraction=args.max_replicated_fraction, device_memory=args.device_memory)
+        # Under a memory budget the planner replicates on purpose wherever the budget allows,
+        # so the budget replaces the replication guard.
+        guard = 1.0 if args.memory_budget is not None else args.max_replicated_fraction
+        plan.check(max_replicated_fraction=guard, device_memory=args.device_memory)
     except MemoryBudgetError as err:
         failure = str(err)
     if args.json:
         data = plan.to_dict()
         data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
         data["warnings"] = messages
+        cost = getattr(rules, "cost", None)
+        if cost is not None:
+            data["predicted"] = {
+                "wire_bytes_per_device": cost.wire_bytes,
+                "wire_bytes_by_axis": dict(cost.wire_bytes_by_axis),
+                "state_bytes_per_device": cost.state_bytes,
+                "activation_bytes_per_device": cost.activation_bytes,
+                "budget": cost.budget,
+                "layouts": cost.layouts(),
+            }
         data["valid"] = failure is None and not (args.strict and messages)
         data["failure"] = failure
         print(json.dumps(data, indent=2))
@@ -261,6 +304,8 @@ def _plan(args: argparse.Namespace) -> int:
 
         console = Console(width=max(120, Console().width))
         console.print(plan)
+        if getattr(rules, "cost", None) is not None:
+            console.print(f"predicted: {rules.cost}", markup=False)
         for message in messages:
             console.print(f"warning: {message}", style="yellow", markup=False)
     if failure is not None:
@@ -270,6 +315,25 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"plan fails: {len(messages)} warning(s) with --strict", file=sys.stderr)
         return EXIT_PLAN_FAILS
     return EXIT_OK
+
+
+def _batch_spec(model: Any, batch_size: int, length: int | None) -> Any:
+    """Abstract inputs for `model`: `batch_size` first, `length` for any other unknown dimension."""
+    import jax
+    import keras
+
+    def spec(tensor: Any) -> Any:
+        shape = [batch_size, *tensor.shape[1:]]
+        if None in shape[1:]:
+            if length is None:
+                raise _InputError(
+                    f"--batch-size: the input {tensor.name!r} has shape {tuple(tensor.shape)}; give its "
+                    "other unknown dimensions with --sequence-length."
+                )
+            shape = [length if size is None else size for size in shape]
+        return jax.ShapeDtypeStruct(tuple(shape), keras.backend.standardize_dtype(tensor.dtype))
+
+    return keras.tree.map_structure(spec, model.input)
 
 
 def _load_builder(spec: str) -> Callable[[], Any]:

@@ -23,6 +23,13 @@ def mlp():
         ],
         name="mlp",
     )
+
+def tokens():
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    hidden = keras.layers.Embedding(256, 64, name="embed")(ids)
+    hidden = keras.layers.Dense(256, activation="gelu", name="up")(hidden)
+    hidden = keras.layers.Dense(64, name="down")(hidden)
+    return keras.Model(ids, keras.layers.Dense(4, name="head")(hidden), name="tokens")
 """
 
 RULES_PY = """
@@ -146,3 +153,39 @@ def test_plan_exit_status_and_one_clear_message(args, status, fragments, workdir
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in result.stderr
+
+
+def test_plan_within_a_memory_budget_prints_the_prediction(workdir):
+    common = ["--mesh", "2x4", "--model", "models:tokens", "--auto", "--optimizer", "adam", "--json"]
+    sizes = ["--batch-size", "16", "--sequence-length", "32"]
+    roomy = cli("plan", *common, *sizes, "--memory-budget", "1GB", cwd=workdir)
+    assert roomy.returncode == 0, roomy.stderr
+    roomy = json.loads(roomy.stdout)["predicted"]
+    assert roomy["budget"] == 10**9 and roomy["wire_bytes_per_device"] > 0
+    tight_budget = roomy["state_bytes_per_device"] + roomy["activation_bytes_per_device"] - 1
+    tight = cli("plan", *common, *sizes, "--memory-budget", str(tight_budget), cwd=workdir)
+    assert tight.returncode == 0, tight.stderr
+    tight = json.loads(tight.stdout)
+    assert tight["predicted"]["state_bytes_per_device"] < roomy["state_bytes_per_device"]
+    assert tight["predicted"]["wire_bytes_per_device"] >= roomy["wire_bytes_per_device"]
+    assert tight["valid"] is True
+
+
+@pytest.mark.parametrize(
+    "args, status, fragment",
+    [
+        (["--memory-budget", "1GB", "--batch-size", "16"], 2, "add --auto"),
+        (["--auto", "--memory-budget", "1GB"], 2, "needs --batch-size"),
+        (["--auto", "--memory-budget", "1GB", "--batch-size", "16"], 2, "--sequence-length"),
+        (
+            ["--auto", "--memory-budget", "1KB", "--batch-size", "16", "--sequence-length", "32"],
+            1,
+            "smallest plan",
+        ),
+    ],
+    ids=["no-auto", "no-batch", "no-length", "too-small"],
+)
+def test_plan_memory_budget_errors(args, status, fragment, workdir):
+    result = cli("plan", "--mesh", "2x4", "--model", "models:tokens", *args, cwd=workdir)
+    assert result.returncode == status, (result.stdout, result.stderr)
+    assert fragment in result.stderr and "Traceback" not in result.stderr
