@@ -281,9 +281,10 @@ class Costs:
         Mistral, Falcon, Qwen, SmolLM3, GPT-2, BERT and T5 backbones of the
         tests: the kernel gathered for the forward pass is kept for the
         backward one, except over a batch axis of 4 or more devices when it is
-        larger than both the projection's input and output on one device; then
-        it is gathered again, unless the projection reads the model's input
-        (no input gradient, so the backward pass needs no kernel).
+        larger than both the projection's input and output on one device (at
+        least as large, for a `Dense` kernel); then it is gathered again,
+        unless the projection reads the model's input (no input gradient, so
+        the backward pass needs no kernel).
         `tests/test_budget.py` holds this against the compiled HLO.
         """
         if layer is None or kernel is not getattr(layer, "kernel", None) or self.d < 4:
@@ -296,6 +297,8 @@ class Costs:
             local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
             local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
             largest = max(largest, local_in, local_out)
+        if isinstance(layer, keras.layers.Dense):
+            return 2 if gathered >= largest else 1
         return 2 if gathered > largest else 1
 
     def _grouped_kv(self, unit: str, layers: Mapping[int, Any]) -> list[float]:
