@@ -189,3 +189,25 @@ def test_predicted_bytes_match_on_other_backbones(backbone, mesh_name, tight):
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     report = kml.comm_report(model, x, np.zeros(hub_models.BATCH, "int32"))
     assert rules.cost.wire_bytes == pytest.approx(report.wire_bytes, rel=0.02)
+
+
+# Keras's own attention layers (MultiHeadAttention, GroupQueryAttention with 2 key/value heads)
+# and Dense feed-forward kernels re-gathered for the backward pass over a 4-way batch axis.
+@pytest.mark.parametrize(("kv_heads", "mesh_name"), [(None, "4x2"), (2, "2x4")])
+def test_predicted_bytes_match_on_keras_attention_layers(kv_heads, mesh_name):
+    from helpers import build_encoder
+
+    mesh = kml.Mesh(data=MESHES[mesh_name][0], model=MESHES[mesh_name][1])
+    x = np.random.default_rng(0).integers(0, 128, (32, 16)).astype("int32")
+    probe = build_encoder(kv_heads)
+    with pytest.raises(kml.MemoryBudgetError) as error:
+        kml.auto_rules(probe, mesh, replicate_below=0, memory_budget=1, batch=x, optimizer="adam")
+    rules = kml.auto_rules(
+        probe, mesh, replicate_below=0, memory_budget=error.value.smallest_bytes, batch=x, optimizer="adam"
+    )
+    assert "2-D" in rules.cost.layouts()
+    keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
+    model = build_encoder(kv_heads)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = kml.comm_report(model, x, np.zeros(32, "int32"))
+    assert rules.cost.wire_bytes == pytest.approx(report.wire_bytes, rel=0.02)
