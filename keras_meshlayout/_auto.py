@@ -223,6 +223,8 @@ class _Planner:
         #: attention block, a by-name scope): units split or stay whole together.
         self.units: dict[str, str] = {}
         self.index_of: dict[str, int] = {}
+        #: Dense key/value projections kept whole (by `id`): their head counts.
+        self.kv_heads: dict[int, int] = {}
         self.axes_of: dict[str, Axes] = {}
         self.layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
         self.consumers: dict[int, list[Any]] = {id(layer): [] for layer in self.layers}
@@ -570,6 +572,7 @@ class _Planner:
             )
             self._by_name_replicate(layer, note, unit)
             self._keep_output_whole(layer.path, rank=_input_rank(layer))
+            self.kv_heads[id(layer)] = count
         else:
             note = f"attention {layer.name}: heads split ({count} heads of {head_dim}, output features)"
             self.decide(layer.kernel, (None, self.axis), note, unit=unit)

@@ -311,17 +311,20 @@ class Costs:
         """
         from ._auto import _heads_dim
 
-        extra = []
-        split_queries = [layer for layer in layers.values() if (_heads_dim(layer) or (0, ""))[1] == "in"]
-        if not split_queries:
+        extra: list[float] = []
+        if not layers:
             return extra
         for layer in self.model._flatten_layers(include_self=False):
-            if not (getattr(layer, "path", None) or "").startswith(unit + "/") or id(layer) in layers:
-                continue
+            path = getattr(layer, "path", None) or ""
+            if path.rpartition("/")[0] != unit or id(layer) in layers:
+                continue  # only the key/value projections of this very attention block
             heads = _heads_dim(layer)
-            if heads is None or heads[1] != "in" or not self.planner.kept_whole(layer.path):
+            if id(layer) in self.planner.kv_heads:  # a Dense key/value projection
+                count = self.planner.kv_heads[id(layer)]
+            elif heads is not None and heads[1] == "in" and self.planner.kept_whole(layer.path):
+                count = layer.kernel.shape[heads[0]]
+            else:
                 continue
-            count = layer.kernel.shape[heads[0]]
             if count == 0 or self.m % count:
                 continue
             group = self.m // count
