@@ -211,3 +211,19 @@ def test_predicted_bytes_match_on_keras_attention_layers(kv_heads, mesh_name):
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     report = kml.comm_report(model, x, np.zeros(32, "int32"))
     assert rules.cost.wire_bytes == pytest.approx(report.wire_bytes, rel=0.02)
+
+
+def test_predicted_bytes_match_under_mixed_precision():
+    """Activations computed in bfloat16 are still summed in float32 across devices."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        mesh = kml.Mesh(data=2, model=4)
+        rules = kml.auto_rules(build("llama"), mesh, replicate_below=0, batch=batch(), optimizer="adam")
+        keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
+        model = build("llama")
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        report = kml.comm_report(model, batch(), np.zeros(BATCH, "int32"))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert {transfer.dtype for transfer in report.transfers} == {"f32"}
+    assert rules.cost.wire_bytes == pytest.approx(report.wire_bytes, rel=0.02)
