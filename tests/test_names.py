@@ -13,13 +13,12 @@ from __future__ import annotations
 import inspect
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 from helpers import Reference, assert_laid_out_as_planned, assert_same_weights, train
 
 import keras_meshlayout as kml
-
-keras_hub = pytest.importorskip("keras_hub")
 
 BATCH = 16
 LENGTH = 8
