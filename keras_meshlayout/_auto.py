@@ -26,9 +26,8 @@ from typing import Any
 
 import keras
 
-from ._budget import Costs, PlanCost, UnitChoice, check_budget_args, choose, explain
+from ._budget import check_budget_args, within_budget
 from ._errors import InvalidRuleError
-from ._memory import parse_bytes
 from ._presets import transformer_rules
 from ._resolve import DEFAULT_REPLICATE_BELOW
 from ._rules import Axes, LayoutRules
@@ -152,60 +151,7 @@ def auto_rules(
     planner.plan_by_name()
     if batch is None:
         return LayoutRules(planner.rules)
-    return _within_budget(planner, model, mesh, memory_budget, batch, optimizer)
-
-
-def _within_budget(
-    planner: _Planner,
-    model: keras.Model,
-    mesh: keras.distribution.DeviceMesh,
-    memory_budget: int | str | None,
-    batch: Any,
-    optimizer: Any,
-) -> LayoutRules:
-    """The planner's units laid out to fit `memory_budget` at the least traffic (see `_budget`)."""
-    axis_sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
-    budget = None if memory_budget is None else parse_bytes(memory_budget)
-    costs = Costs(
-        model,
-        planner,
-        batch,
-        model_axis=planner.axis,
-        batch_axis=planner.batch_axis,
-        axis_sizes=axis_sizes,
-        optimizer=optimizer if optimizer is not None else getattr(model, "optimizer", None),
-    )
-    units = costs.units()
-    reserve = costs.activation_reserve()
-    if budget is None:
-        for unit in units:  # today's plan: the planner's own layout for every unit
-            unit.chosen = 1 if len(unit.options) > 1 and unit.options[1].layout == "tensor-parallel" else 0
-    else:
-        choose(units, budget, reserve)
-    owners = {v.path: v for v in model.weights}
-    choices = []
-    wire: dict[str, float] = {}
-    for unit in units:
-        option = unit.options[unit.chosen]
-        for axis, amount in option.wire.items():
-            wire[axis] = wire.get(axis, 0.0) + amount
-        if len(unit.options) == 1:
-            continue
-        why = explain(unit)
-        choices.append(UnitChoice(unit.name, option.layout, option.state, option.total, why))
-        for path, axes in option.axes.items():
-            detail = unit.note.get(path, "")
-            note = why if option.layout == "replicated" or not detail else f"{why} ({detail})"
-            planner.relayout(owners[path], axes, note)
-    rules = LayoutRules(planner.rules)
-    rules.cost = PlanCost(
-        wire_bytes_by_axis=wire,
-        state_bytes=sum(unit.options[unit.chosen].state for unit in units),
-        activation_bytes=reserve,
-        budget=budget,
-        choices=tuple(choices),
-    )
-    return rules
+    return within_budget(planner, model, mesh, memory_budget, batch, optimizer)
 
 
 class _Planner:

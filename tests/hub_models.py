@@ -50,6 +50,15 @@ _T5GEMMA = dict(
     attention_dropout=0.0,
 )
 
+#: Qwen 3.5's gated delta-net layers, then one full-attention layer.
+_LINEAR_ATTENTION = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=KV_HEADS,
+    linear_num_value_heads=HEADS,
+    linear_key_head_dim=HEAD_DIM,
+    linear_value_head_dim=HEAD_DIM,
+)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Row:
@@ -119,18 +128,7 @@ ROWS = [
     Row("QwenBackbone", _GQA),
     Row("Qwen3Backbone", dict(_GQA, head_dim=HEAD_DIM)),
     Row("Qwen3MoeBackbone", dict(_GQA, head_dim=HEAD_DIM, moe_intermediate_dim=32, num_experts=4, top_k=2)),
-    Row(
-        "Qwen3_5Backbone",
-        dict(
-            _GQA,
-            head_dim=HEAD_DIM,
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=KV_HEADS,
-            linear_num_value_heads=HEADS,
-            linear_key_head_dim=HEAD_DIM,
-            linear_value_head_dim=HEAD_DIM,
-        ),
-    ),
+    Row("Qwen3_5Backbone", dict(_GQA, head_dim=HEAD_DIM, **_LINEAR_ATTENTION)),
     Row(
         "Qwen3_5MoeBackbone",
         dict(
@@ -140,11 +138,7 @@ ROWS = [
             shared_expert_intermediate_size=64,
             num_experts=4,
             top_k=2,
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=KV_HEADS,
-            linear_num_value_heads=HEADS,
-            linear_key_head_dim=HEAD_DIM,
-            linear_value_head_dim=HEAD_DIM,
+            **_LINEAR_ATTENTION,
         ),
     ),
     Row(
