@@ -205,6 +205,10 @@ class ModelParallel(keras.distribution.ModelParallel):
     def get_data_layout(self, data_shape: Sequence[int]) -> keras.distribution.TensorLayout:
         if len(data_shape) == 0:
             return keras.distribution.TensorLayout((), self.device_mesh)
+        from . import _inference  # predict/evaluate: a batch that does not split is replicated
+
+        if _inference.replicates_batch(self, data_shape):
+            return _inference.replicated_layout(self, len(data_shape))
         self.check_batch(data_shape)
         return super().get_data_layout(data_shape)
 
@@ -272,6 +276,9 @@ def _install_batch_check() -> None:
     """
     from keras.src.backend.jax import distribution_lib as backend_lib
 
+    from . import _inference
+
+    _inference.install()  # predict/evaluate of any batch size; weights survive errors
     original = backend_lib.distribute_data_input
     if getattr(original, "_kml_checked", False):
         return
@@ -280,7 +287,7 @@ def _install_batch_check() -> None:
     def distribute_data_input(per_process_batch, layout, batch_dim_name):
         current = keras.distribution.distribution()
         if isinstance(current, ModelParallel) and getattr(per_process_batch, "ndim", 0) > 0:
-            current.check_batch(per_process_batch.shape)
+            layout = _inference.batch_layout(current, per_process_batch.shape, layout)  # checks it
         return original(per_process_batch, layout, batch_dim_name)
 
     distribute_data_input._kml_checked = True

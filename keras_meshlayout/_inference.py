@@ -1,0 +1,185 @@
+"""`predict` and `evaluate` for any number of samples, and a model that survives errors.
+
+Under a `kml.ModelParallel`, each batch is split over the batch axis, so a batch
+whose size does not divide by that axis (the short last batch of
+`model.predict(x)` with 251 samples and `batch_size=32` on `data=2`, say) cannot
+be laid out as the others are.
+
+**predict / evaluate.** Such a batch is laid out *replicated over the batch
+axis*: every device of the batch axis receives the whole short batch, and the
+other mesh axes (tensor parallelism) split the model as in every other step.
+This is exact: each sample goes through the same arithmetic as on one device,
+and since the batch keeps its real size, Keras's loss reduction, the loss
+tracker (weighted by the batch size) and every metric see exactly the samples
+the user passed, with nothing to mask. Padding the batch instead would make
+`evaluate` count padded rows: Keras divides a `"sum_over_batch_size"` loss by
+the padded size and weighs the loss average by it. It is also cheap: Keras
+compiles a new step for the short batch's shape anyway, so the layout adds no
+compile; only that one batch (per call, or wherever a data set yields one) is
+computed whole on each device of the batch axis, which takes at most the time
+and activation memory of one full step without data parallelism. A batch that
+divides keeps its usual split layout.
+
+**fit** keeps raising `IndivisibleBatchError` for such a batch. The same
+layout would train exactly, but a training step keeps every activation for the
+backward pass: computing the short batch whole on each device can need up to
+the batch axis's size times a normal step's activation memory, which may not
+fit at the end of an epoch that did. Choose a `batch_size` that the samples
+divide into, or drop the remainder.
+
+In a job of several processes, each process holds only its own part of a
+batch, so the short batch cannot be replicated without moving data between
+hosts: there, predict and evaluate raise `IndivisibleBatchError` as fit does.
+
+**Errors.** Keras's JAX trainer removes the variables' values while its loop
+runs and puts them back only when the loop ends normally, so after an
+exception in `fit`, `evaluate` or `predict` (a bad batch, a callback that
+raises, Ctrl-C) the model had no weights left. Under a `kml.ModelParallel`,
+every such call puts them back before the exception propagates: the state of
+the last completed step, which is the model as before the call for `evaluate`
+and `predict`, and the weights trained up to the failure for `fit` (with their
+optimizer state). Private Keras details used here live in `_keras_internals`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+
+from . import _keras_internals as internals
+
+__all__ = ["install", "replicates_batch", "batch_layout", "replicated_layout"]
+
+#: `True` inside predict/evaluate (and their *_on_batch forms), `False` inside fit.
+_INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("kml_inference", default=False)
+
+
+def install() -> None:
+    """Wraps Keras's JAX trainer methods, once; they change nothing unless a `kml.ModelParallel` is set."""
+    internals.wrap_trainer_methods(_guard)
+
+
+def in_inference() -> bool:
+    """Whether the running Keras call is a predict or an evaluate (not a fit)."""
+    return _INFERENCE.get()
+
+
+def replicates_batch(distribution: Any, data_shape: Sequence[int | None]) -> bool:
+    """Whether a batch of this shape is laid out replicated over the batch axis.
+
+    True only inside `predict`/`evaluate`, for a batch whose size does not
+    divide by the batch axis, when this process holds the whole batch (a
+    single-process job).
+    """
+    if not in_inference() or not data_shape or data_shape[0] is None:
+        return False
+    size = distribution.axis_sizes[distribution.batch_axis]
+    if int(data_shape[0]) % size == 0:
+        return False
+    return _single_process(distribution)
+
+
+def batch_layout(distribution: Any, data_shape: Sequence[int], layout: Any) -> Any:
+    """The layout for one input batch: replicated where `replicates_batch`, else the usual split.
+
+    `layout` is what Keras derived from the first batch of the loop; a batch
+    that divides after a replicated first batch gets its split layout back.
+    Raises `IndivisibleBatchError` for a batch that can be neither split nor
+    replicated.
+    """
+    if replicates_batch(distribution, data_shape):
+        return replicated_layout(distribution, len(data_shape)).backend_layout
+    distribution.check_batch(data_shape)
+    if in_inference() and _is_replicated(layout):
+        return distribution.get_data_layout(data_shape).backend_layout
+    return layout
+
+
+def replicated_layout(distribution: Any, rank: int) -> keras.distribution.TensorLayout:
+    """A data layout replicated over every mesh axis."""
+    return keras.distribution.TensorLayout((None,) * rank, distribution.device_mesh)
+
+
+def _is_replicated(layout: Any) -> bool:
+    if isinstance(layout, keras.distribution.TensorLayout):
+        axes = layout.axes
+    else:
+        axes = tuple(getattr(layout, "spec", ("batch",)))
+    return not axes or axes[0] is None
+
+
+def _single_process(distribution: Any) -> bool:
+    devices = distribution.device_mesh.devices
+    return len({device.process_index for device in devices.flat}) == 1
+
+
+def _guard(method: Callable[..., Any], inference: bool) -> Callable[..., Any]:
+    def guarded(model: Any, *args: Any, **kwargs: Any) -> Any:
+        from ._distribution import ModelParallel
+
+        if not isinstance(keras.distribution.distribution(), ModelParallel):
+            return method(model, *args, **kwargs)
+        token = _INFERENCE.set(inference)
+        before = _snapshot(model)
+        stale = internals.state_object(model)
+        try:
+            return method(model, *args, **kwargs)
+        except BaseException as error:
+            _restore(model, before, stale, error)
+            raise
+        finally:
+            _INFERENCE.reset(token)
+
+    return guarded
+
+
+def _snapshot(model: Any) -> dict[int, Any]:
+    return {
+        id(variable): internals.raw_value(variable)
+        for variables in internals.variable_groups(model).values()
+        for variable in variables
+    }
+
+
+def _alive(value: Any) -> bool:
+    if value is None:
+        return False
+    is_deleted = getattr(value, "is_deleted", None)
+    return not (callable(is_deleted) and is_deleted())
+
+
+def _restore(model: Any, before: dict[int, Any], stale: Any, error: BaseException) -> None:
+    """Puts a value back into every variable the failed call left empty.
+
+    First the state of the call's last completed step (what Keras would have
+    written back had the loop ended), then, for a variable still empty, the
+    value it held before the call (alive unless a step consumed it).
+    """
+    groups = internals.variable_groups(model)
+    state = internals.pending_state(model)
+    if state is not None and internals.state_object(model) is not stale:
+        for key in internals.STATE_KEYS:
+            values = state.get(key) or ()
+            for variable, value in zip(groups[key], values, strict=False):
+                if _alive(value):
+                    internals.set_raw_value(variable, value)
+    lost = []
+    for variables in groups.values():
+        for variable in variables:
+            if _alive(internals.raw_value(variable)):
+                continue
+            value = before.get(id(variable))
+            if _alive(value):
+                internals.set_raw_value(variable, value)
+            else:
+                lost.append(variable.path)
+    internals.clear_pending_state(model)
+    if lost:
+        error.add_note(
+            f"keras_meshlayout could not restore {len(lost)} variable(s) after this error, "
+            f"because the failed step had consumed their values: {', '.join(lost[:5])}"
+            f"{' ...' if len(lost) > 5 else ''}. Rebuild the model or load a checkpoint."
+        )
