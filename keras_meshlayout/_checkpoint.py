@@ -26,15 +26,21 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
+import warnings
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import keras
+import numpy as np
 
-from ._errors import CheckpointError, InvalidOptionError
+from ._errors import CheckpointError, InvalidOptionError, MeshLayoutWarning
 from ._plan import Plan
 from ._render import format_bytes, to_text
 
@@ -64,9 +70,17 @@ def save_checkpoint(
 ) -> Path:
     """Saves the weights (optimizer state included), the plan and a manifest, atomically.
 
-    Everything is written to a hidden sibling directory (`.NAME.partial-*`)
-    that replaces `directory` only once complete: a save that is interrupted
-    leaves the previous checkpoint in place, and never one that looks complete.
+    Everything is written to a hidden sibling directory
+    (`.NAME.partial-HOST-PID-*`) that replaces `directory` only once complete:
+    a save that is interrupted leaves the previous checkpoint in place, and
+    never one that looks complete. The next save or load finishes a save that
+    was killed while moving into place (so the newest complete checkpoint is
+    never lost) and removes what killed saves left behind, once the process
+    that wrote them is gone.
+
+    The state of every random seed generator (`keras.random.SeedGenerator`,
+    as in `Dropout`) is saved in the manifest, so that training resumed from
+    the checkpoint draws the same random numbers.
 
     Args:
         model: The model, built (and compiled, with its optimizer built, to
@@ -77,6 +91,12 @@ def save_checkpoint(
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        CheckpointError: the save could not be written (a full disk, a
+            read-only directory, any `OSError`): the message names the file
+            and says whether a previous checkpoint at `directory` is intact
+            (it always is: nothing replaces it until the new one is complete).
 
     Example:
         >>> import keras, keras_meshlayout as kml, tempfile, os
@@ -127,6 +147,13 @@ def load_checkpoint(
 
     Variables are matched in order, the way Keras's own loading matches them,
     so a rebuilt model whose layers got other automatic names still loads.
+    The model's random seed generators get their saved state back when the
+    model has as many as the checkpoint (a model with other random layers
+    keeps its own).
+
+    If `directory` is missing because its save was killed between moving the
+    old checkpoint aside and the new one into place, the newest complete one
+    of the two is verified and moved into place first.
 
     Args:
         model: The model to restore into.
@@ -191,7 +218,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
       overwrites its only backup in place;
     - the backup is restored with `load_checkpoint`, checked before anything is
       assigned, and into the layouts of the current distribution, so a run
-      interrupted on a 2×4 mesh can resume on 1×8.
+      interrupted on a 2×4 mesh can resume on 1×8;
+    - the random state is part of the backup: every `keras.random.SeedGenerator`
+      of the model (`Dropout`, `GaussianNoise`, a custom layer's own) and Keras's
+      global one, so a model with random layers resumes exactly too.
 
     Metrics of the resumed epoch count only the batches trained after
     resuming; while batches are skipped, other callbacks get empty logs.
@@ -249,11 +279,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._restore_train_function()  # left in place if the last fit died while skipping
         self._since_save = 0
         self._resume = None
-        _discard_partial_saves(self.path)
-        if not self.path.exists():
+        # A save killed midway is finished (or removed) here: after a kill between its two renames,
+        # the newest complete backup is moved into place rather than lost.
+        source, _ = _recover(self.path)
+        if source is None:
             return
         # No rollback: a model about to train has nothing worth keeping, and a failed load fails fit.
-        manifest, _ = _load(self.model, self.path, None, rollback=False)
+        manifest, _ = _load(self.model, source, None, rollback=False, resume=True)
         training = manifest.get("training") or {}
         epoch, batch = int(training.get("epoch", 0)), int(training.get("batch", 0))
         self.model._initial_epoch = epoch  # read by fit right after on_train_begin, as for BackupAndRestore
@@ -465,10 +497,15 @@ def _save(
     distribution: Any,
     training: Mapping[str, int] | None = None,
 ) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
-    partial.mkdir()
+    step = target.parent
+    partial = target.with_name(_sibling_name(target, "partial"))
+    _IN_FLIGHT.add(partial.name)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _recover(target)  # a save killed between its renames is finished before this one starts
+        step = partial
+        partial.mkdir()
+        step = partial / WEIGHTS
         model.save_weights(partial / WEIGHTS)
         _fsync(partial / WEIGHTS)
         manifest: dict[str, Any] = {
@@ -478,26 +515,58 @@ def _save(
             "optimizer": _optimizer_info(model),
             "variables": _describe(model),
             "weights_sha256": _sha256(partial / WEIGHTS),
+            "rng": _rng_state(model),
         }
         plan = _current_plan(model, distribution)
         if plan is not None:
+            step = partial / PLAN
             _write_json(partial / PLAN, plan.to_dict())
             manifest["plan_sha256"] = _sha256(partial / PLAN)
         if training is not None:
             manifest["training"] = dict(training)
+        step = partial / MANIFEST
         _write_json(partial / MANIFEST, manifest)
+        step = partial
         _fsync(partial)
+        step = target
         _replace_directory(partial, target)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise CheckpointError(_save_failed(target, step, err)) from err
         raise
+    finally:
+        _IN_FLIGHT.discard(partial.name)
     return target
 
 
+def _save_failed(target: Path, step: Path, err: OSError) -> str:
+    reason = f"{err.strerror} (errno {err.errno})" if err.strerror else f"{type(err).__name__}: {err}"
+    if _complete(target):
+        previous = f"The previous checkpoint at {target} is intact."
+    elif target.exists():
+        previous = f"{target} was left as it was (it holds no complete checkpoint)."
+    else:
+        previous = f"Nothing was written at {target} (there was no checkpoint there before)."
+    return (
+        f"Saving checkpoint {target} failed while writing {step}: {reason}. {previous} "
+        "What this save had written was removed. Fix: free space on that disk, or check that the "
+        "directory is writable, and save again."
+    )
+
+
 def _load(
-    model: keras.Model, source: Path, distribution: Any, *, rollback: bool = True
+    model: keras.Model,
+    source: Path,
+    distribution: Any,
+    *,
+    rollback: bool = True,
+    resume: bool = False,
 ) -> tuple[dict[str, Any], PlanDiff | None]:
-    manifest = _read_manifest(source)
+    recovered, removed = _recover(source)
+    if recovered is not None:
+        source = recovered
+    manifest = _read_manifest(source, removed)
     weights = source / WEIGHTS
     if not weights.is_file() or _sha256(weights) != manifest["weights_sha256"]:
         raise CheckpointError(
@@ -516,13 +585,16 @@ def _load(
     if not with_optimizer:
         saved = [v for v in saved if v.get("kind") != "optimizer"]
     _check_variables(manifest, saved, model, with_optimizer, source)
+    seeds = _seed_states_to_restore(model, manifest, source, resume)
 
-    variables = _variables(model, with_optimizer)
+    variables = _variables(model, with_optimizer) + [variable for variable, _ in seeds]
     # Kept alive to put back (nothing is copied, but their memory is not freed until the end).
     values = [v.value for v in variables] if rollback else None
     skip = [] if with_optimizer or optimizer is None else [optimizer]
     try:
         model.load_weights(weights, objects_to_skip=skip) if skip else model.load_weights(weights)
+        for variable, state in seeds:
+            variable.assign(np.asarray(state, dtype=variable.dtype))
     except BaseException as err:
         if values is not None:
             for variable, value in zip(variables, values, strict=True):
@@ -539,10 +611,222 @@ def _load(
         raise CheckpointError(
             f"Loading checkpoint {source} failed part-way ({type(err).__name__}: {err}). {outcome}{hint}"
         ) from err
+    if resume:
+        _restore_global_seed(manifest)
 
     current = _current_plan(model, distribution)
     diff = None if saved_plan is None or current is None else plan_diff(saved_plan, current)
     return manifest, diff
+
+
+# -- random state -------------------------------------------------------------------------
+
+
+def _seed_states(model: keras.Model) -> list[keras.Variable]:
+    """The state variables of the model's seed generators (`model.variables` beyond its weights)."""
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights and tuple(v.shape) == (2,)]
+
+
+def _host_value(variable: Any) -> list[int]:
+    value = variable.value if hasattr(variable, "value") else variable
+    if not getattr(value, "is_fully_addressable", True):
+        value = value.addressable_data(0)  # a seed state is replicated: every device holds all of it
+    return [int(x) for x in np.asarray(value).reshape(-1)]
+
+
+def _global_seed_generator(create: bool = False) -> Any:
+    """Keras's process-wide seed generator (used by random ops given no seed), if there is one."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    if create:
+        return seed_generator.global_seed_generator()
+    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+
+
+def _rng_state(model: keras.Model) -> dict[str, Any]:
+    generator = _global_seed_generator()
+    return {
+        "seed_generators": [{"path": v.path, "state": _host_value(v)} for v in _seed_states(model)],
+        "global": None if generator is None else _host_value(generator.state),
+    }
+
+
+def _seed_states_to_restore(
+    model: keras.Model, manifest: Mapping[str, Any], source: Path, resume: bool
+) -> list[tuple[keras.Variable, list[int]]]:
+    """(variable, saved state) pairs, matched in order; checked before anything is loaded."""
+    states = _seed_states(model)
+    rng = manifest.get("rng")
+    if rng is None:
+        if resume and states:
+            warnings.warn(
+                f"Checkpoint {source} holds no random state (written by an earlier version of "
+                f"keras_meshlayout), and the model has {len(states)} random seed generator(s), e.g. "
+                f"{states[0].path!r}: training resumes, but its random numbers (dropout masks) are not "
+                "those of the interrupted run. Backups written from now on hold the random state.",
+                MeshLayoutWarning,
+                stacklevel=4,
+            )
+        return []
+    saved = rng["seed_generators"]
+    if len(saved) == len(states):
+        return [(v, entry["state"]) for v, entry in zip(states, saved, strict=True)]
+    if resume:
+        raise CheckpointError(
+            f"Checkpoint {source} holds the state of {len(saved)} random seed generator(s), and the model "
+            f"has {len(states)} ({', '.join(repr(v.path) for v in states[:3]) or 'none'}): it has other "
+            "random layers (Dropout, GaussianNoise, ...) than the model that was backed up, so training "
+            "could not resume exactly. Nothing was loaded; the model is unchanged. Fix: build the same "
+            "model, or start from scratch in an empty backup directory."
+        )
+    return []  # another model's random layers: the model keeps its own random state
+
+
+def _restore_global_seed(manifest: Mapping[str, Any]) -> None:
+    state = (manifest.get("rng") or {}).get("global")
+    if state is not None:
+        generator = _global_seed_generator(create=True)
+        generator.state.assign(np.asarray(state, dtype=generator.state.dtype))
+
+
+# -- interrupted saves ----------------------------------------------------------------------
+
+#: Hidden directories of saves this process has under way (by name): never stale.
+_IN_FLIGHT: set[str] = set()
+#: How long a save from another host may go without writing anything before it counts as dead.
+_FOREIGN_STALE_AFTER_S = 24 * 3600
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def _sibling_name(target: Path, kind: Literal["partial", "old"]) -> str:
+    """`.NAME.partial-HOST-PID-TAG`: who writes it, so that another process can tell it is stale."""
+    return f".{target.name}.{kind}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sibling:
+    """A hidden directory a save to `target` left beside it."""
+
+    path: Path
+    kind: str  # "partial": a new checkpoint being written; "old": the previous one, moved aside
+    host: str | None  # None: named by a version that did not record its writer
+    pid: int | None
+
+    @property
+    def complete(self) -> bool:
+        return _complete(self.path)
+
+    def alive(self) -> bool:
+        """Whether the process that writes it may still be running (then it is left alone)."""
+        if self.host is None:
+            return False
+        if self.host != _host():
+            try:
+                newest = max([self.path.stat().st_mtime] + [p.stat().st_mtime for p in self.path.iterdir()])
+            except OSError:
+                return False
+            return time.time() - newest < _FOREIGN_STALE_AFTER_S
+        if self.pid == os.getpid():
+            return self.path.name in _IN_FLIGHT
+        return _process_alive(self.pid)
+
+    def describe(self) -> str:
+        writer = "" if self.host is None else f" (process {self.pid} on {self.host})"
+        return f"{self.path.name}{writer}"
+
+
+def _process_alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    try:  # a killed process not yet reaped by its parent is a zombie: it writes nothing more
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _siblings(target: Path) -> list[_Sibling]:
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(partial|old)-(?:([A-Za-z0-9._]+)-(\d+)-)?[0-9a-f]+")
+    found = []
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match and entry.is_dir():
+            kind, host, pid = match.groups()
+            found.append(_Sibling(entry, kind, host, None if pid is None else int(pid)))
+    return sorted(found, key=lambda s: s.path.name)
+
+
+def _complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def _verified(path: Path) -> bool:
+    """Whether `path` holds a complete checkpoint whose files match their checksums."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes().decode("utf-8"))
+        if _sha256(path / WEIGHTS) != manifest["weights_sha256"]:
+            return False
+        plan = manifest.get("plan_sha256")
+        return plan is None or _sha256(path / PLAN) == plan
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _recover(target: Path) -> tuple[Path | None, list[str]]:
+    """Finishes what killed saves to `target` left undone, and removes what they left behind.
+
+    A save writes `.NAME.partial-*`, moves the previous checkpoint aside to
+    `.NAME.old-*`, moves the new one into place, then deletes the old one. If
+    `target` is missing, a save was killed between the two moves (or before its
+    only one): the newest of its complete, verified siblings is moved into place.
+    Siblings whose writer is gone are then removed: all of them once `target`
+    holds a checkpoint, else only incomplete ones. A sibling that a live
+    process may still be writing is never touched.
+
+    Returns:
+        The checkpoint to read (`target`, or a sibling that could not be moved
+        into place, in a read-only directory), or `None`; and the names removed.
+    """
+    siblings = [s for s in _siblings(target) if not s.alive()]
+    chosen = target if _complete(target) else None
+    if chosen is None and not target.exists():
+
+        def newest(s: _Sibling) -> tuple[int, bool]:
+            return (s.path / MANIFEST).stat().st_mtime_ns, s.kind == "partial"
+
+        for candidate in sorted((s for s in siblings if s.complete), key=newest, reverse=True):
+            if not _verified(candidate.path):
+                continue
+            try:
+                os.replace(candidate.path, target)
+                _fsync(target.parent)
+                chosen = target
+            except OSError:  # another process did it first, or the directory is read-only
+                chosen = target if _complete(target) else candidate.path if candidate.path.is_dir() else None
+            if chosen is not None:
+                siblings.remove(candidate)
+                break
+    removed = []
+    for sibling in siblings:
+        if chosen is not None or not sibling.complete:
+            shutil.rmtree(sibling.path, ignore_errors=True)
+            if not sibling.path.exists():
+                removed.append(sibling.describe())
+    return chosen, removed
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -586,9 +870,9 @@ def _current_plan(model: keras.Model, distribution: Any = None) -> Plan | None:
         return distribution.plan(model)
 
 
-def _read_manifest(source: Path) -> dict[str, Any]:
+def _read_manifest(source: Path, removed: Sequence[str] = ()) -> dict[str, Any]:
     if not source.is_dir():
-        raise CheckpointError(f"No checkpoint at {source}.{_siblings_hint(source)}")
+        raise CheckpointError(f"No checkpoint at {source}.{_siblings_hint(source, removed)}")
     path = source / MANIFEST
     if not path.is_file():
         raise CheckpointError(
@@ -613,7 +897,85 @@ def _read_manifest(source: Path) -> dict[str, Any]:
             f"Checkpoint {source} has format {manifest['format']!r}; this version reads format {FORMAT}. "
             "Nothing was loaded; the model is unchanged."
         )
+    _check_schema(manifest, path)
     return manifest
+
+
+def _check_schema(manifest: Mapping[str, Any], path: Path) -> None:
+    """Raises `CheckpointError` naming the first field of `path` that is not what a save writes."""
+
+    def fail(field: str, expected: str, received: Any) -> None:
+        shown = "missing" if received is _MISSING else repr(received)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise CheckpointError(
+            f"{path} is corrupt: the field {field} must be {expected}. Received: {shown}. Nothing was "
+            "loaded; the model is unchanged. Fix: use an earlier checkpoint, or restore this file from a "
+            "copy (kml.save_checkpoint writes it)."
+        )
+
+    def text(value: Any) -> bool:
+        return isinstance(value, str)
+
+    def shape(value: Any) -> bool:
+        return isinstance(value, list) and all(map(count, value))
+
+    def count(value: Any, below: int | None = None) -> bool:
+        return (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and value >= 0
+            and (below is None or value < below)
+        )
+
+    if not (text(manifest["weights_sha256"]) and re.fullmatch(r"[0-9a-f]{64}", manifest["weights_sha256"])):
+        fail("weights_sha256", "a SHA-256 digest (64 hexadecimal digits)", manifest["weights_sha256"])
+    for key in ("plan_sha256", "model", "keras"):
+        if manifest.get(key) is not None and not text(manifest[key]):
+            fail(key, "a string or null", manifest[key])
+    optimizer = manifest.get("optimizer")
+    if optimizer is not None and not (
+        isinstance(optimizer, dict) and all(text(optimizer.get(k)) for k in ("name", "class"))
+    ):
+        fail("optimizer", 'null or {"name": str, "class": str}', optimizer)
+    variables = manifest["variables"]
+    if not isinstance(variables, list):
+        fail("variables", "a list of {path, shape, dtype, kind} entries", variables)
+    for i, entry in enumerate(variables):
+        where = f"variables[{i}]"
+        if not isinstance(entry, dict):
+            fail(where, "a {path, shape, dtype, kind} entry", entry)
+        for key, expected, ok in (
+            ("path", "a string", text),
+            ("dtype", "a string", text),
+            ("shape", "a list of non-negative integers", shape),
+        ):
+            if not ok(entry.get(key, _MISSING)):
+                fail(f"{where}.{key}", expected, entry.get(key, _MISSING))
+        if entry.get("kind", "model") not in ("model", "optimizer"):
+            fail(f"{where}.kind", '"model" or "optimizer"', entry["kind"])
+    training = manifest.get("training")
+    if training is not None:
+        if not isinstance(training, dict):
+            fail("training", '{"epoch": int, "batch": int}', training)
+        for key in ("epoch", "batch"):
+            if not count(training.get(key, 0)):
+                fail(f"training.{key}", "a non-negative integer", training[key])
+    rng = manifest.get("rng")
+    if rng is not None:
+
+        def seed(value: Any) -> bool:
+            return isinstance(value, list) and len(value) == 2 and all(count(x, 1 << 32) for x in value)
+
+        if not isinstance(rng, dict) or not isinstance(rng.get("seed_generators"), list):
+            fail("rng", '{"seed_generators": [...], "global": ...}', rng)
+        for i, entry in enumerate(rng["seed_generators"]):
+            if not isinstance(entry, dict) or not seed(entry.get("state", _MISSING)):
+                fail(f"rng.seed_generators[{i}]", '{"path": str, "state": [two uint32]}', entry)
+        if rng.get("global") is not None and not seed(rng["global"]):
+            fail("rng.global", "null or [two uint32]", rng["global"])
+
+
+_MISSING = object()
 
 
 def _read_plan(source: Path, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -632,19 +994,21 @@ def _read_plan(source: Path, manifest: Mapping[str, Any]) -> dict[str, Any] | No
         ) from None
 
 
-def _siblings_hint(source: Path) -> str:
-    """What an interrupted save left beside a missing checkpoint, if anything."""
+def _siblings_hint(source: Path, removed: Sequence[str] = ()) -> str:
+    """What interrupted saves left beside a missing checkpoint, if anything."""
     if not source.parent.is_dir():
         return " Fix: check the path."
-    partial = sorted(source.parent.glob(f".{source.name}.partial-*"))
-    old = sorted(source.parent.glob(f".{source.name}.old-*"))
     hint = ""
-    if partial:
-        hint += f" A half-written save was found beside it ({partial[0].name}): its save did not finish."
-    if old:
+    if removed:
         hint += (
-            f" The previous checkpoint was moved aside to {old[0].name} by a save that did not finish: "
-            f"rename it back to {source.name} to use it."
+            f" Removed what {len(removed)} save(s) killed before completing had left beside it "
+            f"({', '.join(removed)}): none held a complete checkpoint."
+        )
+    busy = [s for s in _siblings(source) if s.alive()]
+    if busy:
+        hint += (
+            f" A save is under way beside it ({busy[0].describe()}): wait until it completes, or, if "
+            "that process is gone (on another host, after 24 hours without a write), load again."
         )
     return hint + " Fix: check the path, or use an earlier checkpoint."
 
@@ -660,6 +1024,7 @@ def _check_variables(
     current = [v for v in _describe(model) if with_optimizer or v["kind"] == "model"]
     if [_signature(v) for v in saved] == [_signature(v) for v in current]:
         return
+    _check_manifest_against_weights(manifest, source)
     saved_names = _names(saved, manifest.get("model"), (manifest.get("optimizer") or {}).get("name"))
     optimizer = getattr(model, "optimizer", None)
     current_names = _names(current, model.name, optimizer.name if optimizer is not None else None)
@@ -694,6 +1059,44 @@ def _check_variables(
         "model):\n" + "\n".join(shown) + "\nNothing was loaded; the model is unchanged. Fix: build the "
         "same model (and compile it with the same optimizer, to restore the optimizer state) before "
         "loading; to load only the model weights, load into the model before compiling it."
+    )
+
+
+def _check_manifest_against_weights(manifest: Mapping[str, Any], source: Path) -> None:
+    """Raises `CheckpointError` if the manifest lists shapes the weights file does not hold.
+
+    The weights file is checked against its checksum, the manifest is not: before a
+    mismatch is blamed on the model, make sure it is not the manifest that was edited.
+    """
+    import h5py
+
+    stored: Counter[tuple[int, ...]] = Counter()
+
+    def visit(_: str, item: Any) -> None:
+        if isinstance(item, h5py.Dataset):
+            stored[tuple(item.shape)] += 1
+
+    try:
+        with h5py.File(source / WEIGHTS, "r") as f:
+            f.visititems(visit)
+    except OSError:
+        return  # unreadable: Keras's own load reports it
+    listed = Counter(tuple(v["shape"]) for v in manifest["variables"])
+    extra = listed - stored
+    if not extra:
+        return
+    lines = [
+        f"  variables[{i}] {v['path']}: shape {_shape(v)} in the manifest; the weights file holds "
+        f"{stored[tuple(v['shape'])]} array(s) of that shape, the manifest lists {listed[tuple(v['shape'])]}"
+        for i, v in enumerate(manifest["variables"])
+        if tuple(v["shape"]) in extra
+    ]
+    raise CheckpointError(
+        f"Checkpoint {source}: {MANIFEST} disagrees with the arrays stored in {WEIGHTS}:\n"
+        + "\n".join(lines[:10] + ([f"  ... and {len(lines) - 10} more"] if len(lines) > 10 else []))
+        + "\nThe manifest was edited or damaged after the save (the weights file matches its checksum), "
+        "so the model was not compared with it. Nothing was loaded; the model is unchanged. Fix: use an "
+        f"earlier checkpoint, or restore {MANIFEST} from a copy."
     )
 
 
@@ -757,32 +1160,43 @@ def _write_json(path: Path, data: Any) -> None:
 
 def _fsync(path: Path) -> None:
     """Flushes a file, or a directory's entries, to disk (where the platform allows)."""
+    directory = path.is_dir()
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return
+        if directory:
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:
-        pass  # directories cannot be fsync'ed on some platforms
+        if not directory:  # a file that cannot be flushed may not be on disk: fail the save
+            raise  # (directories cannot be fsync'ed on some platforms)
     finally:
         os.close(fd)
 
 
 def _replace_directory(partial: Path, target: Path) -> None:
-    """Moves the complete `partial` directory to `target`, replacing any old one."""
+    """Moves the complete `partial` directory to `target`, replacing any old one.
+
+    Should the second move fail, the previous checkpoint is moved back; should the
+    process be killed between the two, the next save or load finishes the job
+    (`_recover`).
+    """
     old = None
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        old = target.with_name(_sibling_name(target, "old"))
+        _IN_FLIGHT.add(old.name)
         os.replace(target, old)
-    os.replace(partial, target)
-    _fsync(target.parent)
+    try:
+        os.replace(partial, target)
+        _fsync(target.parent)
+    except BaseException:
+        if old is not None and not target.exists():
+            os.replace(old, target)
+        if old is not None:
+            _IN_FLIGHT.discard(old.name)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _discard_partial_saves(target: Path) -> None:
-    """Removes what saves to `target` killed midway left behind (they never look complete)."""
-    if target.parent.is_dir():
-        for leftover in target.parent.glob(f".{target.name}.partial-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        _IN_FLIGHT.discard(old.name)
