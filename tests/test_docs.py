@@ -1,0 +1,147 @@
+"""The documentation: the site builds with no warning, covers the public API, and every
+install hint works from a checkout; the README stays a landing page whose test command is CI's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import keras_meshlayout as kml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README_MAX_LINES = 250
+# Where a user meets an install hint: the pages, the README, the docstrings and error
+# messages of the package, the recipes, the benchmarks, CONTRIBUTING.md.
+HINT_FILES = sorted(
+    [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.rglob("*.md")]
+    + [p for folder in ("keras_meshlayout", "recipes", "benchmarks") for p in (ROOT / folder).rglob("*.py")]
+    + [p for p in (ROOT / "tests").glob("*.py") if p.name != "test_docs.py"]
+)
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("benchmark_plots", DOCS / "hooks" / "benchmark_plots.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _install_hints(text: str) -> list[str]:
+    """What `pip install` is told to fetch in `text`: each argument that is not an option."""
+    return [
+        word.strip("\"'")
+        for arguments in re.findall(r"pip install((?:[ \t]+[^\s`|)&]+)+)", text)
+        for word in arguments.split()
+        if not word.startswith("-")
+    ]
+
+
+def _extras() -> set[str]:
+    """The optional-dependency groups pyproject.toml declares."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([\w-]+) = \[", section, re.M))
+
+
+def test_site_builds_with_no_warning(tmp_path):
+    """`mkdocs build --strict` (as in CI): every link, anchor, API page and plot resolves."""
+    mkdocs = shutil.which("mkdocs") or pytest.fail('mkdocs is missing: pip install ".[docs]"')
+    result = subprocess.run(
+        [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    for plot in _hooks().PLOTS:
+        assert (tmp_path / "site" / "benchmarks" / f"{plot}.svg").read_bytes().startswith(b"<?xml")
+    reference = (tmp_path / "site" / "reference" / "mesh" / "index.html").read_text(encoding="utf-8")
+    assert "kml.Mesh.parse" in reference or "Mesh.parse" in reference, "the docstrings did not render"
+
+
+def test_every_public_name_has_a_reference_entry():
+    documented = {
+        name
+        for page in (DOCS / "reference").glob("*.md")
+        for name in re.findall(r"^::: keras_meshlayout\.(\w+)$", page.read_text(encoding="utf-8"), re.M)
+    }
+    assert sorted(set(kml.__all__) - documented) == [], "add them to a page of docs/reference/"
+    assert sorted(documented - set(kml.__all__)) == [], "documented but not public"
+
+
+def test_readme_is_a_landing_page_whose_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= README_MAX_LINES
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    ci_commands = [
+        line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    ]
+    test_line = next(line for line in readme.splitlines() if line.endswith("&& pytest -q"))
+    steps = [step.strip() for step in test_line.split("&&")]
+    assert steps[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"]
+    ci_steps = [c for c in ci_commands if c.startswith(("pip install", "pytest"))]
+    assert steps[2:] == ci_steps, f"README runs {steps[2:]}, .ci/run runs {ci_steps}"
+    assert "mkdocs build --strict" in ci
+
+
+@pytest.mark.parametrize("path", HINT_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_install_hints_work_from_a_checkout(path):
+    """The package is not on a registry: `pip install "keras_meshlayout[plot]"` fails there.
+
+    A hint must install from the checkout (`.`, `".[extra]"`) or name a package that is on
+    a registry (matplotlib, keras-hub==...).
+    """
+    hints = _install_hints(path.read_text(encoding="utf-8"))
+    wrong = [h for h in hints if re.match(r"keras[-_]meshlayout", h, re.I)]
+    assert wrong == [], f"{path.relative_to(ROOT)} says pip install {wrong}: use '.' or '\".[extra]\"'"
+
+
+def test_install_hints_name_extras_that_exist():
+    extras = _extras()
+    assert {"plot", "hub", "docs", "test"} <= extras
+    named = {
+        extra
+        for path in HINT_FILES
+        for hint in _install_hints(path.read_text(encoding="utf-8"))
+        for extra in re.findall(r"^\.\[([\w,]+)\]$", hint)
+    }
+    assert named, "no hint names an extra: the pattern is wrong"
+    for group in named:
+        assert set(group.split(",")) <= extras, f"pip install '.[{group}]' names an extra pyproject lacks"
+
+
+@pytest.mark.parametrize("name", sorted(_hooks().PLOTS), ids=str)
+def test_benchmark_plots_are_drawn_from_the_committed_json(name):
+    hooks = _hooks()
+    source, draw = hooks.PLOTS[name]
+    svg = draw(hooks.load(source))
+    assert svg.startswith(b"<?xml") and b"<svg" in svg
+    assert svg == draw(hooks.load(source)), "the same JSON must draw the same file"
+
+
+@pytest.mark.parametrize("name", sorted(_hooks().TABLES), ids=str)
+def test_benchmark_tables_have_one_row_per_result(name):
+    hooks = _hooks()
+    source, draw = hooks.TABLES[name]
+    data = hooks.load(source)
+    rows = data["rows"] if name == "comm" else data["results"] if name == "checkpoint" else data
+    table = draw(data).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert f"<!-- bench:{name} -->" in (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+
+
+def test_hint_pattern_finds_what_it_should():
+    """The checks above cannot pass by finding nothing."""
+    text = 'run `pip install ".[plot]"` or pip install "keras_meshlayout[plot]" && pip install --no-deps x==1'
+    assert _install_hints(text) == [".[plot]", "keras_meshlayout[plot]", "x==1"]
+    assert _install_hints("(pip install .) then `pip install matplotlib`") == [".", "matplotlib"]
