@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import keras
 
 from ._backend import require_jax_backend
-from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError
+from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
 from ._multiprocess import process_batch_block
 from ._plan import Plan, plan_model
 from ._resolve import DEFAULT_REPLICATE_BELOW, IndivisiblePolicy, Resolution, check_policy, resolve
@@ -75,7 +76,7 @@ class ModelParallel(keras.distribution.ModelParallel):
 
     def __init__(
         self,
-        mesh: keras.distribution.DeviceMesh,
+        mesh: keras.distribution.DeviceMesh | None = None,
         rules: LayoutRules
         | keras.distribution.LayoutMap
         | Iterable[tuple[str, Sequence[str | None]]]
@@ -84,35 +85,63 @@ class ModelParallel(keras.distribution.ModelParallel):
         batch_axis: str | None = None,
         on_indivisible: IndivisiblePolicy = "replicate",
         replicate_below: int = DEFAULT_REPLICATE_BELOW,
-        auto_shard_dataset: bool = False,
+        auto_shard_dataset: bool | None = None,
+        layout_map: LayoutRules | keras.distribution.LayoutMap | None = None,
+        batch_dim_name: str | None = None,
+        device_mesh: keras.distribution.DeviceMesh | None = None,
     ) -> None:
         require_jax_backend()
-        if not isinstance(mesh, keras.distribution.DeviceMesh):
-            raise InvalidMeshError(
-                "ModelParallel needs a mesh (kml.Mesh or keras.distribution.DeviceMesh) as its "
-                f"first argument. Received: {mesh!r}. Example: kml.ModelParallel("
-                'kml.Mesh(data=2, model=4), rules, batch_axis="data").'
+        keras_form = layout_map is not None or device_mesh is not None
+        if isinstance(mesh, keras.distribution.LayoutMap) and rules is None and layout_map is None:
+            mesh, layout_map = None, mesh  # ModelParallel(layout_map): the map carries the mesh
+        if layout_map is not None and rules is not None:
+            raise InvalidRuleError(
+                "ModelParallel got both rules and layout_map=, two names for the same argument. "
+                f"Received: rules={rules!r}, layout_map={layout_map!r}. Fix: pass one of them."
             )
+        given = layout_map if layout_map is not None else rules
+        mesh = _the_mesh(mesh, device_mesh, given)
         check_policy(on_indivisible, replicate_below)
+        if batch_axis is not None and batch_dim_name is not None and batch_axis != batch_dim_name:
+            raise InvalidMeshError(
+                f"batch_axis={batch_axis!r} and batch_dim_name={batch_dim_name!r} disagree; they are "
+                "two names (ours and Keras's) for the same argument. Fix: pass one of them."
+            )
+        batch_axis = batch_axis if batch_axis is not None else batch_dim_name
         batch_axis = mesh.axis_names[0] if batch_axis is None else batch_axis
         if batch_axis not in mesh.axis_names:
             raise InvalidMeshError(
                 f"batch_axis={batch_axis!r} is not an axis of the mesh, which has axes "
                 f"{tuple(mesh.axis_names)} (shape {tuple(mesh.shape)}). Fix: pass one of them."
             )
+        if auto_shard_dataset is None:
+            auto_shard_dataset = keras_form  # Keras's default where Keras's call form is used
+        self._keras_map = given if _is_raw_layout_map(given) else None
+        self._keras_map_seen = _snapshot(self._keras_map)
         super().__init__(
-            layout_map=_as_rules(rules).bind(mesh),
+            layout_map=_as_rules(given).bind(mesh),
             batch_dim_name=batch_axis,
             auto_shard_dataset=auto_shard_dataset,
         )
         self._on_indivisible = on_indivisible
         self._replicate_below = replicate_below
         self._axis_sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+        #: Paths of the model variables laid out so far, for the unmatched-rule check.
+        self._laid_out: list[str] = []
+        self._unmatched_checked = False
         _install_batch_check()
 
     @property
     def rules(self) -> LayoutRules:
-        """The layout rules, bound to the mesh."""
+        """The layout rules, bound to the mesh.
+
+        These are the rules given, not a copy: a rule added to them later takes
+        effect for the variables created after it (a Keras `LayoutMap` given
+        is converted again when it changes).
+        """
+        if self._keras_map is not None and _snapshot(self._keras_map) != self._keras_map_seen:
+            self._keras_map_seen = _snapshot(self._keras_map)
+            self._layout_map = _as_rules(self._keras_map).bind(self.device_mesh)
         return self._layout_map
 
     @property
@@ -152,7 +181,7 @@ class ModelParallel(keras.distribution.ModelParallel):
             path,
             shape,
             dtype,
-            self._layout_map if rules else _NO_RULES,
+            self.rules if rules else _NO_RULES,
             self._axis_sizes,
             on_indivisible=self._on_indivisible,
             replicate_below=self._replicate_below,
@@ -188,6 +217,7 @@ class ModelParallel(keras.distribution.ModelParallel):
             >>> plan.bytes_per_device, plan.replicated_bytes
             (9216, 33792)
         """
+        self._unmatched_checked = True  # the plan warns about unmatched rules itself
         return plan_model(self, model)
 
     # -- keras.distribution.Distribution --------------------------------------
@@ -200,9 +230,14 @@ class ModelParallel(keras.distribution.ModelParallel):
             # factored moments, step counters) and metric totals stay replicated.
             return keras.distribution.TensorLayout((None,) * len(variable.shape), self.device_mesh)
         resolution = self.resolve(variable.path, variable.shape, variable.dtype)
+        self._laid_out.append(variable.path)
         return keras.distribution.TensorLayout(resolution.axes, self.device_mesh)
 
+    def get_tensor_layout(self, path: str) -> keras.distribution.TensorLayout | None:
+        return self.rules[path]
+
     def get_data_layout(self, data_shape: Sequence[int]) -> keras.distribution.TensorLayout:
+        self._warn_unmatched_once()
         if len(data_shape) == 0:
             return keras.distribution.TensorLayout((), self.device_mesh)
         from . import _inference  # predict/evaluate: a batch that does not split is replicated
@@ -212,6 +247,27 @@ class ModelParallel(keras.distribution.ModelParallel):
         self.check_batch(data_shape)
         return super().get_data_layout(data_shape)
 
+    def _warn_unmatched_once(self) -> None:
+        """Warns, once, about rules that matched none of the variables laid out so far.
+
+        Keras asks for the input layout when `fit`, `evaluate` or `predict`
+        starts, after it has built the model and its optimizer: a typo in a rule
+        then shows without `dist.plan(model)` (which warns itself, and then this
+        stays silent).
+        """
+        if self._unmatched_checked or not self._laid_out:
+            return
+        self._unmatched_checked = True
+        for rule in self.rules.unmatched(self._laid_out):
+            warnings.warn(
+                f"{rule.describe()} matched no variable of the {len(self._laid_out)} laid out "
+                "under this distribution: check the pattern for a typo (it is matched with "
+                "re.fullmatch against variable.path; dist.plan(model) shows every variable's "
+                "layout).",
+                UnmatchedRuleWarning,
+                stacklevel=3,
+            )
+
     def check_batch(self, data_shape: Sequence[int]) -> None:
         """Raises `IndivisibleBatchError` unless this batch splits over the batch axis.
 
@@ -219,6 +275,8 @@ class ModelParallel(keras.distribution.ModelParallel):
         reuses it, so `kml` also checks every later batch (a short last batch
         included) before it reaches JAX.
         """
+        if data_shape[0] is None:  # a symbolic batch: nothing to check yet
+            return
         axis_size = self._axis_sizes[self.batch_dim_name]
         global_batch = int(data_shape[0]) * axis_size // self._batch_positions_here
         if global_batch % axis_size:
@@ -238,7 +296,7 @@ class ModelParallel(keras.distribution.ModelParallel):
 
     def __repr__(self) -> str:
         return (
-            f"ModelParallel({self.device_mesh!r}, rules={len(self._layout_map)}, "
+            f"ModelParallel({self.device_mesh!r}, rules={len(self.rules)}, "
             f"batch_axis={self.batch_dim_name!r}, on_indivisible={self._on_indivisible!r}, "
             f"replicate_below={self._replicate_below})"
         )
@@ -309,3 +367,35 @@ def _as_rules(rules: Any) -> LayoutRules:
             f"(pattern, axes) pairs. Received: {rules!r}."
         )
     return LayoutRules(rules)
+
+
+def _is_raw_layout_map(rules: Any) -> bool:
+    return isinstance(rules, keras.distribution.LayoutMap) and not isinstance(rules, LayoutRules)
+
+
+def _snapshot(layout_map: keras.distribution.LayoutMap | None) -> tuple | None:
+    """What a Keras `LayoutMap` holds, to tell when it changed: its keys and layouts."""
+    if layout_map is None:
+        return None
+    return tuple((key, id(layout)) for key, layout in layout_map.items())
+
+
+def _the_mesh(mesh: Any, device_mesh: Any, rules: Any) -> keras.distribution.DeviceMesh:
+    """The mesh from `mesh`, Keras's older `device_mesh=`, or the layout map's own."""
+    if mesh is not None and device_mesh is not None and mesh is not device_mesh:
+        raise InvalidMeshError(
+            f"ModelParallel got mesh={mesh!r} and device_mesh={device_mesh!r}, two names (ours and "
+            "Keras's older one) for the same argument. Fix: pass one of them."
+        )
+    mesh = mesh if mesh is not None else device_mesh
+    if mesh is None and isinstance(rules, keras.distribution.LayoutMap):
+        mesh = rules.mesh if isinstance(rules, LayoutRules) else rules.device_mesh
+    if not isinstance(mesh, keras.distribution.DeviceMesh):
+        raise InvalidMeshError(
+            "ModelParallel needs a mesh (kml.Mesh or keras.distribution.DeviceMesh): as its first "
+            "argument, or carried by the layout map (Keras's form, where plain Keras says 'You must "
+            f"specify a layout_map argument'). Received: mesh={mesh!r}, rules={rules!r}. Example: "
+            'kml.ModelParallel(kml.Mesh(data=2, model=4), rules, batch_axis="data"), or '
+            'kml.ModelParallel(layout_map=kml.LayoutRules(mesh), batch_dim_name="data").'
+        )
+    return mesh

@@ -51,7 +51,12 @@ class Mesh(keras.distribution.DeviceMesh):
     device order. One axis size may be `-1`: it takes whatever the others leave.
 
     A `Mesh` is a `keras.distribution.DeviceMesh` and can be used wherever Keras
-    expects one.
+    expects one. It also takes Keras's call form, with Keras's meaning:
+    `kml.Mesh(shape, axis_names, devices)` (positional or as keywords) puts
+    the devices on the mesh in the order given, reshaped to `shape`, and keeps
+    `axis_names` as given; `devices` may be JAX devices or names such as
+    `"cpu:0"` (as `keras.distribution.list_devices()` returns), in an array of
+    any shape.
 
     When the devices belong to several processes (after `kml.initialize()` in
     a multi-process run), the axes named in `across_processes` (by default the
@@ -64,9 +69,12 @@ class Mesh(keras.distribution.DeviceMesh):
     holds each position.
 
     Args:
-        axes: Optional mapping of axis name to size, for names that are not
-            valid Python identifiers or come from a dictionary.
-        devices: Devices to arrange, as JAX devices. Defaults to
+        shape: Optional mapping of axis name to size, for names that come from
+            a dictionary; or, Keras's way, a tuple of axis sizes with
+            `axis_names`.
+        axis_names: Keras's way: one name per size in `shape`.
+        devices: Devices to arrange, as JAX devices or names such as
+            `"cpu:0"`, in a list or an array of any shape. Defaults to
             `jax.devices()`, the devices of the default backend (of all
             processes, in a multi-process run).
         across_processes: The axis name, or names, laid over processes.
@@ -90,14 +98,17 @@ class Mesh(keras.distribution.DeviceMesh):
         {'data': 2, 'model': 4}
         >>> kml.Mesh(data=-1, model=2).shape
         (4, 2)
+        >>> import keras
+        >>> kml.Mesh((2, 4), ["data", "model"], keras.distribution.list_devices()).axis_sizes
+        {'data': 2, 'model': 4}
     """
 
     def __init__(
         self,
-        axes: Mapping[str, int] | None = None,
-        /,
+        shape: Mapping[str, int] | Sequence[int] | None = None,
+        axis_names: Sequence[str] | None = None,
+        devices: Any = None,
         *,
-        devices: Sequence[Any] | None = None,
         across_processes: str | Sequence[str] | None = None,
         allow_split_across_processes: bool = False,
         **axis_sizes: int,
@@ -106,6 +117,16 @@ class Mesh(keras.distribution.DeviceMesh):
         import jax
         from jax.experimental import mesh_utils
 
+        if axis_names is not None or (shape is not None and not isinstance(shape, Mapping)):
+            if axis_sizes:
+                raise InvalidMeshError(
+                    "Give the mesh either Keras's way, kml.Mesh(shape, axis_names), or ours, "
+                    f"kml.Mesh(data=2, model=4), not both. Received: shape={shape!r}, "
+                    f"axis_names={axis_names!r}, axis sizes {axis_sizes!r}."
+                )
+            self._init_keras(shape, axis_names, devices)
+            return
+        axes = shape
         if axes is not None and axis_sizes:
             raise InvalidMeshError(
                 "Give the mesh axes either as a mapping or as keyword arguments, not both. "
@@ -128,7 +149,7 @@ class Mesh(keras.distribution.DeviceMesh):
                     f"Mesh axis names must be identifiers such as 'data' or 'model'. "
                     f"Received: {name!r} in axes {named!r}."
                 )
-        devices = list(jax.devices() if devices is None else devices)
+        devices = jax.devices() if devices is None else to_jax_devices(devices).ravel().tolist()
         shape = _infer_sizes(named, len(devices))
         across = _across_axes(across_processes, tuple(named))
         if len({_process_of(d) for d in devices}) > 1:
@@ -139,6 +160,57 @@ class Mesh(keras.distribution.DeviceMesh):
             grid = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
         super().__init__(shape=shape, axis_names=tuple(named), devices=grid)
         self._backend_mesh = jax.sharding.Mesh(self.devices, self.axis_names)
+
+    def _init_keras(self, shape: Any, axis_names: Any, devices: Any) -> None:
+        """`keras.distribution.DeviceMesh(shape, axis_names, devices)`, with Keras's meaning."""
+        import jax
+
+        received = f"Received: shape={shape!r}, axis_names={axis_names!r}."
+        if not shape or not axis_names:
+            raise InvalidMeshError(
+                f"Shape and axis_names cannot be empty (as Keras's DeviceMesh says). {received} "
+                'Fix: kml.Mesh((2, 4), ["data", "model"]) Keras\'s way, or kml.Mesh(data=2, model=4).'
+            )
+        if isinstance(axis_names, str) or not isinstance(axis_names, Sequence):
+            raise InvalidMeshError(
+                f"axis_names must be a list of names, one per axis of shape. {received} "
+                'Fix: e.g. kml.Mesh((8,), ["data"]).'
+            )
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+            raise InvalidMeshError(
+                f"shape must be a tuple of axis sizes. {received} Fix: e.g. kml.Mesh((2, 4), "
+                '["data", "model"]), or a mapping kml.Mesh({"data": 2, "model": 4}).'
+            )
+        if len(shape) != len(axis_names):
+            raise InvalidMeshError(
+                f"Shape and axis_names should have same size (as Keras's DeviceMesh says): "
+                f"{len(shape)} sizes, {len(axis_names)} names. {received} Fix: one name per axis."
+            )
+        for name in axis_names:
+            if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
+                raise InvalidMeshError(
+                    f"Mesh axis names must be identifiers such as 'data' or 'model'. "
+                    f"Received: {name!r} in axis_names={axis_names!r}."
+                )
+        if len(set(axis_names)) != len(axis_names):
+            raise InvalidMeshError(f"Mesh axis names must differ. {received}")
+        for name, size in zip(axis_names, shape, strict=True):
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+                raise InvalidMeshError(
+                    f"Mesh axis {name!r} needs a positive integer size. {received}"
+                )
+        grid = np.asarray(jax.devices(), dtype=object) if devices is None else to_jax_devices(devices)
+        if math.prod(shape) != grid.size:
+            raise InvalidMeshError(
+                f"Shape does not match the number of devices (as Keras's DeviceMesh says): shape "
+                f"{tuple(shape)} needs {math.prod(shape)} devices, and {grid.size} were given "
+                f"(devices.shape={grid.shape}). {received} Fix: pass {math.prod(shape)} devices, "
+                "or a shape whose sizes multiply to the number of devices."
+            )
+        names = list(axis_names) if isinstance(axis_names, list) else tuple(axis_names)
+        # Keras's meaning: the devices in the order given, reshaped to the mesh.
+        super().__init__(shape=tuple(int(s) for s in shape), axis_names=names, devices=grid.reshape(shape))
+        self._backend_mesh = jax.sharding.Mesh(self.devices, tuple(names))
 
     @classmethod
     def parse(
@@ -227,6 +299,47 @@ class Mesh(keras.distribution.DeviceMesh):
         return f"Mesh({inner})"
 
     __str__ = __repr__
+
+
+def to_jax_devices(devices: Any) -> np.ndarray:
+    """JAX devices in the array shape given, from JAX devices or strings such as `"cpu:0"`.
+
+    `keras.distribution.list_devices()` returns strings of that kind.
+
+    Raises:
+        InvalidMeshError: a string names no device of this process's JAX.
+    """
+    import jax
+
+    grid = np.empty(np.shape(np.asarray(devices, dtype=object)), dtype=object)
+    flat = np.asarray(devices, dtype=object).ravel()
+    out = grid.reshape(-1)
+    for position, device in enumerate(flat):
+        out[position] = device if isinstance(device, jax.Device) else _device_named(device)
+    return grid
+
+
+def _device_named(name: Any) -> Any:
+    import jax
+
+    if not isinstance(name, str):
+        raise InvalidMeshError(
+            f"Devices must be JAX devices or names such as 'cpu:0' (as keras.distribution."
+            f"list_devices() returns). Received: {name!r}."
+        )
+    platform, _, number = name.partition(":")
+    try:
+        candidates = jax.devices(platform.lower())
+    except RuntimeError:
+        candidates = []
+    for device in candidates:
+        if str(device.id) == (number or "0"):
+            return device
+    known = ", ".join(f"{d.platform}:{d.id}" for d in jax.devices())
+    raise InvalidMeshError(
+        f"No device is named {name!r}. The devices are {known}. Fix: use names from "
+        "keras.distribution.list_devices(), or JAX devices from jax.devices()."
+    )
 
 
 def process_layout(mesh: keras.distribution.DeviceMesh) -> list[str]:

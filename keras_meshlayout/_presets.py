@@ -83,7 +83,7 @@ def mlp_rules(
             rules.append(
                 (scope + "/bias", (None,), "bias of a row-parallel layer: added after the all-reduce")
             )
-    return LayoutRules(rules, optional=True)
+    return LayoutRules(rules, optional=True, suggested=True)
 
 
 def transformer_rules(
@@ -181,6 +181,7 @@ def transformer_rules(
             (r"(?:.*/)?\w*embed\w*/reverse_embeddings", vocab_hidden[::-1], note),
         ],
         optional=True,
+        suggested=True,
     )
 
 
@@ -220,6 +221,7 @@ def conv_rules(
             (scope + "/bias", (model_axis,), "bias of split output channels"),
         ],
         optional=True,
+        suggested=True,
     )
 
 

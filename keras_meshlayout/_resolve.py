@@ -49,7 +49,9 @@ class Resolution:
         rule: The rule that matched, or `None`.
         requested: The matching rule's axes, or `None` when no rule matched.
         axes: The final layout, one mesh-axis name or `None` per dimension.
-        reasons: Why `axes` differs from `requested`, one line per change.
+        reasons: Why `axes` differs from `requested`, one line per change, or
+            why it does not where one might expect it (a rule of the user's
+            own splitting a small matrix).
         shards: Number of pieces the variable is split into (1 = replicated).
         nbytes: Size of the whole variable in bytes.
         source: Where the layout came from: `"rule"`, `"default"` (no rule
@@ -112,10 +114,12 @@ def resolve(
 ) -> Resolution:
     """Resolves the layout of one variable.
 
-    In order: scalars are replicated; the first matching rule gives the
-    requested layout (no match: replicated); its rank must equal the variable's; a weight matrix (rank 2 or
-    more, not a bias) with fewer than `replicate_below` elements stays
-    replicated; every sharded dimension must
+    In order: scalars are replicated; the matching rule gives the requested
+    layout (no match: replicated); its rank must equal the variable's; a
+    weight matrix (rank 2 or more, not a bias) with fewer than
+    `replicate_below` elements stays replicated when the rule is `suggested`
+    (a preset's or the planner's), and is split with a note in `reasons` when
+    the user wrote the rule; every sharded dimension must
     divide by its mesh axis size, or else, by `on_indivisible`, that dimension
     is replicated (with an `IndivisibleShapeWarning`) or an error is raised.
 
@@ -126,7 +130,8 @@ def resolve(
         rules: The layout rules.
         axis_sizes: Mesh axis sizes by name.
         on_indivisible: `"replicate"` or `"error"`.
-        replicate_below: Element count under which variables stay replicated.
+        replicate_below: Element count under which the weight matrices of
+            suggested rules stay replicated.
         warn: Whether to warn when a dimension is replicated for divisibility.
 
     Returns:
@@ -171,7 +176,9 @@ def resolve(
             f"matching it, {rule.describe()}, gives a layout of rank {rank}. A layout "
             f"needs one entry per dimension. Fix: give this rule {_entries(len(shape))}, or make "
             f"its pattern more specific (e.g. end it in '/kernel' or '/bias') and add a rule "
-            f"of rank {len(shape)} for {path!r}."
+            f"of rank {len(shape)} for {path!r}. (Keras's own ModelParallel would hand this "
+            "layout to JAX unchecked, and JAX would refuse it when placing the variable, "
+            "without naming it.)"
         )
     for axis in requested:
         if axis is not None and axis not in axis_sizes:
@@ -184,12 +191,17 @@ def resolve(
         return Resolution(path, shape, dtype_name, rule, requested, requested, nbytes=nbytes)
 
     size = math.prod(shape)
+    reasons: list[str] = []
     if is_weight_matrix(path, shape) and size < replicate_below:
-        reason = f"small: {size} elements < replicate_below={replicate_below}"
-        return Resolution(path, shape, dtype_name, rule, requested, replicated, (reason,), nbytes=nbytes)
+        if rule.suggested:
+            reason = f"small: {size} elements < replicate_below={replicate_below}"
+            return Resolution(path, shape, dtype_name, rule, requested, replicated, (reason,), nbytes=nbytes)
+        reasons.append(
+            f"split as your rule asks, though small: {size} elements < replicate_below="
+            f"{replicate_below} (which keeps only preset and planner rules' small matrices whole)"
+        )
 
     final: list[str | None] = list(requested)
-    reasons: list[str] = []
     for dim, axis in enumerate(requested):
         if axis is None or shape[dim] % axis_sizes[axis] == 0:
             continue
