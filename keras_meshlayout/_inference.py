@@ -55,11 +55,14 @@ __all__ = ["install", "replicates_batch", "batch_layout", "replicated_layout"]
 
 #: `True` inside predict/evaluate (and their *_on_batch forms), `False` inside fit.
 _INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("kml_inference", default=False)
+#: Inside a guarded call: each variable's value (by `id`) just before Keras last emptied it.
+_PURGED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar("kml_purged", default=None)
 
 
 def install() -> None:
     """Wraps Keras's JAX trainer methods, once; they change nothing unless a `kml.ModelParallel` is set."""
     internals.wrap_trainer_methods(_guard)
+    internals.wrap_purge(_record_before_purge)
 
 
 def in_inference() -> bool:
@@ -123,24 +126,34 @@ def _guard(method: Callable[..., Any], inference: bool) -> Callable[..., Any]:
         if not isinstance(keras.distribution.distribution(), ModelParallel):
             return method(model, *args, **kwargs)
         token = _INFERENCE.set(inference)
+        purged = {}
+        purged_token = _PURGED.set(purged)
         before = _snapshot(model)
         stale = internals.state_object(model)
         try:
             return method(model, *args, **kwargs)
         except BaseException as error:
-            _restore(model, before, stale, error)
+            _restore(model, {**before, **purged}, stale, error)
             raise
         finally:
+            _PURGED.reset(purged_token)
             _INFERENCE.reset(token)
 
     return guarded
 
 
+def _record_before_purge(model: Any) -> None:
+    purged = _PURGED.get()
+    if purged is not None:
+        purged.update(_snapshot(model))
+
+
 def _snapshot(model: Any) -> dict[int, Any]:
     return {
-        id(variable): internals.raw_value(variable)
+        id(variable): value
         for variables in internals.variable_groups(model).values()
         for variable in variables
+        if _alive(value := internals.raw_value(variable))
     }
 
 
@@ -156,7 +169,7 @@ def _restore(model: Any, before: dict[int, Any], stale: Any, error: BaseExceptio
 
     First the state of the call's last completed step (what Keras would have
     written back had the loop ended), then, for a variable still empty, the
-    value it held before the call (alive unless a step consumed it).
+    value it held when the call's loop began (alive unless a step consumed it).
     """
     groups = internals.variable_groups(model)
     state = internals.pending_state(model)

@@ -10,6 +10,9 @@ removes or renames one fails that test with the name of what broke:
 - `Variable._value`: the array a variable holds. Keras's trainer sets it to
   `None` while a loop runs ("purge", to save memory) and puts the values back
   only when the loop ends normally.
+- `JAXTrainer._purge_model_variables`: the method that empties them. `kml`
+  records the values just before, so that variables built inside the call
+  (compile metrics, optimizer slots) can be put back too.
 - `JAXTrainer._jax_state` and `_jax_state_synced`: the state produced by the
   last completed step, not yet written back to the variables.
 """
@@ -53,6 +56,22 @@ def wrap_trainer_methods(wrap: Callable[[Callable[..., Any], bool], Callable[...
         wrapped = functools.wraps(method)(wrap(method, inference))
         setattr(wrapped, _WRAPPED, True)
         setattr(trainer, name, wrapped)
+
+
+def wrap_purge(before_purge: Callable[[Any], None]) -> None:
+    """Makes the JAX trainer call `before_purge(model)` just before it empties the variables, once."""
+    trainer = trainer_class()
+    method = trainer._purge_model_variables
+    if getattr(method, _WRAPPED, False):
+        return
+
+    @functools.wraps(method)
+    def purge(model: Any, *args: Any, **kwargs: Any) -> Any:
+        before_purge(model)
+        return method(model, *args, **kwargs)
+
+    setattr(purge, _WRAPPED, True)
+    trainer._purge_model_variables = purge
 
 
 def variable_groups(model: Any) -> dict[str, list[Any]]:
