@@ -31,6 +31,7 @@ from ._errors import InvalidRuleError
 from ._presets import transformer_rules
 from ._resolve import DEFAULT_REPLICATE_BELOW
 from ._rules import Axes, LayoutRules
+from .planner import Trace, abstract_batch, find_units, trace_model
 
 __all__ = ["auto_rules"]
 
@@ -147,11 +148,30 @@ def auto_rules(
     check_budget_args(memory_budget, batch)
     planner = _Planner(model, model_axis, size, replicate_below, batch_axis)
     planner.plan_attention()
-    planner.plan_projections()
+    planner._plan_attention_by_name()
+    trace = _trace(model, batch)
+    if trace is not None:
+        planner.plan_traced(trace)
+    planner.plan_projections(pair=trace is None)
     planner.plan_by_name()
+    if trace is not None:
+        planner.plan_lone(trace)
     if batch is None:
-        return LayoutRules(planner.rules)
-    return within_budget(planner, model, mesh, memory_budget, batch, optimizer)
+        return LayoutRules(planner.rules, suggested=True)
+    return within_budget(planner, model, mesh, memory_budget, batch, optimizer, trace)
+
+
+def _trace(model: keras.Model, batch: Any) -> Trace | None:
+    """The model's forward pass on `batch`, or on its input spec when no batch is given."""
+    if batch is not None:
+        return trace_model(model, batch)
+    guess = abstract_batch(model)
+    if guess is None:
+        return None  # a subclassed model never called: only its layers and names can be read
+    try:
+        return trace_model(model, guess)
+    except Exception:  # the spec was a guess (a batch of 2); the layer graph still plans
+        return None
 
 
 class _Planner:
@@ -281,9 +301,10 @@ class _Planner:
 
     # -- projection pairs -------------------------------------------------------------
 
-    def plan_projections(self) -> None:
+    def plan_projections(self, pair: bool = True) -> None:
+        """Pairs projections along the layer graph (without a trace); notes the ones left whole."""
         paired: set[int] = set()
-        for layer in self.layers:
+        for layer in self.layers if pair else ():
             if id(layer) in paired or _features(layer) is None:
                 continue
             columns, row = self._pair_from(layer)
@@ -314,7 +335,8 @@ class _Planner:
                 self.decide(row.bias, (None,), f"row-parallel: {pair}, bias added after the all-reduce")
         for layer in self.layers:
             if _features(layer) is not None and id(layer) not in paired:
-                self._replicate_projection(layer)
+                if not any(v.path in self.decided for v in layer.weights):
+                    self._replicate_projection(layer)
 
     def _pair_from(self, layer: Any) -> tuple[list[Any], Any]:
         """`([column, ...], row)` when `layer` starts a pair, else `([], None)`."""
@@ -380,11 +402,90 @@ class _Planner:
         for variable in layer.weights:
             self.decide(variable, (None,) * len(variable.shape), reason)
 
+    # -- the traced computation ---------------------------------------------------------
+
+    def plan_traced(self, trace: Trace) -> None:
+        """Units read off the traced computation: column → row pairs and attention heads.
+
+        A weight an earlier pass decided (an attention layer split over its
+        heads, grouped-query key/value projections kept whole) keeps that
+        decision, and a unit that holds one is left whole.
+        """
+        variables = {v.path: v for v in self.model.weights}
+        for unit in find_units(trace, self.size):
+            members = [(variables[m.path], m) for m in unit.members if m.path in variables]
+            if len(members) != len(unit.members) or not all(self._open(v.path) for v, _ in members):
+                continue
+            name = self._display(unit.name)
+            reason = self._traced_reason(members, name)
+            if reason is not None:
+                for variable, _ in members:
+                    self.assign(variable, (None,) * len(variable.shape), reason)
+                continue
+            for variable, member in members:
+                axes = tuple(self.axis if i == member.dim else None for i in range(len(variable.shape)))
+                self.assign(variable, axes, _traced_note(unit.kind, member.role, name), unit=name)
+            for path in unit.after:
+                if path in variables and self._open(path):
+                    after = "row-parallel" if unit.kind == "pair" else "attention output"
+                    note = f"{after}: {name}, bias added after the all-reduce"
+                    self.assign(variables[path], (None,) * len(variables[path].shape), note)
+            for path in unit.whole:
+                if path in variables and self._open(path):
+                    note = (
+                        f"grouped-query attention: key/value heads too few to divide by {self.axis!r} "
+                        f"({self.size}); kept whole beside the split query heads of {name}"
+                    )
+                    self.assign(variables[path], (None,) * len(variables[path].shape), note)
+
+    def plan_lone(self, trace: Trace) -> None:
+        """Notes the projection weights no unit took, in custom layers as in Keras ones."""
+        variables = {v.path: v for v in self.model.weights}
+        for path, uses in trace.uses.items():
+            if path in self.decided or path not in variables or any(u.kind != "matmul" for u in uses):
+                continue
+            final = any(_reaches_output(trace, trace.nodes[u.node].outputs[0]) for u in uses)
+            reason = (
+                "final layer: replicated, so its output needs no gathering"
+                if final
+                else "no row-parallel partner follows: replicated, so no activation has to be gathered"
+            )
+            self.decide(variables[path], (None,) * len(variables[path].shape), reason)
+
+    def _traced_reason(self, members: list[tuple[Any, Any]], name: str) -> str | None:
+        """Why a traced unit stays whole (a split that does not divide, a kernel too small), or `None`."""
+        for variable, member in members:
+            if variable.shape[member.dim] % self.size:
+                return (
+                    f"pair {name}: {variable.shape[member.dim]} features do not divide by "
+                    f"{self.axis!r} ({self.size})"
+                )
+        for variable, member in members:
+            if member.role != "bias" and math.prod(variable.shape) < self.replicate_below:
+                return (
+                    f"too small to split: {self._display(_weight_name(variable.path))} has "
+                    f"{math.prod(variable.shape)} weights < replicate_below={self.replicate_below}"
+                )
+        return None
+
+    def _open(self, path: str) -> bool:
+        """Whether a variable is still undecided."""
+        return path not in self.decided
+
+    def assign(self, variable: keras.Variable, axes: Axes, note: str, unit: str | None = None) -> None:
+        """Records or replaces the decision for `variable`, and its unit."""
+        self.relayout(variable, axes, note)
+        self.units.pop(variable.path, None)
+        if unit is not None and any(axes):
+            self.units[variable.path] = unit
+
+    def _display(self, name: str) -> str:
+        return name.replace(self.model.name + "/", "")
+
     # -- custom layers, by name --------------------------------------------------------
 
     def plan_by_name(self) -> None:
         """Variables of layers the graph does not show: attention blocks, then `transformer_rules`."""
-        self._plan_attention_by_name()
         presets = transformer_rules(model_axis=self.axis)
         matched: list[tuple[Any, Axes, str]] = []
         for variable in self.model.weights:
@@ -528,6 +629,35 @@ class _Planner:
     def _by_name_replicate(self, layer: Any, reason: str, unit: str) -> None:
         for variable in layer.weights:
             self.decide(variable, (None,) * len(variable.shape), reason, unit=unit)
+
+
+def _reaches_output(trace: Trace, value: int) -> bool:
+    """Whether `value` is a model output, a bias add or cast at most away."""
+    for _ in range(4):
+        if value in trace.outputs:
+            return True
+        readers = trace.consumers.get(value, ())
+        if len(readers) != 1 or trace.nodes[readers[0]].primitive not in ("add", "convert_element_type"):
+            return False
+        value = trace.nodes[readers[0]].outputs[0]
+    return value in trace.outputs
+
+
+def _weight_name(path: str) -> str:
+    """A weight's readable name: its layer's path for `.../kernel`, else the path."""
+    head, _, tail = path.rpartition("/")
+    return head if head and tail in ("kernel", "embeddings") else path
+
+
+def _traced_note(kind: str, role: str, name: str) -> str:
+    """The note of a weight in a unit found in the traced computation."""
+    if kind == "attention":
+        if role == "row":
+            return f"attention output: {name}, heads split on its input side; one all-reduce each way"
+        return f"attention {name}: heads split (output features)"
+    if role == "row":
+        return f"row-parallel: {name}, input features split; one all-reduce forward, one backward"
+    return f"column-parallel: {name}, output features split"
 
 
 #: Attention projections by name, as Keras and keras-hub write them, and their role.

@@ -46,6 +46,7 @@ from ._hlo import wire_bytes
 from ._memory import parse_bytes
 from ._render import format_bytes
 from ._rules import Axes, LayoutRules
+from .planner import Trace, trace_model
 
 __all__ = ["PlanCost", "UnitChoice"]
 
@@ -149,6 +150,7 @@ class Costs:
         batch_axis: str | None,
         axis_sizes: Mapping[str, int],
         optimizer: Any,
+        trace: Trace | None = None,
     ) -> None:
         self.model = model
         self.planner = planner
@@ -156,7 +158,9 @@ class Costs:
         self.batch_axis = batch_axis
         self.m = axis_sizes[model_axis]
         self.d = axis_sizes.get(batch_axis, 1) if batch_axis else 1
-        self.calls, self.used = _trace_calls(model, batch)
+        self.trace = trace if trace is not None else trace_model(model, batch)
+        self.used = dict(self.trace.read)
+        self.uses = self.trace.uses
         self.slots, self.optimizer_scalars = _slot_factor(optimizer)
         self.tp_axes = dict(planner.axes_of)
 
@@ -183,6 +187,23 @@ class Costs:
         matmul accumulates in float32 and the all-reduce comes before the cast).
         """
         return math.prod(shape) / self.d * max(np.dtype(dtype).itemsize, 4)
+
+    def calls(self, path: str) -> list[tuple[tuple, tuple, bool, str]]:
+        """`(activation shape, output shape, reads a model input, dtype)` of each projection by `path`."""
+        return [
+            (use.inputs, use.output, use.from_input, use.dtype)
+            for use in self.uses.get(path, ())
+            if use.kind == "matmul"
+        ]
+
+    def side(self, path: str, axes: Axes) -> str:
+        """`"column"` when a kernel's split dimension is an output one, `"row"` when it is summed over."""
+        if self.model_axis not in axes:
+            return ""
+        uses = [use for use in self.uses.get(path, ()) if use.kind == "matmul"]
+        if not uses:
+            return ""
+        return "row" if axes.index(self.model_axis) in uses[0].contracted else "column"
 
     # -- units -----------------------------------------------------------------------
 
@@ -216,7 +237,7 @@ class Costs:
                 # A table looked up more than once (T5's shared encoder/decoder embedding)
                 # has its gradient summed once per lookup: XLA does not add them first.
                 lookups = (
-                    len(self.calls.get(id(owner), ())) if isinstance(owner, keras.layers.Embedding) else 1
+                    len(self.uses.get(variable.path, ())) if isinstance(owner, keras.layers.Embedding) else 1
                 )
                 _add(fixed_wire, self.batch_axis, max(lookups, 1) * self._grad_sync(variable, 1))
         # The loss is averaged over the batch axis: one scalar all-reduce.
@@ -242,7 +263,7 @@ class Costs:
         two_d_axes: dict[str, Axes] = {}
         tp_state = two_d_state = 0
         gathers = 0.0
-        layers: dict[int, Any] = {}
+        kernels: list[Any] = []
         for variable in variables:
             axes = self.tp_axes[variable.path]
             shards = self.m if self.model_axis in axes else 1
@@ -254,16 +275,16 @@ class Costs:
             owner = owners.get(id(variable))
             if spread != axes:
                 gathered = _nbytes(variable) / shards
-                count = self._gathers_per_step(owner, variable, gathered)
+                count = self._gathers_per_step(owner, variable, gathered, axes)
                 gathers += count * wire_bytes("all-gather", gathered, self.d)
                 two_d_state += self._state(variable, shards * self.d, variable.trainable)
             else:
                 two_d_state += self._state(variable, shards, variable.trainable)
-            if owner is not None and variable is getattr(owner, "kernel", None):
-                layers[id(owner)] = owner
-        for layer in layers.values():
-            side = _side(layer, self.tp_axes[layer.kernel.path], self.model_axis)
-            for inputs, output, from_input, dtype in self.calls.get(id(layer), ()):
+            if self.side(variable.path, axes):
+                kernels.append(variable)
+        for kernel in kernels:
+            side = self.side(kernel.path, self.tp_axes[kernel.path])
+            for inputs, output, from_input, dtype in self.calls(kernel.path):
                 if side == "row":
                     _add(
                         tp_wire,
@@ -276,6 +297,7 @@ class Costs:
                         self.model_axis,
                         wire_bytes("all-reduce", self._summed(inputs, dtype), self.m),
                     )
+        layers = {id(owners[id(k)]): owners[id(k)] for k in kernels if id(k) in owners}
         for kv in self._grouped_kv(name, layers):
             _add(tp_wire, self.model_axis, kv)
         options = [replicated, _Option("tensor-parallel", tp_axes, tp_state, tp_wire)]
@@ -284,7 +306,7 @@ class Costs:
         notes = {path: self.planner.rules[self.planner.index_of[path]][2] for path in tp_axes}
         return _Unit(name, options, notes)
 
-    def _gathers_per_step(self, layer: Any, kernel: Any, gathered: float) -> int:
+    def _gathers_per_step(self, layer: Any, kernel: Any, gathered: float, axes: Axes) -> int:
         """How often XLA all-gathers a 2-D kernel over the batch axis in one step.
 
         Measured on XLA:CPU (jaxlib 0.10) on MLPs and on the Llama, Gemma,
@@ -297,19 +319,19 @@ class Costs:
         the backward pass needs no kernel).
         `tests/test_budget.py` holds this against the compiled HLO.
         """
-        if layer is None or kernel is not getattr(layer, "kernel", None) or self.d < 4:
+        side = self.side(kernel.path, self.tp_axes[kernel.path])
+        if not side or self.d < 4:
             return 1
-        side = _side(layer, self.tp_axes[kernel.path], self.model_axis)
         largest = 0.0
-        for inputs, output, from_input, dtype in self.calls.get(id(layer), ()):
+        for inputs, output, from_input, dtype in self.calls(kernel.path):
             if from_input:
                 return 1
             local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
             local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
             largest = max(largest, local_in, local_out)
-        if isinstance(layer, keras.layers.Dense):
-            return 2 if gathered >= largest else 1
-        return 2 if gathered > largest else 1
+        if isinstance(layer, keras.layers.EinsumDense):
+            return 2 if gathered > largest else 1
+        return 2 if gathered >= largest else 1  # a Dense layer, or a custom layer's matmul
 
     def _grouped_kv(self, unit: str, layers: Mapping[int, Any]) -> list[float]:
         """The traffic of key/value projections kept whole beside split query heads.
@@ -338,7 +360,7 @@ class Costs:
             if count == 0 or self.m % count:
                 continue
             group = self.m // count
-            for _, output, _, dtype in self.calls.get(id(layer), ()):
+            for _, output, _, dtype in self.calls(layer.kernel.path):
                 all_heads = self._summed(output, dtype)
                 extra.append(wire_bytes("all-reduce", all_heads / count, group))
                 if count > 1:
@@ -346,17 +368,22 @@ class Costs:
         return extra
 
     def _embedding_unit(self, owner: Any, variable: Any) -> _Unit | None:
-        if not isinstance(owner, keras.layers.Embedding) or variable is not owner.embeddings:
-            return None
-        calls = self.calls.get(id(owner), ())
+        """A look-up table: a Keras `Embedding`, or a custom layer's weight read only by one `take`."""
+        if isinstance(owner, keras.layers.Embedding):
+            if variable is not owner.embeddings:
+                return None
+        elif type(owner).__module__.startswith(("keras.", "keras_hub.")):
+            return None  # Keras and keras-hub tables other than embeddings (relative position biases)
+        calls = self.uses.get(variable.path, ())
         if (
             len(calls) != 1
+            or calls[0].kind != "gather"
             or len(variable.shape) != 2
             or variable.shape[0] % self.m
             or not variable.trainable
         ):
             return None  # a tied embedding used twice, or one that does not divide: kept whole
-        (_, output, _, dtype) = calls[0]
+        output, dtype = calls[0].output, calls[0].dtype
         wire: dict[str, float] = {}
         _add(wire, self.batch_axis, self._grad_sync(variable, self.m))
         _add(wire, self.model_axis, wire_bytes("all-reduce", self._summed(output, dtype), self.m))
@@ -369,7 +396,7 @@ class Costs:
         note = {
             variable.path: f"embedding: vocabulary split over {self.model_axis!r}, one all-reduce forward"
         }
-        return _Unit(owner.path, [self._replicated([variable]), split], note)
+        return _Unit(getattr(owner, "path", variable.path), [self._replicated([variable]), split], note)
 
     def _idle_unit(self, variable: Any) -> _Unit | None:
         """A trainable weight the step never reads (an untied output embedding, say).
@@ -395,9 +422,9 @@ class Costs:
 
     def activation_reserve(self) -> int:
         total = 0.0
-        for calls in self.calls.values():
-            for _, output, _, dtype in calls:
-                total += self._activation(output, dtype)
+        for uses in self.uses.values():
+            for use in uses:
+                total += self._activation(use.output, use.dtype)
         return int(total)
 
 
@@ -408,6 +435,7 @@ def within_budget(
     memory_budget: int | str | None,
     batch: Any,
     optimizer: Any,
+    trace: Trace | None = None,
 ) -> LayoutRules:
     """The auto planner's rules, each unit laid out to fit `memory_budget` at the least traffic.
 
@@ -424,6 +452,7 @@ def within_budget(
         batch_axis=planner.batch_axis,
         axis_sizes=axis_sizes,
         optimizer=optimizer if optimizer is not None else getattr(model, "optimizer", None),
+        trace=trace,
     )
     units = costs.units()
     reserve = costs.activation_reserve()
@@ -528,103 +557,6 @@ def explain(unit: _Unit) -> str:
 # -- helpers ----------------------------------------------------------------------------
 
 
-def _trace_calls(
-    model: keras.Model, batch: Any
-) -> tuple[dict[int, list[tuple[tuple, tuple, bool, str]]], dict[str, float]]:
-    """What one forward pass on `batch` touches, traced on abstract values: nothing runs.
-
-    Returns, per layer (by `id`: some models reuse a path), `(input shape,
-    output shape, reads a model input, dtype)` of each call of its
-    projections and embeddings (wrapped for the duration); and, per path of a
-    trainable variable the pass reads, the fraction it reads (see
-    `_fraction_read`): only that gets a gradient, hence gradient traffic.
-    """
-    import jax
-
-    kinds = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
-    layers = [layer for layer in model._flatten_layers(include_self=False) if isinstance(layer, kinds)]
-    from_inputs = {id(layer) for layer in model.layers if _reads_model_input(layer)}
-    calls: dict[int, list[tuple[tuple, tuple, bool, str]]] = {}
-
-    def recorder(layer: Any, call: Any) -> Any:
-        def recorded(inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            outputs = call(inputs, *args, **kwargs)
-            calls.setdefault(id(layer), []).append(
-                (tuple(inputs.shape), tuple(outputs.shape), id(layer) in from_inputs, layer.compute_dtype)
-            )
-            return outputs
-
-        return recorded
-
-    def abstract(value: Any) -> Any:
-        return jax.ShapeDtypeStruct(
-            tuple(value.shape), np.dtype(getattr(value, "dtype", None) or np.asarray(value).dtype)
-        )
-
-    def forward(trainable: Any, non_trainable: Any, x: Any) -> Any:
-        return model.stateless_call(trainable, non_trainable, x, training=False)[0]
-
-    for layer in layers:
-        object.__setattr__(layer, "call", recorder(layer, layer.call))
-    try:
-        traced = jax.make_jaxpr(forward)(
-            [abstract(v) for v in model.trainable_variables],
-            [abstract(v) for v in model.non_trainable_variables],
-            keras.tree.map_structure(abstract, batch),
-        )
-    finally:
-        for layer in layers:
-            object.__delattr__(layer, "call")
-    read = _fraction_read(traced.jaxpr)
-    used = {
-        variable.path: fraction
-        for variable, fraction in zip(model.trainable_variables, read, strict=False)
-        if fraction > 0
-    }
-    return calls, used
-
-
-def _fraction_read(jaxpr: Any) -> list[float]:
-    """Per input of `jaxpr`: the fraction of it the outputs depend on.
-
-    0 for an input the outputs do not depend on (dead code removed first), the
-    sliced fraction for one read only through static slices (a position
-    embedding table longer than the sequence: only the rows read get a
-    gradient, and XLA sums only those), else 1.
-    """
-    try:  # JAX's own dead-code elimination: a layer computed but never used reads nothing
-        from jax._src.interpreters import partial_eval
-
-        jaxpr, used = partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a JAX without it
-        used = [True] * len(jaxpr.invars)
-    kept = iter(jaxpr.invars)  # the pruned jaxpr keeps only the inputs it reads, in order
-    fractions = []
-    for is_used in used:
-        if not is_used:
-            fractions.append(0.0)
-            continue
-        invar = next(kept)
-        readers = [eqn for eqn in jaxpr.eqns if any(v is invar for v in eqn.invars)]
-        size = math.prod(invar.aval.shape) or 1
-        if (
-            readers
-            and all(eqn.primitive.name in ("slice", "dynamic_slice") for eqn in readers)
-            and invar not in jaxpr.outvars
-        ):
-            fractions.append(max(math.prod(eqn.outvars[0].aval.shape) for eqn in readers) / size)
-        else:
-            fractions.append(1.0)
-    return fractions
-
-
-def _reads_model_input(layer: Any) -> bool:
-    nodes = getattr(layer, "_inbound_nodes", [])
-    return bool(nodes) and all(
-        isinstance(t._keras_history.operation, keras.layers.InputLayer) for t in nodes[0].input_tensors
-    )
-
-
 def _slot_factor(optimizer: Any) -> tuple[float, int]:
     """Optimizer slot bytes per parameter byte, and its scalar bytes, measured on one 4×4 variable."""
     if optimizer is None:
@@ -644,19 +576,6 @@ def _owners(model: keras.Model) -> dict[int, Any]:
         for variable in layer._trainable_variables + layer._non_trainable_variables:
             owners[id(variable)] = layer
     return owners
-
-
-def _side(layer: Any, axes: Axes, axis: str) -> str:
-    """`"column"` when the kernel's split dimension is an output one, `"row"` when an input one."""
-    if axis not in axes:
-        return ""
-    index = axes.index(axis)
-    if isinstance(layer, keras.layers.Dense):
-        return "column" if index == 1 else "row"
-    inputs, rest = layer.equation.split(",")
-    kernel, output = rest.split("->")
-    label = kernel[index]
-    return "column" if label in output and label not in inputs else "row"
 
 
 def _second_axis(axes: Axes, shape: Sequence[int], batch_axis: str | None, size: int) -> Axes:

@@ -1,0 +1,355 @@
+"""Stage 1: the traced computation, a dataflow graph whose inputs are the variables.
+
+The model's forward pass is traced once with `jax.make_jaxpr` on abstract values
+(nothing runs, and a `kml.dry_build` model works). Calls into jitted functions,
+`custom_jvp`/`custom_vjp` rules and rematerialised blocks are inlined, so that
+the graph is one flat list of primitive operations, however the model was
+written: Keras layers, `keras.ops` calls, Python operators or custom layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import keras
+import numpy as np
+
+__all__ = ["Node", "Trace", "Use", "trace_model"]
+
+#: Operations a weight passes through unchanged on its way to being used (a cast under mixed precision).
+_PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One primitive operation: the values it reads and writes (by id; `-1` is a literal)."""
+
+    index: int
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    params: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One use of a weight: a projection (`dot_general`) or a look-up (`gather`).
+
+    Attributes:
+        node: The node index.
+        kind: `"matmul"` or `"gather"`.
+        inputs: Shape of the activation it reads (the look-up indices for a gather).
+        output: Shape of what it writes.
+        from_input: Whether the activation is a model input (cast at most).
+        dtype: The dtype the operation computes in.
+        contracted: The weight's dimensions summed over (a matmul's inputs).
+        batch: The weight's dimensions that are batch dimensions of the matmul (experts).
+    """
+
+    node: int
+    kind: str
+    inputs: tuple[int, ...]
+    output: tuple[int, ...]
+    from_input: bool
+    dtype: str
+    contracted: tuple[int, ...]
+    batch: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """The forward pass as a flat dataflow graph.
+
+    Attributes:
+        nodes: The operations, in execution order.
+        shapes: Per value id, its shape.
+        dtypes: Per value id, its dtype name.
+        variables: Per value id of a model variable, its path.
+        inputs: Value ids of the batch's arrays.
+        outputs: Value ids the forward pass returns.
+        producer: Per value id, the node that writes it.
+        consumers: Per value id, the nodes that read it.
+        uses: Per variable path, its uses as a projection weight or a look-up table.
+        read: Per trainable variable path the outputs depend on, the fraction read.
+    """
+
+    nodes: tuple[Node, ...]
+    shapes: Mapping[int, tuple[int, ...]]
+    dtypes: Mapping[int, str]
+    variables: Mapping[int, str]
+    inputs: frozenset[int]
+    outputs: tuple[int, ...]
+    producer: Mapping[int, int]
+    consumers: Mapping[int, tuple[int, ...]]
+    uses: Mapping[str, tuple[Use, ...]]
+    read: Mapping[str, float]
+
+    def weight_of(self, value: int) -> tuple[str, tuple[int, ...]] | None:
+        """`(path, permutation)` when `value` is a variable, cast or transposed at most."""
+        perm: tuple[int, ...] | None = None
+        while value not in self.variables:
+            node = self.producer.get(value)
+            if node is None:
+                return None
+            op = self.nodes[node]
+            if op.primitive == "transpose":
+                inner = tuple(op.params["permutation"])
+                perm = inner if perm is None else tuple(inner[p] for p in perm)
+            elif op.primitive not in _PASS:
+                return None
+            value = op.inputs[0]
+        rank = len(self.shapes[value])
+        return self.variables[value], perm if perm is not None else tuple(range(rank))
+
+    def from_input(self, value: int) -> bool:
+        """Whether `value` is one of the batch's arrays, cast at most."""
+        while value not in self.inputs:
+            node = self.producer.get(value)
+            if node is None or self.nodes[node].primitive not in _PASS:
+                return False
+            value = self.nodes[node].inputs[0]
+        return True
+
+
+def abstract_batch(model: keras.Model) -> Any:
+    """Abstract inputs for a model when no batch is given: its input spec with a batch of 2, or `None`."""
+    import jax
+
+    inputs = getattr(model, "_inputs_struct", None)
+    if inputs is None:
+        try:
+            inputs = model.inputs
+        except (AttributeError, ValueError):
+            inputs = None
+    if isinstance(inputs, (list, tuple)) and len(inputs) == 1 and isinstance(model, keras.Sequential):
+        inputs = inputs[0]  # a Sequential model takes its one input bare
+    if inputs is not None:
+        try:
+            return keras.tree.map_structure(
+                lambda t: jax.ShapeDtypeStruct(
+                    tuple(2 if d is None else d for d in t.shape), np.dtype(t.dtype or "float32")
+                ),
+                inputs,
+            )
+        except (AttributeError, TypeError):
+            return None
+    shapes = getattr(model, "_build_shapes_dict", None) or {}
+    if len(shapes) == 1:
+        (shape,) = shapes.values()
+        if isinstance(shape, (tuple, list)) and all(isinstance(d, int) or d is None for d in shape):
+            return jax.ShapeDtypeStruct(tuple(2 if d is None else d for d in shape), np.dtype("float32"))
+    return None
+
+
+def _abstract(value: Any) -> Any:
+    import jax
+
+    return jax.ShapeDtypeStruct(
+        tuple(value.shape), np.dtype(getattr(value, "dtype", None) or np.asarray(value).dtype)
+    )
+
+
+def trace_model(model: keras.Model, batch: Any) -> Trace:
+    """Traces `model`'s forward pass on `batch` (arrays or shapes) into a `Trace`."""
+    import jax
+
+    trainable = list(model.trainable_variables)
+    non_trainable = list(model.non_trainable_variables)
+
+    kwargs = {"training": False} if getattr(model, "_call_has_training_arg", True) else {}
+
+    def forward(train: Any, state: Any, x: Any) -> Any:
+        return model.stateless_call(train, state, x, **kwargs)[0]
+
+    closed = jax.make_jaxpr(forward)(
+        [_abstract(v) for v in trainable],
+        [_abstract(v) for v in non_trainable],
+        keras.tree.map_structure(_abstract, batch),
+    )
+    builder = _Builder()
+    jaxpr = closed.jaxpr
+    ids = [builder.new(v.aval) for v in jaxpr.invars]
+    for var in jaxpr.constvars:
+        builder.env[var] = builder.new(var.aval)
+    for var, value in zip(jaxpr.invars, ids, strict=True):
+        builder.env[var] = value
+    outputs = builder.inline(jaxpr)
+    paths = [v.path for v in trainable + non_trainable]
+    variables = dict(zip(ids[: len(paths)], paths, strict=True))
+    read = _fraction_read(jaxpr)
+    used = {path: f for path, f in zip([v.path for v in trainable], read, strict=False) if f > 0}
+    consumers: dict[int, list[int]] = {}
+    producer: dict[int, int] = {}
+    for node in builder.nodes:
+        for value in node.inputs:
+            if value >= 0:
+                consumers.setdefault(value, []).append(node.index)
+        for value in node.outputs:
+            producer[value] = node.index
+    trace = Trace(
+        nodes=tuple(builder.nodes),
+        shapes=MappingProxyType(builder.shapes),
+        dtypes=MappingProxyType(builder.dtypes),
+        variables=MappingProxyType(variables),
+        inputs=frozenset(ids[len(paths) :]),
+        outputs=tuple(outputs),
+        producer=MappingProxyType(producer),
+        consumers=MappingProxyType({k: tuple(v) for k, v in consumers.items()}),
+        uses=MappingProxyType({}),
+        read=MappingProxyType(used),
+    )
+    return dataclasses.replace(trace, uses=MappingProxyType(_uses(trace)))
+
+
+def _uses(trace: Trace) -> dict[str, tuple[Use, ...]]:
+    uses: dict[str, list[Use]] = {}
+    for node in trace.nodes:
+        if node.primitive == "dot_general":
+            (lhs_c, rhs_c), (lhs_b, rhs_b) = node.params["dimension_numbers"]
+            for side, other in ((0, 1), (1, 0)):
+                weight = trace.weight_of(node.inputs[side])
+                if weight is None or trace.weight_of(node.inputs[other]) is not None:
+                    continue
+                path, perm = weight
+                activation = node.inputs[other]
+                uses.setdefault(path, []).append(
+                    Use(
+                        node.index,
+                        "matmul",
+                        trace.shapes[activation],
+                        trace.shapes[node.outputs[0]],
+                        trace.from_input(activation),
+                        trace.dtypes[node.inputs[side]],
+                        tuple(sorted(perm[c] for c in (lhs_c if side == 0 else rhs_c))),
+                        tuple(sorted(perm[b] for b in (lhs_b if side == 0 else rhs_b))),
+                    )
+                )
+        elif node.primitive == "gather":
+            weight = trace.weight_of(node.inputs[0])
+            if weight is not None:
+                uses.setdefault(weight[0], []).append(
+                    Use(
+                        node.index,
+                        "gather",
+                        trace.shapes[node.inputs[1]],
+                        trace.shapes[node.outputs[0]],
+                        trace.from_input(node.inputs[1]),
+                        trace.dtypes[node.inputs[0]],
+                        (),
+                    )
+                )
+    return {path: tuple(u) for path, u in uses.items()}
+
+
+class _Builder:
+    """Flattens a jaxpr, inlining calls, into `Node`s over integer value ids."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.shapes: dict[int, tuple[int, ...]] = {}
+        self.dtypes: dict[int, str] = {}
+        self.env: dict[Any, int] = {}
+
+    def new(self, aval: Any) -> int:
+        value = len(self.shapes)
+        self.shapes[value] = tuple(int(d) for d in getattr(aval, "shape", ()))
+        self.dtypes[value] = str(getattr(aval, "dtype", "float32"))
+        return value
+
+    def read(self, atom: Any) -> int:
+        if type(atom).__name__ == "Literal":
+            return -1
+        return self.env[atom]
+
+    def inline(self, jaxpr: Any) -> list[int]:
+        for eqn in jaxpr.eqns:
+            inner = _inner_jaxpr(eqn)
+            args = [self.read(a) for a in eqn.invars]
+            if inner is not None:
+                body = getattr(inner, "jaxpr", inner)
+                for var in body.constvars:
+                    self.env[var] = self.new(var.aval)
+                for var, value in zip(body.invars, args, strict=True):
+                    if value < 0:
+                        value = self.new(var.aval)
+                    self.env[var] = value
+                results = self.inline(body)
+                for var, value in zip(eqn.outvars, results, strict=True):
+                    self.env[var] = value if value >= 0 else self.new(var.aval)
+                continue
+            outs = [self.new(v.aval) for v in eqn.outvars]
+            for var, value in zip(eqn.outvars, outs, strict=True):
+                self.env[var] = value
+            self.nodes.append(
+                Node(len(self.nodes), eqn.primitive.name, tuple(args), tuple(outs), dict(eqn.params))
+            )
+        return [self.read(v) for v in jaxpr.outvars]
+
+
+#: Primitives whose body is inlined: calls, custom derivative rules, rematerialisation.
+_CALLS = (
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "remat",
+    "checkpoint",
+    "custom_lin",
+)
+
+
+def _inner_jaxpr(eqn: Any) -> Any:
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = eqn.params.get(key)
+        body = getattr(inner, "jaxpr", inner)
+        if body is not None and hasattr(body, "eqns"):
+            if len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars):
+                return inner
+    return None
+
+
+def _fraction_read(jaxpr: Any) -> list[float]:
+    """Per input of `jaxpr`: the fraction of it the outputs depend on.
+
+    0 for an input the outputs do not depend on (dead code removed first), the
+    sliced fraction for one read only through static slices (a position
+    embedding table longer than the sequence: only the rows read get a
+    gradient, and XLA sums only those), else 1.
+    """
+    try:  # JAX's own dead-code elimination: a layer computed but never used reads nothing
+        from jax._src.interpreters import partial_eval
+
+        jaxpr, used = partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a JAX without it
+        used = [True] * len(jaxpr.invars)
+    kept = iter(jaxpr.invars)  # the pruned jaxpr keeps only the inputs it reads, in order
+    fractions = []
+    for is_used in used:
+        if not is_used:
+            fractions.append(0.0)
+            continue
+        invar = next(kept)
+        readers = [eqn for eqn in jaxpr.eqns if any(v is invar for v in eqn.invars)]
+        size = math.prod(invar.aval.shape) or 1
+        if (
+            readers
+            and all(eqn.primitive.name in ("slice", "dynamic_slice") for eqn in readers)
+            and invar not in jaxpr.outvars
+        ):
+            fractions.append(max(math.prod(eqn.outvars[0].aval.shape) for eqn in readers) / size)
+        else:
+            fractions.append(1.0)
+    return fractions
+
+
+def nbytes(shape: Sequence[int], dtype: str) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
