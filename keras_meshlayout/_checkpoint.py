@@ -221,7 +221,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
       interrupted on a 2×4 mesh can resume on 1×8;
     - the random state is part of the backup: every `keras.random.SeedGenerator`
       of the model (`Dropout`, `GaussianNoise`, a custom layer's own) and Keras's
-      global one, so a model with random layers resumes exactly too.
+      global one, so a model with random layers resumes exactly too. (The global
+      one, which random ops given no seed draw from eagerly, is saved as it is
+      when this callback runs: list it after callbacks that draw from it.)
 
     Metrics of the resumed epoch count only the batches trained after
     resuming; while batches are skipped, other callbacks get empty logs.
@@ -274,11 +276,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._resume: tuple[int, int] | None = None  # (epoch, batches to skip in it)
         self._train_function = None
         self._skip_now = False
+        self._global_seed: Mapping[str, Any] | None = None  # a manifest whose global seed is due
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
         self._restore_train_function()  # left in place if the last fit died while skipping
         self._since_save = 0
         self._resume = None
+        self._global_seed = None
         # A save killed midway is finished (or removed) here: after a kill between its two renames,
         # the newest complete backup is moved into place rather than lost.
         source, _ = _recover(self.path)
@@ -293,6 +297,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._resume = (epoch, batch)
             self._train_function = self.model.train_function
             self.model.train_function = self._train_or_skip
+            self._global_seed = manifest  # restored once the batches trained before are skipped
+        else:
+            _restore_global_seed(manifest)
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         self._epoch = epoch
@@ -304,6 +311,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if resume is not None and not self._skip_now:
             self._resume = None
             self._restore_train_function()
+            if self._global_seed is not None:
+                # Other callbacks ran while skipping and may have drawn from it: restore it now.
+                _restore_global_seed(self._global_seed)
+                self._global_seed = None
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         done, self._done = self._done, batch + 1
@@ -611,9 +622,6 @@ def _load(
         raise CheckpointError(
             f"Loading checkpoint {source} failed part-way ({type(err).__name__}: {err}). {outcome}{hint}"
         ) from err
-    if resume:
-        _restore_global_seed(manifest)
-
     current = _current_plan(model, distribution)
     diff = None if saved_plan is None or current is None else plan_diff(saved_plan, current)
     return manifest, diff

@@ -18,6 +18,7 @@ Its weights must equal the uninterrupted run's to 1e-6 on the same mesh, and to
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -351,3 +352,125 @@ def test_training_killed_with_sigkill_resumes_exactly(kind, reference, tmp_path)
     for i, want in enumerate(reference["trained"]):
         np.testing.assert_allclose(final[f"arr_{i}"], want, atol=1e-6, rtol=0)
     assert not (tmp_path / "backup").exists()
+
+
+# -- random layers: the seed generators' state is part of the backup (issue 13) --------------
+
+
+class Noisy(keras.layers.Layer):
+    """A custom layer with its own seed generator, adding noise while training."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        return x + 0.1 * keras.random.normal(keras.ops.shape(x), seed=self.seed_generator)
+
+
+def dropout_sequential() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(128, activation="relu", name="fc1"),
+            keras.layers.Dropout(0.3),  # no seed: drawn from Python's random at construction
+            keras.layers.Dense(64, activation="relu", name="fc2"),
+            keras.layers.Dense(8, name="head"),
+        ],
+        name="mlp",
+    )
+
+
+def noise_functional() -> keras.Model:
+    inputs = keras.Input((16,))
+    x = keras.layers.GaussianNoise(0.2, seed=5)(inputs)
+    x = keras.layers.Dense(128, activation="relu", name="fc1")(x)
+    x = keras.layers.Dropout(0.4, seed=11)(x)
+    x = Noisy()(x)
+    x = keras.layers.Dense(64, activation="relu", name="fc2")(x)
+    return keras.Model(inputs, keras.layers.Dense(8, name="head")(x), name="mlp")
+
+
+RANDOM_MODELS = {"Sequential with Dropout": dropout_sequential, "functional with noise": noise_functional}
+
+
+class Draws(keras.callbacks.Callback):
+    """Draws from Keras's global seed generator after every batch trained (eagerly, seed=None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws: list[float] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs:  # batches read past while resuming come with empty logs
+            self.draws.append(float(keras.random.uniform(())))
+
+
+def fit_random(kind: str, mesh: str, callbacks: list) -> keras.Model:
+    keras.distribution.set_distribution(distribution_for(mesh))
+    keras.utils.set_random_seed(3)  # the same initial weights and seeds in every run
+    model = RANDOM_MODELS[kind]()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(*data(), batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
+    return model
+
+
+@pytest.fixture(scope="module")
+def random_reference() -> dict[str, tuple[list[np.ndarray], list[float]]]:
+    """Weights after an uninterrupted run on 2×4, and the global draws, for each random model."""
+    references = {}
+    for kind in RANDOM_MODELS:
+        draws = Draws()
+        model = fit_random(kind, "2x4", [draws])
+        references[kind] = (weights(model), draws.draws)
+    keras.distribution.set_distribution(None)
+    return references
+
+
+@pytest.mark.parametrize("crash", ["mid-epoch", "epoch end"])
+@pytest.mark.parametrize("kind", list(RANDOM_MODELS))
+def test_resume_with_random_layers_is_bit_exact(kind, crash, random_reference, tmp_path):
+    """Regression (issue 13): Dropout's masks after a resume were not those of the interrupted run."""
+    backup = tmp_path / "backup"
+    first = Draws()
+    with pytest.raises(RuntimeError, match="crash at step"):
+        fit_random(kind, "2x4", [first, kml.ResumableCheckpoint(backup, save_freq=2), Crash(CRASHES[crash])])
+    manifest = json.loads((backup / "latest" / "manifest.json").read_text())
+    assert len(manifest["rng"]["seed_generators"]) == (1 if kind == "Sequential with Dropout" else 3)
+    resumed = Draws()
+    # The backup callback last: Keras's global seed generator is saved as it stands after the others.
+    model = fit_random(kind, "2x4", [resumed, kml.ResumableCheckpoint(backup, save_freq=2)])
+    assert int(model.optimizer.iterations) == EPOCHS * STEPS
+    expected, draws = random_reference[kind]
+    for variable, want in zip(model.weights, expected, strict=True):
+        assert np.array_equal(np.asarray(variable.value), want), variable.path
+    backed_up = CRASHES[crash] - CRASHES[crash] % 2
+    assert first.draws + resumed.draws[: CRASHES[crash] - backed_up] != draws  # the crash cost draws ...
+    assert first.draws[:backed_up] + resumed.draws == draws  # ... and the resume drew them again, exactly
+
+
+def test_resume_on_another_mesh_with_dropout(random_reference, tmp_path):
+    """Random numbers in JAX do not depend on the layout: a 2×4 run resumed on 1×8 matches too."""
+    backup = tmp_path / "backup"
+    kind = "Sequential with Dropout"
+    with pytest.raises(RuntimeError, match="crash at step"):
+        fit_random(kind, "2x4", [kml.ResumableCheckpoint(backup, save_freq=2), Crash(CRASHES["mid-epoch"])])
+    model = fit_random(kind, "1x8", [kml.ResumableCheckpoint(backup, save_freq=2)])
+    for variable, want in zip(model.weights, random_reference[kind][0], strict=True):
+        np.testing.assert_allclose(np.asarray(variable.value), want, atol=1e-5, rtol=0, err_msg=variable.path)
+
+
+def test_resume_into_a_model_with_other_random_layers_is_refused(tmp_path):
+    backup = tmp_path / "backup"
+    with pytest.raises(RuntimeError, match="crash at step"):
+        fit_random("functional with noise", "2x4", [kml.ResumableCheckpoint(backup, save_freq=2), Crash(3)])
+    with pytest.raises(kml.CheckpointError) as raised:
+        fit_random("Sequential with Dropout", "2x4", [kml.ResumableCheckpoint(backup, save_freq=2)])
+    message = str(raised.value)
+    assert "holds the state of 3 random seed generator(s), and the model has 1 ('seed_generator" in message
+    assert "could not resume exactly. Nothing was loaded; the model is unchanged." in message
