@@ -394,7 +394,8 @@ def _the_mesh(mesh: Any, device_mesh: Any, rules: Any) -> keras.distribution.Dev
         raise InvalidMeshError(
             "ModelParallel needs a mesh (kml.Mesh or keras.distribution.DeviceMesh): as its first "
             "argument, or carried by the layout map (Keras's form, where plain Keras says 'You must "
-            f"specify a layout_map argument'). Received: mesh={mesh!r}, rules={rules!r}. Example: "
+            f"specify a layout_map argument'). Received: {mesh!r} as the mesh, and rules={rules!r}. "
+            "Example: "
             'kml.ModelParallel(kml.Mesh(data=2, model=4), rules, batch_axis="data"), or '
             'kml.ModelParallel(layout_map=kml.LayoutRules(mesh), batch_dim_name="data").'
         )

@@ -197,8 +197,8 @@ def resolve(
             reason = f"small: {size} elements < replicate_below={replicate_below}"
             return Resolution(path, shape, dtype_name, rule, requested, replicated, (reason,), nbytes=nbytes)
         reasons.append(
-            f"split as your rule asks, though small: {size} elements < replicate_below="
-            f"{replicate_below} (which keeps only preset and planner rules' small matrices whole)"
+            f"small: {size} elements < replicate_below={replicate_below}, split anyway: a rule of "
+            "your own (replicate_below keeps only preset and planner rules' small matrices whole)"
         )
 
     final: list[str | None] = list(requested)

@@ -556,7 +556,7 @@ def _make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule], 
             raise InvalidRuleError(
                 f"Layout rule #{index} repeats the pattern {pattern!r} of rule #{rule.index}: "
                 f"{pattern} already exists in these rules (Keras's LayoutMap refuses it too). "
-                "Since the first match wins it could never apply. Fix: remove one of them, or "
+                "Since the first match wins it could never apply. Remove one of them, or "
                 "delete the old one first (del rules[pattern])."
             )
     if isinstance(axes, keras.distribution.TensorLayout):

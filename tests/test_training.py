@@ -95,10 +95,14 @@ def test_mlp_fit_matches_single_device(spec, rules, mlp_reference):
     assert plan["mlp/hidden_1/kernel"].axes == (None, "model")
     assert plan["mlp/hidden_2/kernel"].axes == ("model", None)
     assert plan["mlp/hidden_2/kernel"].bytes_per_device == 256 * 128 * 4 // model_size
-    # The head matches the last rule but stays replicated because it is small.
+    # The head is small, but the user's own rule splits it, and the plan says so (issue 12:
+    # replicate_below keeps only the small matrices of preset and planner rules whole).
     head = plan["mlp/head/kernel"]
-    assert (head.requested, head.axes) == (("model", None), (None, None))
-    assert head.reasons == ("small: 1280 elements < replicate_below=4096",)
+    assert (head.requested, head.axes) == (("model", None), ("model", None))
+    assert head.reasons == (
+        "small: 1280 elements < replicate_below=4096, split anyway: a rule of your own "
+        "(replicate_below keeps only preset and planner rules' small matrices whole)",
+    )
     # Optimizer slots follow their parameter.
     momentum = next(entry for entry in plan if entry.path.endswith("/mlp_hidden_1_kernel_momentum"))
     assert (momentum.axes, momentum.source) == ((None, "model"), "parameter")
