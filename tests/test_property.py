@@ -153,12 +153,16 @@ def first_match(rules: list[tuple[str, tuple]], path: str) -> int | None:
     """The index of the rule that should apply to `path`, by the documented semantics.
 
     Patterns are matched with `re.fullmatch`; paths ending in `/output` only
-    match patterns ending in `/output`, and other paths only other patterns.
+    match patterns ending in `/output`, and other paths only other patterns. A
+    pattern equal to the path (an exact key, as in Keras's `LayoutMap`) wins first.
 
     Args:
         rules: `(pattern, axes)` pairs in priority order.
         path: The variable path.
     """
+    for index, (pattern, _) in enumerate(rules):
+        if pattern == path:
+            return index
     for index, (pattern, _) in enumerate(rules):
         if pattern.endswith("/output") == path.endswith("/output") and re.fullmatch(pattern, path):
             return index
@@ -172,6 +176,7 @@ def expected_outcome(
     shape: tuple[int, ...],
     on_indivisible: str,
     replicate_below: int,
+    suggested: bool = False,
 ) -> type[kml.MeshLayoutError] | tuple:
     """What resolving should give: an error class, or the final axes.
 
@@ -185,7 +190,8 @@ def expected_outcome(
         path: The variable path.
         shape: The variable shape.
         on_indivisible: `"replicate"` or `"error"`.
-        replicate_below: The small-variable threshold.
+        replicate_below: The small-variable threshold (for suggested rules only).
+        suggested: Whether the rules are suggested (a preset's or the planner's).
     """
     patterns = [pattern for pattern, _ in rules]
     if len(set(patterns)) < len(patterns):
@@ -203,7 +209,8 @@ def expected_outcome(
         return kml.RankMismatchError
     if all(axis is None for axis in requested):
         return requested
-    if len(shape) >= 2 and not path.endswith("/bias") and math.prod(shape) < replicate_below:
+    small = len(shape) >= 2 and not path.endswith("/bias") and math.prod(shape) < replicate_below
+    if small and suggested:
         return replicated
     final = []
     for dim, axis in zip(shape, requested, strict=True):
@@ -241,9 +248,10 @@ def test_resolution_is_an_error_or_a_layout_jax_accepts(
     index = first_match(rules, path)
     same_rank = index is not None and data.draw(MOSTLY, label="same rank")
     shape = data.draw(variable_shapes(len(rules[index][1]) if same_rank else None), label="shape")
-    expected = expected_outcome(rules, axis_sizes, path, shape, on_indivisible, replicate_below)
+    suggested = data.draw(st.booleans(), label="suggested")
+    expected = expected_outcome(rules, axis_sizes, path, shape, on_indivisible, replicate_below, suggested)
     try:
-        layout_rules = kml.LayoutRules(rules)
+        layout_rules = kml.LayoutRules(rules, suggested=suggested)
         distribution = kml.ModelParallel(
             mesh, layout_rules, on_indivisible=on_indivisible, replicate_below=replicate_below
         )
@@ -267,8 +275,8 @@ def test_resolution_is_an_error_or_a_layout_jax_accepts(
     if index is not None:
         assert res.rule.index == index
         assert res.requested == tuple(rules[index][1])
-        # Every change from the request is explained.
-        assert bool(res.reasons) == (res.axes != res.requested)
+        # Every change from the request is explained (and a user's rule splitting a small matrix).
+        assert bool(res.reasons) >= (res.axes != res.requested)
 
     sharding = NamedSharding(mesh.backend_mesh, PartitionSpec(*res.axes))
     array = jax.device_put(np.zeros(shape, np.float32), sharding)
@@ -311,7 +319,7 @@ def test_first_matching_rule_wins(patterns: list[str], path: str, data: st.DataO
     assert rule.pattern == patterns[expected]
     assert re.fullmatch(rule.pattern, path)
     assert rule.axes == tuple(rules[expected][1])
-    assert not any(
+    assert rule.pattern == path or not any(  # an exact key wins wherever it stands
         re.fullmatch(pattern, path) and pattern.endswith("/output") == path.endswith("/output")
         for pattern in patterns[:expected]
     )
