@@ -121,7 +121,7 @@ def checkpoint_table(data: dict) -> str:
     """The checkpoint benchmark: peak and extra host memory while loading, over the model's size."""
     rows = [
         [
-            f"`{r['format']}`",
+            f"`{r['how']}`",
             f"{r['peak_over_model']:.2f}",
             f"{r['extra_over_model']:.2f}",
             f"{r['seconds']:.1f} s",
@@ -194,17 +194,26 @@ def hub_plot(data: list) -> bytes:
     axes = figure.subplots(2, (len(cases) + 1) // 2, squeeze=False).ravel()
     markers = {"keras-hub map": ("s", "#d62728"), "data-parallel (8×1)": ("^", "#ff7f0e"),
                "preset": ("D", "#2ca02c")}  # fmt: skip
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     for ax, (model, mesh) in zip(axes, cases, strict=False):
+        points: dict[tuple[float, float], list[str]] = {}
         for r in data:
             if (r["model"], r["mesh"]) != (model, mesh) or r["wire_bytes"] is None:
                 continue
             marker, colour = markers.get(r["layout"], ("o", "#1f77b4"))
             x, y = r["state_bytes"] / MiB, r["wire_bytes"] / MiB
             ax.scatter([x], [y], marker=marker, color=colour, s=40, zorder=3)
-            ax.annotate(r["layout"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+            points.setdefault((round(x, 1), round(y, 1)), []).append(r["layout"])
+        for (x, y), names in points.items():  # layouts that coincide share one label
+            ax.annotate(" = ".join(names), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
         ax.set_title(f"{model}, {mesh}")
         ax.set_xscale("log")
-        ax.set_xlabel("state per device (MiB, log)")
+        ax.set_xticks([2, 3, 5, 10, 20, 30])
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.margins(x=0.3, y=0.12)
+        ax.set_xlabel("state per device (MiB, log scale)")
         ax.set_ylabel("sent per device per step (MiB)")
         ax.grid(True, alpha=0.3)
     for ax in axes[len(cases) :]:
@@ -233,8 +242,8 @@ def dry_plan_plot(data: list) -> bytes:
 def checkpoint_plot(data: dict) -> bytes:
     """Peak host memory while loading, over the model's size, for each format."""
     results = data["results"]
-    labels = [r["format"] for r in results]
-    figure = _figure(9, 3.4)
+    labels = [r["how"] for r in results]
+    figure = _figure(9, 3.8)
     ax = figure.subplots()
     ax.barh(labels, [r["peak_over_model"] for r in results], color="#1f77b4", label="peak / model")
     ax.barh(labels, [r["extra_over_model"] for r in results], color="#ff7f0e", height=0.4,
@@ -242,7 +251,7 @@ def checkpoint_plot(data: dict) -> bytes:
     ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.invert_yaxis()
     ax.set_xlabel(f"host memory over the model's size ({data['model_bytes'] / MiB:.0f} MiB model)")
-    ax.legend(loc="lower right", frameon=False)
+    figure.legend(loc="outside lower center", ncols=2, frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
     figure.suptitle("Loading a checkpoint saved on 2×4 onto 1×8 (emulated devices: 1.0 is the model itself)")
     return _svg(figure)
