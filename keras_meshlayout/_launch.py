@@ -47,6 +47,8 @@ NAME = "keras_meshlayout.launch"
 DEFAULT_GRACE = 5.0
 _POLL = 0.05
 _XLA_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+#: The bootstrap each process runs the script under (see its docstring).
+WORKER = Path(__file__).resolve().with_name("_worker.py")
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
@@ -179,7 +181,12 @@ def launch(
             err.write(f"{NAME}: {message}\n".encode())
             err.flush()
 
-    address = f"127.0.0.1:{port or _free_port()}"
+    try:
+        claim = _claim_port(port)
+    except PortInUseError as error:
+        say(f"error: {error}")
+        return 2
+    address = f"127.0.0.1:{claim.port}"
     status_dir = Path(tempfile.mkdtemp(prefix="kml-launch-"))
     stop_requested: list[int] = []
     previous = {}
@@ -194,7 +201,7 @@ def launch(
             )
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, *command],
+                    [sys.executable, str(WORKER), *command],
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -208,14 +215,17 @@ def launch(
             f"{num_processes} processes{devices}, coordinator {address}; "
             + ", ".join(f"rank {rank}: pid {p.pid}" for rank, p in enumerate(processes))
         )
+        quiet = _GlooLines()
         readers = [
-            threading.Thread(target=_relay, args=(stream, sink, f"[{rank}] ".encode(), lock), daemon=True)
+            threading.Thread(
+                target=_relay, args=(stream, sink, f"[{rank}] ".encode(), lock, quiet), daemon=True
+            )
             for rank, p in enumerate(processes)
             for stream, sink in ((p.stdout, out), (p.stderr, err))
         ]
         for reader in readers:
             reader.start()
-        outcome = _watch(processes, timeout, stop_requested)
+        outcome = _watch(processes, timeout, stop_requested, status_dir)
         survivors = [rank for rank, p in enumerate(processes) if p.poll() is None]
         killed = _stop(processes, grace) if outcome.kind != "done" else []
         for reader in readers:
@@ -223,6 +233,7 @@ def launch(
         return _report(outcome, processes, survivors, killed, status_dir, init_timeout, grace, timeout, say)
     finally:
         _stop(processes, grace)
+        claim.release()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         shutil.rmtree(status_dir, ignore_errors=True)
@@ -273,6 +284,133 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+class PortInUseError(OSError):
+    """The coordinator port is taken: by another launched job, or by another program."""
+
+
+class _PortClaim:
+    """This job's hold on its coordinator port, against every other job of this launcher on the machine.
+
+    JAX's coordinator accepts any process that connects to its port, and its
+    gRPC server shares a port with another that binds it too (SO_REUSEPORT):
+    a second job on the port of a running one would join the running job's
+    coordinator, which then aborts both jobs. So every launched job holds a
+    lock named after its port for as long as it runs (on Linux an abstract
+    Unix socket, which the kernel releases when the launcher exits however it
+    exits; elsewhere an `flock` on a file in the temporary directory), and a
+    port that any program listens on is refused before a process starts.
+    """
+
+    def __init__(self, port: int, holder: Any) -> None:
+        self.port = port
+        self._holder = holder
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            if isinstance(self._holder, socket.socket):
+                self._holder.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept()
+        with contextlib.suppress(OSError):
+            self._holder.close()
+
+
+def _claim_port(port: int | None) -> _PortClaim:
+    """Claims `port`, or a free port when `None`; raises `PortInUseError` naming who holds it."""
+    if port is not None:
+        return _claim(port)
+    for _ in range(20):
+        with contextlib.suppress(PortInUseError):
+            return _claim(_free_port())
+    raise PortInUseError("no free loopback port could be claimed after 20 tries")
+
+
+def _claim(port: int) -> _PortClaim:
+    holder = _lock(port)
+    if holder is None:
+        raise PortInUseError(
+            f"port {port} is in use by another {NAME} job on this machine ({_owner(port)}): its "
+            "coordinator listens there, and processes of a second job would join it and abort both "
+            f"jobs. Fix: pass another --port, or leave out --port to use a free one."
+        )
+    try:
+        _check_free(port)
+    except OSError as error:
+        holder.close()
+        raise PortInUseError(
+            f"port {port} on 127.0.0.1 is in use by another program ({error.strerror or error}), so "
+            "the coordinator cannot listen there. Fix: pass another --port, or leave out --port to "
+            "use a free one."
+        ) from None
+    _write_owner(holder, port)
+    return _PortClaim(port, holder)
+
+
+def _lock_name(port: int) -> str:
+    return f"keras_meshlayout.launch-port-{port}"
+
+
+def _lock(port: int) -> Any:
+    """A held lock for `port`, or `None` when another job holds it."""
+    if sys.platform.startswith("linux"):
+        holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            holder.bind("\0" + _lock_name(port))
+        except OSError:
+            holder.close()
+            return None
+        holder.listen(8)  # so that another launcher can ask whose it is
+        return holder
+    import fcntl
+
+    holder = open(Path(tempfile.gettempdir()) / f"{_lock_name(port)}.lock", "a+")
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder.close()
+        return None
+    return holder
+
+
+def _write_owner(holder: Any, port: int) -> None:
+    """Lets a second launcher name this one: on Linux it answers on its lock socket."""
+    if isinstance(holder, socket.socket):
+
+        def answer() -> None:
+            while True:
+                try:
+                    connection, _ = holder.accept()
+                except OSError:
+                    return  # released
+                with connection:
+                    with contextlib.suppress(OSError):
+                        connection.sendall(f"pid {os.getpid()}".encode())
+
+        threading.Thread(target=answer, name=f"kml-port-{port}", daemon=True).start()
+    else:
+        holder.seek(0)
+        holder.truncate()
+        holder.write(f"pid {os.getpid()}")
+        holder.flush()
+
+
+def _owner(port: int) -> str:
+    """Who holds the lock of `port`, as its holder says ("pid 123"), or "pid unknown"."""
+    with contextlib.suppress(OSError):
+        if sys.platform.startswith("linux"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as ask:
+                ask.settimeout(1.0)
+                ask.connect("\0" + _lock_name(port))
+                return ask.recv(64).decode(errors="replace") or "pid unknown"
+        return (Path(tempfile.gettempdir()) / f"{_lock_name(port)}.lock").read_text() or "pid unknown"
+    return "pid unknown"
+
+
+def _check_free(port: int) -> None:
+    """Raises `OSError` when something listens on 127.0.0.1:`port` (TIME_WAIT leftovers are fine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", port))
+
+
 def _die_with_parent() -> None:
     """Linux: the process gets SIGKILL if the launcher itself dies."""
     import ctypes
@@ -281,10 +419,43 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _relay(stream: IO[bytes], sink: IO[bytes], prefix: bytes, lock: threading.Lock) -> None:
+#: What gloo prints, once per communicator and device, when a group of devices connects.
+_GLOO_CONNECTED = re.compile(
+    rb"^\[Gloo\] Rank (\d+) is connected to (\d+) peer ranks\. "
+    rb"Expected number of connected peer ranks is : (\d+)\s*$"
+)
+
+
+class _GlooLines:
+    """Drops gloo's "Rank N is connected to K peer ranks" lines, dozens per run, that bury the output.
+
+    A line whose count of connected peers differs from the expected one is
+    kept: it tells of a connection problem.
+    """
+
+    def __init__(self) -> None:
+        self.dropped = 0
+
+    def keep(self, line: bytes) -> bool:
+        match = _GLOO_CONNECTED.match(line)
+        if match is None or match[2] != match[3]:
+            return True
+        self.dropped += 1
+        return False
+
+
+def _relay(
+    stream: IO[bytes],
+    sink: IO[bytes],
+    prefix: bytes,
+    lock: threading.Lock,
+    quiet: _GlooLines | None = None,
+) -> None:
     """Copies lines from a process to `sink`, each prefixed with its rank."""
     with stream:
         for line in iter(stream.readline, b""):
+            if quiet is not None and not quiet.keep(line):
+                continue
             if not line.endswith(b"\n"):
                 line += b"\n"
             with lock:
@@ -299,14 +470,18 @@ class _Outcome:
         self.signum = signum
 
 
-def _watch(processes: list[subprocess.Popen], timeout: float | None, stop_requested: list[int]) -> _Outcome:
+def _watch(
+    processes: list[subprocess.Popen],
+    timeout: float | None,
+    stop_requested: list[int],
+    status_dir: Path | None = None,
+) -> _Outcome:
     """Waits until all succeed, one fails, time runs out, or the launcher is told to stop."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        for rank, process in enumerate(processes):
-            code = process.poll()
-            if code is not None and code != 0:
-                return _Outcome("failed", rank)
+        failed = [rank for rank, process in enumerate(processes) if process.poll() not in (None, 0)]
+        if failed:
+            return _Outcome("failed", _first_failure(failed, status_dir))
         if all(process.poll() == 0 for process in processes):
             return _Outcome("done")
         if stop_requested:
@@ -314,6 +489,23 @@ def _watch(processes: list[subprocess.Popen], timeout: float | None, stop_reques
         if deadline is not None and time.monotonic() > deadline:
             return _Outcome("timeout")
         time.sleep(_POLL)
+
+
+def _first_failure(failed: list[int], status_dir: Path | None) -> int:
+    """The rank that failed first among `failed`, which ended within one poll of each other.
+
+    A worker that fails by its own hand (an exception, `sys.exit(n)`) writes
+    when it did (`_worker.fail`); one killed by a signal cannot, and comes
+    after those. Among the rest the lowest rank is named.
+    """
+    reported: dict[int, float] = {}
+    for rank in failed:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = (status_dir / f"exit.{rank}").read_text() if status_dir else ""
+            reported[rank] = float(text.split()[1])
+    if reported:
+        return min(reported, key=lambda rank: (reported[rank], rank))
+    return failed[0]
 
 
 def _stop(processes: list[subprocess.Popen], grace: float) -> list[int]:

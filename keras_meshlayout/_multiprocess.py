@@ -328,6 +328,8 @@ def initialize(
         initialize_rng()  # one collective over all processes: proves they can talk
     finally:
         watchdog.stop()
+    pace_keras_steps()
+    install_failure_exit()
     info = ProcessInfo(jax.process_index(), jax.process_count())
     if os.environ.get(LAUNCH_DIR_ENV):
         _report_joined(Path(os.environ[LAUNCH_DIR_ENV]), info.process_id)
@@ -502,6 +504,129 @@ def _integer(value: Any, name: str) -> int | None:
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
     raise InvalidOptionError(f"{name} must be an integer. Received: {value!r}.")
+
+
+# -- keeping the processes in step ------------------------------------------------
+
+#: Steps of a Keras loop (fit, evaluate, predict) that may run ahead of the devices.
+STEPS_AHEAD = 2
+_PACED = "_kml_paced"
+
+
+def pace_keras_steps() -> None:
+    """Bounds how far Keras's JAX loops run ahead of the devices in a multi-process run on CPUs.
+
+    JAX dispatches every step asynchronously, so `fit` and `evaluate` queue up
+    steps as fast as Python produces them. XLA's CPU client lets at most 32
+    computations be in flight per device and launches each device's part of
+    a computation on a shared thread pool, in no fixed order; once the queue
+    is full, a device can hold its slots with later steps while the step
+    that they all wait for cannot start, and its collectives with the other
+    processes never complete (both processes hang, at the 32nd queued
+    computation: an epoch of 32 steps, or the handful of metric operations
+    after 28). On one process, or on accelerators, whose streams run in
+    order, this cannot happen. Here, after each step of a Keras loop, the
+    step `STEPS_AHEAD` steps back is waited for, so a loop never has more
+    than `STEPS_AHEAD + 1` steps queued, whatever the number of steps, the
+    callbacks or the verbosity. Installed once by `initialize`; a loop on
+    accelerators is left alone.
+    """
+    from ._keras_internals import trainer_class
+
+    trainer = trainer_class()
+    for name, attribute in (
+        ("make_train_function", "train_function"),
+        ("make_test_function", "test_function"),
+        ("make_predict_function", "predict_function"),
+    ):
+        method = getattr(trainer, name)
+        if getattr(method, _PACED, False):
+            continue
+        setattr(trainer, name, _paced_maker(method, attribute))
+
+
+def _paced_maker(method: Callable[..., Any], attribute: str) -> Callable[..., Any]:
+    def make(model: Any, *args: Any, **kwargs: Any) -> Any:
+        result = method(model, *args, **kwargs)
+        step = getattr(model, attribute, None)
+        if step is not None and not getattr(step, _PACED, False) and _on_cpu():
+            paced = _paced_step(step)
+            setattr(model, attribute, paced)
+            if result is step:
+                result = paced
+        return result
+
+    setattr(make, _PACED, True)
+    make.__name__ = getattr(method, "__name__", "make_function")
+    make.__doc__ = method.__doc__
+    return make
+
+
+def _paced_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    import collections
+
+    import jax
+
+    queued: collections.deque = collections.deque()
+
+    def paced(*args: Any, **kwargs: Any) -> Any:
+        result = step(*args, **kwargs)
+        # The first output (logs, or predictions) is never donated to the next step.
+        first = result[0] if isinstance(result, tuple) and result else result
+        queued.append([a for a in jax.tree_util.tree_leaves(first) if isinstance(a, jax.Array)])
+        while len(queued) > STEPS_AHEAD:
+            arrays = [a for a in queued.popleft() if not a.is_deleted()]
+            jax.block_until_ready(arrays[:1])  # one output: a computation ends as a whole
+        return result
+
+    setattr(paced, _PACED, True)
+    return paced
+
+
+def _on_cpu() -> bool:
+    """Whether the current distribution (or, without one, JAX's default backend) runs on CPUs."""
+    import jax
+
+    if jax.process_count() == 1:
+        return False
+    distribution = keras.distribution.distribution()
+    mesh = getattr(distribution, "device_mesh", None)
+    if mesh is not None:
+        devices = np.asarray(mesh.backend_mesh.devices).flat
+        return any(getattr(device, "platform", "cpu") == "cpu" for device in devices)
+    return jax.default_backend() == "cpu"
+
+
+def install_failure_exit() -> None:
+    """Makes an uncaught exception end this process of a multi-process run at once, with status 1.
+
+    JAX's exit handler waits in a barrier until every process has exited, so
+    a process that raises would wait there for minutes while the others wait
+    for it inside a collective. After Python prints the traceback, this
+    process reports its status (under the launcher) and leaves with
+    `os._exit(1)`, skipping that barrier and the remaining exit handlers; the
+    launcher, or the cluster's scheduler, then stops the others. Installed
+    once by `initialize`. (`sys.exit(n)` under the launcher is handled by its
+    worker bootstrap, `_worker.py`, in the same way.)
+    """
+    previous = sys.excepthook
+    if getattr(previous, _PACED, False):
+        return
+
+    def excepthook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+        try:
+            previous(kind, error, trace)
+        finally:
+            _fail(1)
+
+    setattr(excepthook, _PACED, True)
+    sys.excepthook = excepthook
+
+
+def _fail(status: int) -> None:
+    from . import _worker
+
+    _worker.fail(status)
 
 
 # -- saving from one process ------------------------------------------------------

@@ -1,0 +1,82 @@
+"""The launcher's worker bootstrap: runs the user's script, and makes a failure end the process at once.
+
+`python -m keras_meshlayout.launch` starts each process as
+`python .../keras_meshlayout/_worker.py SCRIPT ARGS` (or `... -m MODULE ARGS`).
+This file imports only the standard library, so the script starts exactly as
+under `python SCRIPT ARGS`: same `sys.argv`, `sys.path[0]` and `__main__`.
+
+Why it exists: after `kml.initialize()`, JAX registers an exit handler that
+waits in a barrier until every process of the job exits. A process that
+raises or calls `sys.exit(3)` would sit there for minutes while the others
+wait for it inside a collective, and the launcher would see nobody fail. Here
+a script that ends with a non-zero status (an exception, `sys.exit(n)`,
+`KeyboardInterrupt`) reports its status to the launcher and leaves at once
+with `os._exit`, skipping that barrier; a script that succeeds exits normally
+and waits for the others, as it must. The report (`exit.RANK` in the launch
+directory: the status and the time) lets the launcher name the process that
+failed first even when several end within the same instant.
+"""
+
+import os
+import runpy
+import sys
+import time
+import traceback
+
+LAUNCH_DIR_ENV = "KML_LAUNCH_DIR"  # as in _multiprocess.py; this file imports nothing of ours
+PROCESS_ID_ENV = "KML_PROCESS_ID"
+
+
+def main() -> None:
+    arguments = sys.argv[1:]
+    status = 0
+    try:
+        if arguments[:1] == ["-m"]:
+            sys.argv = arguments[1:]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = arguments
+            sys.path[0] = os.path.dirname(os.path.abspath(arguments[0]))
+            runpy.run_path(arguments[0], run_name="__main__")
+    except SystemExit as stop:
+        status = _exit_status(stop.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        status = 130
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    if status != 0:
+        fail(status)
+
+
+def _exit_status(code: object) -> int:
+    """The status Python exits with for `sys.exit(code)`."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF if code >= 0 else code % 256
+    print(code, file=sys.stderr)
+    return 1
+
+
+def fail(status: int) -> None:
+    """Reports `status` to the launcher and ends the process now, skipping JAX's exit barrier."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    directory, rank = os.environ.get(LAUNCH_DIR_ENV), os.environ.get(PROCESS_ID_ENV)
+    if directory and rank:
+        try:
+            with open(os.path.join(directory, f"exit.{rank}"), "w") as report:
+                report.write(f"{status} {time.time():.6f}\n")
+        except OSError:
+            pass  # only diagnostics for the launcher
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    main()
