@@ -10,17 +10,19 @@ device; exit status 0 when the plan is valid, so it can gate a CI job), and
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import importlib.util
 import json
 import sys
+import traceback
 import warnings
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._errors import MemoryBudgetError, MeshLayoutError, MeshLayoutWarning
+from ._errors import MemoryBudgetError, MeshLayoutError, MeshLayoutWarning, UnmatchedRuleWarning
 
 #: The plan is valid.
 EXIT_OK = 0
@@ -60,7 +62,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plan fails: {err}", file=sys.stderr)
         return EXIT_PLAN_FAILS
     except (MeshLayoutError, _InputError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if args.traceback and err.__cause__ is not None:  # the user's code that failed
+            traceback.print_exception(err.__cause__)
+        print(f"error: {' '.join(_lines(err))}", file=sys.stderr)
+        return EXIT_INVALID
+    except Exception as err:  # never a traceback: one line, unless asked for
+        if args.traceback:
+            raise
+        print(
+            f"error: {type(err).__name__}: {_one_line(err)} (rerun with --traceback for details)",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
 
 
@@ -68,11 +80,51 @@ class _InputError(Exception):
     """A model, rules file or option the command line cannot use."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad argument in one line on stderr (exit 2), not the usage text as well."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_INVALID, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _lines(err: BaseException) -> list[str]:
+    return [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+
+
+def _one_line(err: BaseException) -> str:
+    """The first line of another library's error message, marked when more lines follow."""
+    lines = _lines(err)
+    return lines[0] + (" [...]" if len(lines) > 1 else "")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="keras-meshlayout",
         description="Named device meshes and checked layout rules for Keras on JAX.",
         epilog=_EXIT_HELP,
+    )
+    parser.add_argument(
+        "--traceback", action="store_true", help="show the Python traceback of an unexpected error"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -126,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--max-replicated-fraction",
-        type=float,
+        type=_fraction,
         default=0.5,
         help="largest share of a device's state that may stay replicated though splittable (default 0.5)",
     )
@@ -140,10 +192,12 @@ def _parser() -> argparse.ArgumentParser:
         help='with --auto: per-device memory the plan must fit at the least traffic, e.g. "40GiB" '
         "(needs --batch-size; prints the predicted bytes per step; replaces the replication guard)",
     )
-    plan.add_argument("--batch-size", type=int, default=None, help="global batch for --memory-budget")
+    plan.add_argument(
+        "--batch-size", type=_positive_int, default=None, help="global batch for --memory-budget"
+    )
     plan.add_argument(
         "--sequence-length",
-        type=int,
+        type=_positive_int,
         default=None,
         help="length for the model inputs' other unknown dimensions (token ids), with --batch-size",
     )
@@ -157,8 +211,15 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a 32-256-128-10 MLP on a data=2, model=4 mesh and print its plan and the "
         "communication of one training step.",
     )
-    demo.add_argument("--steps", type=int, default=20, help="training steps per epoch (default: 20)")
-    demo.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
+    demo.add_argument(
+        "--steps", type=_positive_int, default=20, help="training steps per epoch (default: 20)"
+    )
+    demo.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=64,
+        help="global batch size, a multiple of 2 (default: 64)",
+    )
     demo.set_defaults(run=_demo)
     return parser
 
@@ -166,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
 def _add_emulate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--emulate-devices",
-        type=int,
+        type=_positive_int,
         default=8,
         metavar="N",
         help="CPU devices to emulate (default 8); accelerators, if present, stay the default devices",
@@ -237,6 +298,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     mesh = Mesh.parse(args.mesh)
     build = _load_builder(args.model)
+    _check_optimizer(args.optimizer)
     replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
     if args.memory_budget is not None and not args.auto:
         raise _InputError("--memory-budget chooses layouts for --auto: add --auto.")
@@ -273,7 +335,14 @@ def _plan(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", MeshLayoutWarning)
         plan = dry_plan(build, distribution, optimizer=args.optimizer)
-    messages = sorted({str(w.message) for w in caught if issubclass(w.category, MeshLayoutWarning)})
+    # The plan lists its own warnings (unmatched rules, grouped convolutions) under its table;
+    # the others (indivisible shapes replicated) are printed after it, each once.
+    messages = list(plan.warnings)
+    messages += sorted(
+        {str(w.message) for w in caught if issubclass(w.category, MeshLayoutWarning)}
+        - set(messages)
+        - {str(w.message) for w in caught if issubclass(w.category, UnmatchedRuleWarning)}
+    )
     failure = None
     try:
         # Under a memory budget the planner replicates on purpose wherever the budget allows,
@@ -306,7 +375,7 @@ def _plan(args: argparse.Namespace) -> int:
         console.print(plan)
         if getattr(rules, "cost", None) is not None:
             console.print(f"predicted: {rules.cost}", markup=False)
-        for message in messages:
+        for message in messages[len(plan.warnings) :]:
             console.print(f"warning: {message}", style="yellow", markup=False)
     if failure is not None:
         print(f"plan fails: {failure}", file=sys.stderr)
@@ -333,7 +402,53 @@ def _batch_spec(model: Any, batch_size: int, length: int | None) -> Any:
             shape = [length if size is None else size for size in shape]
         return jax.ShapeDtypeStruct(tuple(shape), keras.backend.standardize_dtype(tensor.dtype))
 
-    return keras.tree.map_structure(spec, model.input)
+    return keras.tree.map_structure(spec, _model_inputs(model))
+
+
+def _model_inputs(model: Any) -> Any:
+    """The model's symbolic inputs in their structure (a Sequential's one input as itself)."""
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        pass
+    inputs = getattr(model, "inputs", None)
+    if inputs:
+        return inputs[0] if len(inputs) == 1 else list(inputs)
+    raise _InputError(
+        f"--batch-size: the model {model.name!r} has no defined inputs to size (a subclassed model?). "
+        "Build it from keras.Input (a functional or Sequential model) to plan with --batch-size."
+    )
+
+
+def _check_optimizer(name: str | None) -> None:
+    """Refuses an `--optimizer` Keras does not know, before any model is built."""
+    if name is None:
+        return
+    import keras
+
+    try:
+        keras.optimizers.get(name)
+    except ValueError:
+        known = sorted(
+            n.lower()
+            for n, value in vars(keras.optimizers).items()
+            if isinstance(value, type)
+            and issubclass(value, keras.optimizers.Optimizer)
+            and _known_optimizer(n.lower())
+        )
+        raise _InputError(
+            f"--optimizer {name!r}: Keras knows no optimizer by that name. Use one of: {', '.join(known)}."
+        ) from None
+
+
+def _known_optimizer(name: str) -> bool:
+    import keras
+
+    try:
+        keras.optimizers.get(name)
+    except Exception:
+        return False
+    return True
 
 
 def _load_builder(spec: str) -> Callable[[], Any]:
@@ -347,13 +462,19 @@ def _load_builder(spec: str) -> Callable[[], Any]:
                 config = json.loads(archive.read("config.json"))
         except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as err:
             raise _InputError(f"--model {spec} is not a Keras archive with a config.json ({err}).") from None
+        if not isinstance(config, dict):
+            raise _InputError(f"--model {spec}: its config.json does not describe a Keras object.")
+        # The plan needs the architecture only: compiling would create the saved optimizer's
+        # variables, which a dry build refuses (plan an optimizer's state with --optimizer).
+        config = {key: value for key, value in config.items() if key != "compile_config"}
 
-        def build() -> Any:
+        def deserialize() -> Any:
             import keras
 
-            return keras.saving.deserialize_keras_object(config)
+            # Keras consumes parts of the config it deserializes: each build gets its own copy.
+            return keras.saving.deserialize_keras_object(copy.deepcopy(config))
 
-        return build
+        return _checked_builder(deserialize, f"--model {spec}", "its config")
     module_name, sep, function = spec.rpartition(":")
     if not sep or not module_name or not function:
         raise _InputError(
@@ -364,7 +485,31 @@ def _load_builder(spec: str) -> Callable[[], Any]:
     builder = getattr(module, function, None)
     if not callable(builder):
         raise _InputError(f"--model {spec!r}: {module_name} has no function {function!r}.")
-    return builder
+    return _checked_builder(builder, f"--model {spec!r}", f"{function}()")
+
+
+def _checked_builder(build: Callable[[], Any], option: str, what: str) -> Callable[[], Any]:
+    """`build`, failing with one clear line when it raises or returns something that is not a model."""
+
+    def checked() -> Any:
+        import keras
+
+        try:
+            model = build()
+        except MeshLayoutError:
+            raise  # a rule or mesh problem found while building: reported as such
+        except Exception as err:
+            raise _InputError(
+                f"{option}: building the model from {what} raised {type(err).__name__}: {_one_line(err)} "
+                "(rerun with --traceback to see where)"
+            ) from err
+        if not isinstance(model, keras.Model):
+            raise _InputError(
+                f"{option}: {what} returned {type(model).__name__} ({model!r:.60}), not a keras.Model."
+            )
+        return model
+
+    return checked
 
 
 def _import(name: str, option: str) -> Any:
@@ -378,8 +523,12 @@ def _import(name: str, option: str) -> Any:
             spec.loader.exec_module(module)
             return module
         return importlib.import_module(name)
-    except ImportError as err:
-        raise _InputError(f"{option} {name}: cannot import it ({err}).") from None
+    except _InputError:
+        raise
+    except Exception as err:  # ImportError, or whatever the module raises as it runs
+        raise _InputError(
+            f"{option} {name}: cannot import it ({type(err).__name__}: {_one_line(err)})."
+        ) from None
 
 
 def _preset(name: str, model_axis: str) -> Any:
@@ -416,7 +565,15 @@ def _rules_file(name: str, build: Callable[[], Any], mesh: Any) -> Any:
             from ._dry import dry_build
 
             with dry_build(build) as model:
-                return module.rules(model, mesh)
+                try:
+                    return module.rules(model, mesh)
+                except MeshLayoutError:
+                    raise
+                except Exception as err:
+                    raise _InputError(
+                        f"--rules {name}: rules(model, mesh) raised {type(err).__name__}: {_one_line(err)} "
+                        "(rerun with --traceback to see where)"
+                    ) from err
         if hasattr(module, "RULES"):
             return module.RULES
         raise _InputError(f"--rules {name} defines neither RULES nor a function rules(model, mesh).")

@@ -24,6 +24,18 @@ def mlp():
         name="mlp",
     )
 
+def functional_mlp():
+    x = keras.Input((32,), name="x")
+    hidden = keras.layers.Dense(256, activation="relu", name="fc1")(x)
+    hidden = keras.layers.Dense(128, name="fc2")(hidden)
+    return keras.Model(x, keras.layers.Dense(10, name="head")(hidden), name="mlp")
+
+def boom():
+    raise RuntimeError("no weights file at /data/w.h5")
+
+def not_a_model():
+    return {"layers": 3}
+
 def tokens():
     ids = keras.Input((None,), dtype="int32", name="ids")
     hidden = keras.layers.Embedding(256, 64, name="embed")(ids)
@@ -46,7 +58,25 @@ def workdir(tmp_path_factory) -> Path:
     (path / "rules.py").write_text(RULES_PY)
     (path / "rules.json").write_text(json.dumps(RULES_JSON))
     (path / "typo.json").write_text(json.dumps([*RULES_JSON, [".*fc3/kernel", [None, "model"]]]))
+    (path / "broken.py").write_text("raise RuntimeError('this module fails as it is imported')\n")
     return path
+
+
+SAVE = """
+import keras, models
+model = models.mlp()
+model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+model.save("compiled.keras")
+models.functional_mlp().save("functional.keras")
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(workdir) -> Path:
+    """A Sequential saved after compile, and an uncompiled functional model."""
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    subprocess.run([sys.executable, "-c", SAVE], cwd=workdir, check=True, env=env, timeout=300)
+    return workdir
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -189,3 +219,149 @@ def test_plan_memory_budget_errors(args, status, fragment, workdir):
     result = cli("plan", "--mesh", "2x4", "--model", "models:tokens", *args, cwd=workdir)
     assert result.returncode == status, (result.stdout, result.stderr)
     assert fragment in result.stderr and "Traceback" not in result.stderr
+
+
+# -- issue 13: every bad input is one line on stderr, exit 2; no traceback ---------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "compiled.keras", "--auto", "--optimizer", "adam"],
+        ["--model", "functional.keras", "--auto"],
+        ["--model", "compiled.keras", "--rules", "rules.json"],
+        ["--model", "models:mlp", "--auto", "--batch-size", "16"],
+        ["--model", "models:mlp", "--auto", "--memory-budget", "1GB", "--batch-size", "16"],
+    ],
+    ids=[
+        "saved-after-compile",
+        "saved-functional-auto",
+        "saved-after-compile-rules",
+        "sequential-batch-size",
+        "sequential-budget",
+    ],
+)
+def test_plan_models_that_used_to_crash(args, saved):
+    result = cli("plan", "--mesh", "2x4", *args, "--json", cwd=saved)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    plan = json.loads(result.stdout)
+    axes = {v["path"].removeprefix("mlp/"): v["axes"] for v in plan["variables"]}
+    assert axes["fc1/kernel"] == [None, "model"] and axes["fc2/kernel"] == ["model", None]
+    if "--memory-budget" in args:
+        assert plan["predicted"]["budget"] == 10**9
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--model", "models:mlp", "--optimizer", "adamm"],
+            "error: --optimizer 'adamm': Keras knows no optimizer by that name. Use one of: adadelta,",
+        ),
+        (
+            ["--model", "models:boom"],
+            "error: --model 'models:boom': building the model from boom() raised RuntimeError: "
+            "no weights file at /data/w.h5",
+        ),
+        (
+            ["--model", "models:boom", "--auto"],
+            "error: --model 'models:boom': building the model from boom() raised RuntimeError: "
+            "no weights file at /data/w.h5",
+        ),
+        (
+            ["--model", "models:not_a_model"],
+            "error: --model 'models:not_a_model': not_a_model() returned dict ({'layers': 3}), "
+            "not a keras.Model.",
+        ),
+        (
+            ["--model", "broken.py:build"],
+            "error: --model broken.py: cannot import it (RuntimeError: this module fails as it is imported).",
+        ),
+        (
+            ["--model", "models:tokens", "--auto", "--batch-size", "0", "--sequence-length", "8"],
+            "error: keras-meshlayout plan: argument --batch-size: expected a positive integer, got 0 "
+            "(see keras-meshlayout plan --help)",
+        ),
+        (
+            ["--model", "models:tokens", "--auto", "--batch-size", "4", "--sequence-length", "-3"],
+            "error: keras-meshlayout plan: argument --sequence-length: expected a positive integer, got -3",
+        ),
+        (
+            ["--model", "models:mlp", "--max-replicated-fraction", "1.5"],
+            "error: keras-meshlayout plan: argument --max-replicated-fraction: expected a number from 0 to 1",
+        ),
+        (["--auto"], "error: keras-meshlayout plan: the following arguments are required: --model"),
+    ],
+    ids=[
+        "unknown-optimizer",
+        "builder-raises",
+        "builder-raises-auto",
+        "builder-not-a-model",
+        "module-raises",
+        "batch-size-0",
+        "negative-length",
+        "fraction-above-1",
+        "missing-model",
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, saved):
+    result = cli("plan", "--mesh", "2x4", *args, cwd=saved)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(message), result.stderr
+    assert result.stdout == ""
+
+
+def test_demo_refuses_a_zero_batch(workdir):
+    result = cli("demo", "--batch-size", "0", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "error: keras-meshlayout demo: argument --batch-size: expected a positive integer, got 0 "
+        "(see keras-meshlayout demo --help)\n"
+    )
+
+
+@pytest.mark.parametrize("output", ["table", "json"])
+def test_strict_prints_an_unmatched_rule_once(output, workdir):
+    extra = ["--json"] if output == "json" else []
+    result = cli(
+        "plan",
+        "--mesh",
+        "2x4",
+        "--model",
+        "models:mlp",
+        "--rules",
+        "typo.json",
+        "--strict",
+        *extra,
+        cwd=workdir,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == "plan fails: 1 warning(s) with --strict\n"
+    if output == "json":
+        warnings = json.loads(result.stdout)["warnings"]
+        assert len(warnings) == 1 and "'.*fc3/kernel'" in warnings[0]
+    else:
+        assert result.stdout.count("'.*fc3/kernel'") == 1, result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, where",
+    [
+        (["--model", "models:boom"], 'models.py", line'),
+        (["--model", "models:mlp", "--rules", "rules_fn.py"], 'rules_fn.py", line 3, in rules'),
+    ],
+    ids=["builder", "rules-function"],
+)
+def test_user_code_that_raises_shows_its_traceback_on_request(args, where, workdir):
+    (workdir / "rules_fn.py").write_text(
+        "def rules(model, mesh):\n    layers = {}\n    return layers['fc9']\n"
+    )
+    short = cli("plan", "--mesh", "2x4", *args, cwd=workdir)
+    assert short.returncode == 2 and len(short.stderr.splitlines()) == 1, short.stderr
+    assert short.stderr.endswith("(rerun with --traceback to see where)\n")
+    long = cli("--traceback", "plan", "--mesh", "2x4", *args, cwd=workdir)
+    assert long.returncode == 2
+    assert long.stderr.startswith("Traceback") and where in long.stderr
+    assert long.stderr.splitlines()[-1] == short.stderr.strip()
