@@ -9,7 +9,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-VOCAB, LENGTH, HIDDEN, HEADS, FFN, CLASSES = 64, 8, 32, 4, 64, 10
+VOCAB, LENGTH, HIDDEN, HEADS, FFN, CLASSES = 32, 8, 32, 4, 128, 10
 HEAD_DIM = HIDDEN // HEADS
 FEATURES, WIDTH = 16, 64
 

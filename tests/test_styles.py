@@ -1,0 +1,113 @@
+"""The planner reads the computation, not how it was written.
+
+One transformer block and one MLP (`tests/styles.py`), each written in the
+styles Keras users write: functional layers, Sequential, a subclassed
+`keras.Model`, custom layers with `add_weight` + `ops.matmul`, and
+`keras.ops`/operators (`ops.silu(g) * u`, `ops.einsum` attention). Every style
+of a family must get the same layouts (up to paths) and the same predicted
+bytes, keep parameters per device near the tensor-parallel ideal, and train
+sharded equal to one device.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import styles
+from helpers import Reference, assert_laid_out_as_planned, assert_same_weights, train
+
+import keras_meshlayout as kml
+
+FAMILIES = {"block": styles.BLOCKS, "mlp": styles.MLPS}
+MESHES = {"2x4": (2, 4), "4x2": (4, 2)}
+CASES = [(family, style) for family, builders in FAMILIES.items() for style in builders]
+CASE_IDS = [f"{family}-{style}" for family, style in CASES]
+
+
+def mesh_of(name: str) -> kml.Mesh:
+    data, model = MESHES[name]
+    return kml.Mesh(data=data, model=model)
+
+
+def data(family: str, size: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    if family == "block":
+        x = rng.integers(0, styles.VOCAB, (size, styles.LENGTH)).astype("int32")
+    else:
+        x = rng.normal(size=(size, styles.FEATURES)).astype("float32")
+    return x, rng.integers(0, styles.CLASSES, size).astype("int32")
+
+
+def build(family: str, style: str) -> keras.Model:
+    keras.distribution.set_distribution(None)
+    return FAMILIES[family][style]()
+
+
+def layouts(model: keras.Model, rules: kml.LayoutRules) -> list[tuple[tuple[int, ...], tuple]]:
+    """Each weight's shape and axes, in creation order: the plan up to paths."""
+    out = []
+    for variable in model.weights:
+        rule = rules.match(variable.path)
+        axes = (None,) * len(variable.shape) if rule is None else rule.expand(len(variable.shape))
+        out.append((tuple(variable.shape), tuple(axes)))
+    return out
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_style_gets_the_same_layouts(family, mesh_name):
+    plans = {}
+    for style in FAMILIES[family]:
+        model = build(family, style)
+        plans[style] = layouts(model, kml.auto_rules(model, mesh_of(mesh_name), replicate_below=0))
+    first = next(iter(plans.values()))
+    assert sum("model" in axes for _, axes in first) >= 4  # the plan splits both units
+    for style, plan in plans.items():
+        assert plan == first, style
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_style_gets_the_same_predicted_bytes(family, mesh_name):
+    costs = {}
+    x, _ = data(family)
+    for style in FAMILIES[family]:
+        model = build(family, style)
+        rules = kml.auto_rules(model, mesh_of(mesh_name), replicate_below=0, batch=x, optimizer="adam")
+        cost = rules.cost
+        costs[style] = (dict(cost.wire_bytes_by_axis), cost.state_bytes, cost.activation_bytes)
+    first = next(iter(costs.values()))
+    assert first[0].get("model", 0) > 0  # activations are all-reduced over the model axis
+    for style, cost in costs.items():
+        assert cost == first, style
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize(("family", "style"), CASES, ids=CASE_IDS)
+def test_parameters_per_device_near_the_tensor_parallel_ideal(family, style, mesh_name):
+    """No budget: parameters per device within 1.5x of the total over the model axis."""
+    mesh = mesh_of(mesh_name)
+    model = build(family, style)
+    rules = kml.auto_rules(model, mesh, replicate_below=0)
+    size = mesh.axis_sizes["model"]
+    total = per_device = 0
+    for shape, axes in layouts(model, rules):
+        count = math.prod(shape)
+        total += count
+        per_device += count // (size if "model" in axes else 1)
+    assert per_device <= 1.5 * total / size, (per_device, total / size)
+
+
+
+@pytest.mark.parametrize(("family", "style"), CASES, ids=CASE_IDS)
+def test_each_style_trains_sharded_like_one_device(family, style):
+    builder = FAMILIES[family][style]
+    reference = Reference(lambda: build(family, style), data(family))
+    mesh = mesh_of("2x4")
+    rules = kml.auto_rules(build(family, style), mesh, replicate_below=0)
+    dist = kml.ModelParallel(mesh, rules, replicate_below=0)
+    model = train(builder, reference.initial, data(family), distribution=dist)
+    keras.distribution.set_distribution(None)
+    assert_laid_out_as_planned(model, dist.plan(model), mesh)
+    assert_same_weights(model, reference.trained)
