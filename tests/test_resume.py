@@ -244,7 +244,7 @@ def test_resumable_checkpoint_rejects_a_bad_save_freq(save_freq):
 # -- a child process killed with SIGKILL ------------------------------------------------
 
 CHILD = """
-    import sys, time
+    import os, signal, sys, time
     from pathlib import Path
 
     import keras_meshlayout as kml
@@ -256,15 +256,17 @@ CHILD = """
 
     from keras_meshlayout import ResumableCheckpoint
 
-    work, kind, kill_at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    work, kind, model_kind, kill, kill_at = Path(sys.argv[1]), *sys.argv[2:5], int(sys.argv[5])
     rules = {rules!r}
     keras.distribution.set_distribution(
         kml.ModelParallel(kml.Mesh(data=2, model=4), rules, batch_axis="data", replicate_below=0)
     )
+    keras.utils.set_random_seed(3)
     model = keras.Sequential(
         [
             keras.Input((16,)),
             keras.layers.Dense(128, activation="relu", name="fc1"),
+            *([keras.layers.Dropout(0.3)] if model_kind == "dropout" else []),
             keras.layers.Dense(64, activation="relu", name="fc2"),
             keras.layers.Dense(8, name="head"),
         ],
@@ -274,31 +276,48 @@ CHILD = """
         optimizer=keras.optimizers.Adam(1e-2),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    start = np.load(work / "initial.npz")
-    model.set_weights([start[f"arr_{{i}}"] for i in range(len(start.files))])
+    if model_kind == "mlp":
+        start = np.load(work / "initial.npz")
+        model.set_weights([start[f"arr_{{i}}"] for i in range(len(start.files))])
     rng = np.random.default_rng(0)
     x = rng.normal(size=({batch} * {steps}, 16)).astype("float32")
     y = x[:, :8].argmax(axis=1).astype("int32")
 
 
     class Hang(keras.callbacks.Callback):
-        # At step kill_at (1-based), tell the parent and wait to be killed.
+        # After step kill_at (1-based), tell the parent and wait to be killed.
         def __init__(self):
             super().__init__()
             self.steps = 0
 
-        def on_train_batch_end(self, batch, logs=None):
-            self.steps += 1
-            if self.steps == kill_at:
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.steps == kill_at and kill == "mid-epoch":
                 (work / "marker").touch()
                 time.sleep(120)
 
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
 
+
+    hang = Hang()
+    replace = os.replace
+
+
+    def replace_then_die(src, dst):
+        # The fault: SIGKILL in the save after step kill_at, right after one of its two renames.
+        replace(src, dst)
+        first = ".latest.old-" in str(dst)
+        if hang.steps >= kill_at and first == (kill == "between the renames"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+    if kill_at and kill in ("between the renames", "after moving into place"):
+        os.replace = replace_then_die
     if kind == "backup_and_restore":
         backup = keras.callbacks.BackupAndRestore(work / "backup", save_freq="epoch")
     else:
         backup = ResumableCheckpoint(work / "backup", save_freq=2)
-    model.fit(x, y, batch_size={batch}, epochs={epochs}, shuffle=False, verbose=0, callbacks=[backup, Hang()])
+    model.fit(x, y, batch_size={batch}, epochs={epochs}, shuffle=False, verbose=0, callbacks=[hang, backup])
     np.savez(work / "final.npz", *[np.asarray(v.value) for v in model.weights])
     print("iterations", int(model.optimizer.iterations))
 """
@@ -309,49 +328,67 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
 
 
-@pytest.mark.parametrize("kind", ["backup_and_restore", "resumable_checkpoint"])
-def test_training_killed_with_sigkill_resumes_exactly(kind, reference, tmp_path):
+#: (callback, model, how the first run dies). A SIGKILL during a step (from this process),
+#: or in the backup's own save right after one of its two renames (the child kills itself).
+KILLS = [
+    ("backup_and_restore", "mlp", "mid-epoch"),
+    ("resumable_checkpoint", "dropout", "mid-epoch"),
+    # Issue 13: killed between the renames, the next start trained from scratch, silently.
+    ("resumable_checkpoint", "dropout", "between the renames"),
+    ("resumable_checkpoint", "dropout", "after moving into place"),
+]
+
+
+@pytest.mark.parametrize(("kind", "model_kind", "kill"), KILLS, ids=["-".join(k) for k in KILLS])
+def test_training_killed_with_sigkill_resumes_exactly(
+    kind, model_kind, kill, reference, random_reference, tmp_path
+):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(CHILD).format(rules=RULES, batch=BATCH, steps=STEPS, epochs=EPOCHS))
     np.savez(tmp_path / "initial.npz", *reference["initial"])
     kill_at = STEPS + 3
     log = tmp_path / "first-run.log"
+    command = [sys.executable, str(script), str(tmp_path), kind, model_kind, kill]
     with open(log, "w") as output:
         child = subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path), kind, str(kill_at)],
-            env=child_env(),
-            stdout=output,
-            stderr=subprocess.STDOUT,
+            [*command, str(kill_at)], env=child_env(), stdout=output, stderr=subprocess.STDOUT
         )
         try:
             deadline = time.monotonic() + 120
-            while not (tmp_path / "marker").exists():
+            while kill == "mid-epoch" and not (tmp_path / "marker").exists():
                 if child.poll() is not None:
                     pytest.fail(f"the child exited before step {kill_at}:\n{log.read_text()}")
                 assert time.monotonic() < deadline, "the child never reached the kill step"
                 time.sleep(0.05)
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait(timeout=30)
+            if kill == "mid-epoch":
+                os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=120)
         finally:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    assert child.returncode == -signal.SIGKILL
+    assert child.returncode == -signal.SIGKILL, log.read_text()
     assert (tmp_path / "backup").is_dir() and not (tmp_path / "final.npz").exists()
+    if kind == "resumable_checkpoint":
+        left = sorted(p.name.split("-")[0] for p in (tmp_path / "backup").iterdir())
+        expected = {
+            "mid-epoch": ["latest"],
+            "between the renames": [".latest.old", ".latest.partial"],  # no "latest": the bug's window
+            "after moving into place": [".latest.old", "latest"],
+        }
+        assert left == expected[kill]
 
-    rerun = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), kind, "0"],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    rerun = subprocess.run([*command, "0"], env=child_env(), capture_output=True, text=True, timeout=180)
     assert rerun.returncode == 0, rerun.stderr
     assert f"iterations {EPOCHS * STEPS}" in rerun.stdout
     final = np.load(tmp_path / "final.npz")
-    for i, want in enumerate(reference["trained"]):
-        np.testing.assert_allclose(final[f"arr_{i}"], want, atol=1e-6, rtol=0)
-    assert not (tmp_path / "backup").exists()
+    if model_kind == "mlp":
+        for i, want in enumerate(reference["trained"]):
+            np.testing.assert_allclose(final[f"arr_{i}"], want, atol=1e-6, rtol=0)
+    else:  # bit for bit
+        expected = random_reference["Sequential with Dropout"][0]
+        assert all(np.array_equal(final[f"arr_{i}"], want) for i, want in enumerate(expected))
+    assert not (tmp_path / "backup").exists(), "deleted at the end, with whatever the kill left"
 
 
 # -- random layers: the seed generators' state is part of the backup (issue 13) --------------
