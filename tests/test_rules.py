@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -172,3 +174,109 @@ def test_notes_travel_to_the_plan():
     plan = distribution.plan(model)
     assert plan["m/d/kernel"].to_dict()["rule"]["note"] == "column-parallel"
     assert "column-parallel" in str(plan)
+
+
+# -- linear-time lookup (issue 11 item 4): literal patterns by dictionary, same answers ------------
+
+
+@pytest.mark.parametrize(
+    "pattern, strings",
+    [
+        ("net/dense/kernel", {"net/dense/kernel"}),
+        (r"net/dense\.1/kernel", {"net/dense.1/kernel"}),
+        (r"(?:net/)?dense/kernel", {"dense/kernel", "net/dense/kernel"}),
+        (r"net/(?:query|key)/kernel", {"net/query/kernel", "net/key/kernel"}),
+        (r"(?:a|b)?/k", {"a/k", "b/k", "/k"}),
+        (r"a\ b\-c", {"a b-c"}),
+        (r".*kernel", None),
+        (r"dense_\d/kernel", None),
+        (r"dense+", None),
+        (r"(?:net.)?dense", None),
+        (r"(net)/dense", None),
+        (r"(?:net/)*dense", None),
+        ("(?:a/)?" * 7 + "k", None),  # 128 strings: matched as a regex
+    ],
+    ids=[
+        "plain",
+        "escaped",
+        "optional-prefix",
+        "alternatives",
+        "optional-alternatives",
+        "escaped-space-and-dash",
+        "wildcard",
+        "class-escape",
+        "quantifier",
+        "regex-in-group",
+        "capturing-group",
+        "repeated-group",
+        "too-many",
+    ],
+)
+def test_literal_strings(pattern, strings):
+    from keras_meshlayout._rules import literal_strings
+
+    found = literal_strings(pattern)
+    assert (None if found is None else set(found)) == strings
+    if strings is not None:
+        assert all(re.fullmatch(pattern, text) for text in strings)
+
+
+def naive_match(patterns: list[str], path: str) -> int | None:
+    """The documented semantics, by brute force: an exact key, else the first full match."""
+    if path in patterns:
+        return patterns.index(path)
+    for index, pattern in enumerate(patterns):
+        if pattern.endswith("/output") == path.endswith("/output") and re.fullmatch(pattern, path):
+            return index
+    return None
+
+
+LOOKUP_RULE_SETS = {
+    "planner": [r"(?:net/)?d_1/kernel", r"(?:net/)?d_1/bias", r"(?:net/)?d_2/kernel", r"net/d_2/output"],
+    "regex-before-literal": [r".*kernel", r"(?:net/)?d_1/kernel", r"net/d_2/kernel", r".*/output"],
+    "literal-before-regex": [r"(?:net/)?d_1/kernel", r".*kernel", r".*d_.*/bias", r"net/d_1/bias"],
+    "overlapping-literals": [r"(?:net/)?d_1/kernel", r"net/d_1/kernel", r"(?:net|m)/d_1/kernel", r".*"],
+    "exact-regex-key": [r".*", r"net/d_.*/kernel", r".*/output", r"net/d_1/output"],
+}
+LOOKUP_PATHS = [
+    "net/d_1/kernel",
+    "d_1/kernel",
+    "m/d_1/kernel",
+    "net/d_1/bias",
+    "net/d_2/kernel",
+    "d_2/kernel",
+    "net/d_2/output",
+    "net/d_1/output",
+    "net/d_.*/kernel",
+    ".*",
+    "other",
+]
+
+
+@pytest.mark.parametrize("name", list(LOOKUP_RULE_SETS), ids=list(LOOKUP_RULE_SETS))
+def test_lookup_gives_the_documented_answer(name):
+    patterns = LOOKUP_RULE_SETS[name]
+    rules = kml.LayoutRules([(p, ("model",)) for p in patterns])
+    for path in LOOKUP_PATHS:
+        rule = rules.match(path)
+        assert (None if rule is None else rule.index) == naive_match(patterns, path), path
+    del rules[patterns[0]]  # the tables follow every change
+    rules[patterns[0]] = ("model",)
+    moved = patterns[1:] + patterns[:1]
+    for path in LOOKUP_PATHS:
+        rule = rules.match(path)
+        assert (None if rule is None else rule.pattern) == (
+            None if naive_match(moved, path) is None else moved[naive_match(moved, path)]
+        ), path
+
+
+def test_an_earlier_regex_beats_an_escaped_literal_but_not_an_exact_key():
+    rules = kml.LayoutRules(
+        [
+            (r".*kernel", ("model", None)),
+            (r"(?:net/)?d/kernel", (None, "model")),
+            ("net/d/kernel", (None, None)),
+        ]
+    )
+    assert rules.match("d/kernel").index == 0  # first match: the regex comes first
+    assert rules.match("net/d/kernel").index == 2  # a key equal to the path wins, as in Keras
