@@ -28,8 +28,9 @@ from helpers import BATCH, MLP_RULES, assert_same_weights, build_mlp, train
 
 import keras_meshlayout as kml
 from keras_meshlayout import launch as launch_module
-from keras_meshlayout._launch import _environment
+from keras_meshlayout._launch import _environment, _first_failure, _free_port, _GlooLines
 from keras_meshlayout._multiprocess import INIT_TIMEOUT_EXIT_STATUS, cluster_config
+from keras_meshlayout._worker import _exit_status
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 8
@@ -273,8 +274,8 @@ def test_multi_process_save_checkpoint_loads_in_one_process(two_process_run):
 
 # -- failures end the run, bounded, with nothing left behind ------------------------------
 
-KILLED_WORKER = """
-import os, signal
+FAILING_WORKER = """
+import os, signal, sys
 
 import keras_meshlayout as kml
 
@@ -283,11 +284,17 @@ process_id, _ = kml.initialize(emulate_devices=8)
 import keras
 import numpy as np
 
+HOW, RANK = sys.argv[1], int(sys.argv[2])
 
-class KillRankOne(keras.callbacks.Callback):
+
+class FailAtStep3(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
-        if process_id == 1 and batch == 2:
-            print("rank 1 kills itself", flush=True)
+        if process_id == RANK and batch == 3:
+            print(f"rank {RANK} fails at step 3: {HOW}", flush=True)
+            if HOW == "exception":
+                raise RuntimeError("step 3 went wrong")
+            if HOW == "exit":
+                sys.exit(3)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -297,25 +304,179 @@ model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64), keras.laye
 model.compile(optimizer="sgd", loss="mse")
 x, y = np.zeros((64 * 50, 32), "float32"), np.zeros((64 * 50, 10), "float32")
 x, y = kml.process_slice((x, y), batch_size=64)
-model.fit(x, y, batch_size=kml.local_batch_size(64), epochs=100, verbose=0, callbacks=[KillRankOne()])
+model.fit(x, y, batch_size=kml.local_batch_size(64), epochs=100, verbose=0, callbacks=[FailAtStep3()])
 """
 
 
-def test_sigkill_of_one_process_stops_the_run(tmp_path):
-    script = write_script(tmp_path, "killed_worker.py", KILLED_WORKER)
+@pytest.mark.parametrize(
+    "how, rank, status, described, shown",
+    [
+        ("exception", 1, 1, "exited with status 1", "RuntimeError: step 3 went wrong"),
+        ("exception", 0, 1, "exited with status 1", "RuntimeError: step 3 went wrong"),
+        ("exit", 1, 3, "exited with status 3", None),
+        ("sigkill", 1, 128 + signal.SIGKILL, r"was killed by signal 9 \(SIGKILL\)", None),
+    ],
+    ids=["exception-rank-1", "exception-coordinator", "sys-exit", "sigkill"],
+)
+def test_a_failing_worker_ends_the_job_naming_it(tmp_path, how, rank, status, described, shown):
+    """Regression (issue 13): a worker failing after kml.initialize hung ~300 s in JAX's exit barrier,
+    and then the launcher blamed another rank with another status."""
+    script = write_script(tmp_path, "failing_worker.py", FAILING_WORKER)
     result, seconds = run_launcher(
-        script, options=("--devices-per-process", "4", "--init-timeout", "60", "--grace", "3")
+        script, how, str(rank), options=("--devices-per-process", "4", "--init-timeout", "60", "--grace", "3")
     )
-    assert result.returncode == 128 + signal.SIGKILL, output(result)
+    assert result.returncode == status, output(result)
     assert seconds < 60, f"took {seconds:.0f} s\n{output(result)}"
-    assert "[1] rank 1 kills itself" in result.stdout, output(result)
+    assert f"[{rank}] rank {rank} fails at step 3: {how}" in result.stdout, output(result)
+    if shown:
+        assert f"[{rank}] {shown}" in result.stderr, output(result)
+    other = 1 - rank
+    # The other rank is stopped by the launcher, or ends on its own when its peer vanishes.
     assert re.search(
-        r"rank 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\); stopped rank 0 by SIGTERM\.", result.stderr
+        rf"keras_meshlayout\.launch: rank {rank} \(pid \d+\) {described}"
+        rf"(; stopped rank {other} by SIGTERM)?\.",
+        result.stderr,
     ), output(result)
     pids = launched_pids(result.stderr)
     assert set(pids) == {0, 1}, output(result)
     assert not [pid for pid in pids.values() if alive(pid)], "a launched process outlived the launcher"
     assert not processes_running(str(script)), "a process of the run is still running"
+
+
+JOB_ON_A_PORT = """
+import sys, time
+from pathlib import Path
+
+import keras_meshlayout as kml
+
+process_id, _ = kml.initialize()
+import jax
+from jax.experimental import multihost_utils
+
+print(f"rank {process_id} joined", flush=True)
+flag = Path(sys.argv[1])
+deadline = time.monotonic() + 60
+while not flag.exists() and time.monotonic() < deadline:  # the test lets the job end
+    time.sleep(0.1)
+multihost_utils.sync_global_devices("still one job")  # fails if another job's process joined
+print(f"rank {process_id} done", flush=True)
+"""
+
+
+def wait_for_line(process: subprocess.Popen, text: str, seconds: float) -> str:
+    """Reads the process's stdout until a line contains `text`; returns what was read."""
+    seen, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    raise AssertionError(f"{text!r} not printed within {seconds} s:\n{''.join(seen)}")
+
+
+def test_second_job_on_a_running_jobs_port_fails_fast_and_the_first_finishes(tmp_path):
+    """Regression (issue 13): the second job's processes joined the first's coordinator and killed it."""
+    script = write_script(tmp_path, "job.py", JOB_ON_A_PORT)
+    port = str(_free_port())
+    command = [sys.executable, "-m", "keras_meshlayout.launch", "--port", port, "--devices-per-process", "2"]
+    first = subprocess.Popen(
+        [*command, str(script), str(tmp_path / "end")],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+    )
+    try:
+        wait_for_line(first, "joined", LAUNCH_TIMEOUT_S)
+        start = time.monotonic()
+        second = subprocess.run(
+            [*command, str(script), str(tmp_path / "end")],
+            cwd=tmp_path,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            encoding="utf-8",
+            timeout=LAUNCH_TIMEOUT_S,
+        )
+        seconds = time.monotonic() - start
+        (tmp_path / "end").touch()
+        rest, errors = first.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode == 2, output(second)
+    assert seconds < 15, f"took {seconds:.0f} s\n{output(second)}"
+    assert second.stderr == (
+        f"keras_meshlayout.launch: error: port {port} is in use by another keras_meshlayout.launch job "
+        f"on this machine (pid {first.pid}): its coordinator listens there, and processes of a second "
+        "job would join it and abort both jobs. Fix: pass another --port, or leave out --port to use "
+        "a free one.\n"
+    ), output(second)
+    assert second.stdout == ""
+    assert first.returncode == 0, f"exit status {first.returncode}\n{rest}\n{errors}"
+    assert "[0] rank 0 done" in rest and "[1] rank 1 done" in rest, rest
+
+
+def test_port_held_by_another_program_is_a_clear_error(tmp_path):
+    script = write_script(tmp_path, "never_runs.py", "raise SystemExit('must not start')\n")
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(1)
+        port = squatter.getsockname()[1]
+        result, seconds = run_launcher(script, options=("--port", str(port)))
+    assert result.returncode == 2, output(result)
+    assert seconds < 15, output(result)
+    assert result.stderr == (
+        f"keras_meshlayout.launch: error: port {port} on 127.0.0.1 is in use by another program "
+        "(Address already in use), so the coordinator cannot listen there. Fix: pass another --port, "
+        "or leave out --port to use a free one.\n"
+    ), output(result)
+
+
+def gloo_line(rank: int, connected: int, expected: int) -> bytes:
+    return (
+        f"[Gloo] Rank {rank} is connected to {connected} peer ranks. Expected number of connected "
+        f"peer ranks is : {expected}\n"
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    "line, kept",
+    [
+        (gloo_line(3, 7, 7), False),
+        (gloo_line(0, 1, 1), False),
+        (gloo_line(3, 5, 7), True),
+        (b"[Gloo] something else\n", True),
+        (b"epoch 1: loss 0.3 [Gloo] Rank 3 is connected to 7 peer ranks.\n", True),
+        (b"Rank 3 is connected\n", True),
+    ],
+    ids=["connected-8", "connected-2", "missing-peers", "other-gloo", "user-line", "plain"],
+)
+def test_launcher_drops_gloo_connection_lines(line, kept):
+    """Regression (issue 13): about 30 of these per run buried the user's output."""
+    assert _GlooLines().keep(line) is kept
+
+
+@pytest.mark.parametrize(
+    "code, status",
+    [(None, 0), (0, 0), (3, 3), (256 + 7, 7), (-1, 255), ("bad input", 1), (True, 1)],
+    ids=["none", "zero", "three", "wraps", "negative", "message", "bool"],
+)
+def test_worker_exit_status_is_pythons(code, status, capsys):
+    assert _exit_status(code) == status
+    assert capsys.readouterr().err == ("bad input\n" if code == "bad input" else "")
+
+
+def test_first_failure_prefers_the_earliest_report(tmp_path):
+    (tmp_path / "exit.1").write_text("1 100.5\n")
+    (tmp_path / "exit.2").write_text("3 100.2\n")
+    assert _first_failure([0, 1, 2], tmp_path) == 2  # rank 0 was killed: it wrote nothing
+    assert _first_failure([0, 3], tmp_path) == 0
+    assert _first_failure([1], None) == 1
 
 
 def test_failing_process_stops_the_others_and_sets_the_exit_status(tmp_path):
