@@ -50,6 +50,23 @@ def test_recipe_runs(recipe: Path, tmp_path: Path):
     assert_ran_with_plan(result)
 
 
+def test_multi_process_recipe_under_the_launcher_with_its_defaults(tmp_path: Path):
+    """The README's command, with the recipe's default 32 steps.
+
+    Regression (issue 13): it hung in every run, because XLA's CPU client
+    deadlocks once about 32 computations are in flight per device while
+    collectives cross processes (`kml.initialize` now paces Keras's loops).
+    """
+    recipe = next(path for path in RECIPES if path.name == "multi_process_2x4.py")
+    launch = [sys.executable, "-m", "keras_meshlayout.launch", "-n", "2", "--devices-per-process", "4"]
+    # --timeout makes the launcher stop a hung run itself, well before TIMEOUT_S.
+    result = run_fresh([*launch, "--timeout", "240", str(recipe), "--epochs", "1"], cwd=tmp_path)
+    assert_ran_with_plan(result)
+    assert "[0] 32/32 - " in result.stdout, result.stdout  # the epoch's 32 steps, as the README shows
+    assert "after" in result.stdout and "[0] loss: " in result.stdout
+    assert "[Gloo]" not in result.stdout + result.stderr  # the launcher drops gloo's connection lines
+
+
 def test_python_m_demo(tmp_path: Path):
     result = run_fresh([sys.executable, "-m", "keras_meshlayout", "demo", "--steps", "4"], cwd=tmp_path)
     assert_ran_with_plan(result)
