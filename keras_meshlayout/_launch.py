@@ -6,8 +6,15 @@ the coordinator of JAX's distributed runtime on a free loopback port, and the
 variables `kml.initialize()` (and Keras's `keras.distribution.initialize()`)
 read. Every line a process prints comes out prefixed with its rank, `[0] ...`.
 When a process fails, the launcher stops the others (SIGTERM, then SIGKILL
-after a grace period), says which rank failed and how, and exits non-zero; a
-process that never reaches the others gives up after `--init-timeout`.
+after a grace period), says which rank failed first and how, and exits
+non-zero; a process that never reaches the others gives up after
+`--init-timeout`.
+
+Each process runs the script under `_worker.py`, which ends a failing process
+at once instead of letting it wait in JAX's exit barrier. Each job holds a
+lock named after its coordinator port, so a second job on the same port is
+refused before it starts, and a port another program listens on is named as
+such. Gloo's "Rank N is connected to K peer ranks" lines are dropped.
 """
 
 from __future__ import annotations

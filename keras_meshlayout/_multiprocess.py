@@ -516,20 +516,26 @@ _PACED = "_kml_paced"
 def pace_keras_steps() -> None:
     """Bounds how far Keras's JAX loops run ahead of the devices in a multi-process run on CPUs.
 
-    JAX dispatches every step asynchronously, so `fit` and `evaluate` queue up
-    steps as fast as Python produces them. XLA's CPU client lets at most 32
-    computations be in flight per device and launches each device's part of
-    a computation on a shared thread pool, in no fixed order; once the queue
-    is full, a device can hold its slots with later steps while the step
-    that they all wait for cannot start, and its collectives with the other
-    processes never complete (both processes hang, at the 32nd queued
-    computation: an epoch of 32 steps, or the handful of metric operations
-    after 28). On one process, or on accelerators, whose streams run in
-    order, this cannot happen. Here, after each step of a Keras loop, the
-    step `STEPS_AHEAD` steps back is waited for, so a loop never has more
-    than `STEPS_AHEAD + 1` steps queued, whatever the number of steps, the
-    callbacks or the verbosity. Installed once by `initialize`; a loop on
-    accelerators is left alone.
+    JAX dispatches every step asynchronously, so `fit`, `evaluate` and
+    `predict` queue steps as fast as Python produces them. XLA's CPU client
+    lets at most 32 computations be in flight per device, and launches each
+    device's part of a computation on a shared thread pool in no fixed order.
+    When collectives cross processes, a full queue deadlocks: a device's
+    slots are held by later computations while the one they all wait for
+    cannot start, so its collective with the other process never completes
+    and both processes hang. Measured (jaxlib 0.10.2, 2 processes x 4 CPU
+    devices): 20 chained steps with an all-reduce pass, 32 hang every time,
+    as the recipe's 32-step epoch did. One process, or accelerators (whose
+    streams run in order), are not affected.
+
+    Here, after each step of a Keras loop, the step `STEPS_AHEAD` steps back
+    is waited for, so a loop never has more than `STEPS_AHEAD + 1` steps
+    queued, whatever the number of steps, the callbacks or the verbosity;
+    the host still prepares the next batch while the devices compute.
+    Installed once by `initialize` in a multi-process run; a loop whose
+    distribution has no CPU device is left alone. A hand-written loop of
+    jitted steps must block on a result every few steps itself
+    (`jax.block_until_ready`).
     """
     from ._keras_internals import trainer_class
 
