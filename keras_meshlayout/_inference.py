@@ -129,11 +129,12 @@ def _guard(method: Callable[..., Any], inference: bool) -> Callable[..., Any]:
         purged = {}
         purged_token = _PURGED.set(purged)
         before = _snapshot(model)
+        empty = _empty(model)  # emptied by an enclosing loop (a callback's call): not ours to fill
         stale = internals.state_object(model)
         try:
             return method(model, *args, **kwargs)
         except BaseException as error:
-            _restore(model, {**before, **purged}, stale, error)
+            _restore(model, {**before, **purged}, empty, stale, error)
             raise
         finally:
             _PURGED.reset(purged_token)
@@ -157,6 +158,15 @@ def _snapshot(model: Any) -> dict[int, Any]:
     }
 
 
+def _empty(model: Any) -> set[int]:
+    return {
+        id(variable)
+        for variables in internals.variable_groups(model).values()
+        for variable in variables
+        if not _alive(internals.raw_value(variable))
+    }
+
+
 def _alive(value: Any) -> bool:
     if value is None:
         return False
@@ -164,16 +174,20 @@ def _alive(value: Any) -> bool:
     return not (callable(is_deleted) and is_deleted())
 
 
-def _restore(model: Any, before: dict[int, Any], stale: Any, error: BaseException) -> None:
+def _restore(model: Any, before: dict[int, Any], empty: set[int], stale: Any, error: BaseException) -> None:
     """Puts a value back into every variable the failed call left empty.
 
     First the state of the call's last completed step (what Keras would have
     written back had the loop ended), then, for a variable still empty, the
     value it held when the call's loop began (alive unless a step consumed it).
+    Variables already empty when the call began, and a pending state the call
+    did not make, belong to an enclosing loop (a `fit` whose callback called
+    `predict`): that loop writes them back itself.
     """
     groups = internals.variable_groups(model)
     state = internals.pending_state(model)
-    if state is not None and internals.state_object(model) is not stale:
+    ours = internals.state_object(model) is not stale
+    if state is not None and ours:
         for key in internals.STATE_KEYS:
             values = state.get(key) or ()
             for variable, value in zip(groups[key], values, strict=False):
@@ -187,9 +201,10 @@ def _restore(model: Any, before: dict[int, Any], stale: Any, error: BaseExceptio
             value = before.get(id(variable))
             if _alive(value):
                 internals.set_raw_value(variable, value)
-            else:
+            elif id(variable) not in empty:
                 lost.append(variable.path)
-    internals.clear_pending_state(model)
+    if ours:
+        internals.clear_pending_state(model)
     if lost:
         error.add_note(
             f"keras_meshlayout could not restore {len(lost)} variable(s) after this error, "

@@ -220,15 +220,36 @@ class Switch(keras.layers.Layer):
 
 
 class RaiseAt(keras.callbacks.Callback):
-    def __init__(self, batch: int, error: BaseException):
-        super().__init__()
-        self.batch, self.error = batch, error
+    """Raises `error` at the end (or the beginning) of predict/evaluate batch `batch`."""
 
-    def on_predict_batch_end(self, batch, logs=None):
-        if batch == self.batch:
+    def __init__(self, batch: int, error: BaseException, at: str = "end"):
+        super().__init__()
+        self.batch, self.error, self.at = batch, error, at
+
+    def _maybe_raise(self, batch, at):
+        if batch == self.batch and at == self.at:
             raise self.error
 
+    def on_predict_batch_begin(self, batch, logs=None):
+        self._maybe_raise(batch, "begin")
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._maybe_raise(batch, "end")
+
     on_test_batch_end = on_predict_batch_end
+
+
+class PredictDuringFit(keras.callbacks.Callback):
+    """After training batch `batch`, calls a predict that fails (its own callback raises)."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            fails = RaiseAt(0, RuntimeError("nested"), at="begin")
+            self.model.predict(np.zeros((4, FEATURES), "float32"), verbose=0, callbacks=[fails])
 
 
 def switched() -> keras.Model:
@@ -241,6 +262,10 @@ def switched() -> keras.Model:
         ],
         name="seq",
     )
+
+
+def fit_three_batches(model, x, y):
+    model.fit(x[:96], y[:96], batch_size=32, verbose=0, shuffle=False)
 
 
 def fit_on_full_batches(model, x, y):
@@ -278,6 +303,12 @@ FAILURES = [
         None,
     ),
     ("fit-first-step-raises", break_and_fit, RuntimeError, None),
+    (
+        "predict-in-a-fit-callback-raises",  # the inner guard leaves fit's own state to fit
+        lambda m, x, y: m.fit(x, y, batch_size=32, verbose=0, shuffle=False, callbacks=[PredictDuringFit(2)]),
+        RuntimeError,
+        fit_three_batches,
+    ),
     (
         "fit-short-last-batch",
         lambda m, x, y: m.fit(x, y, batch_size=32, verbose=0, shuffle=False),
