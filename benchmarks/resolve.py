@@ -61,10 +61,11 @@ def rule_set(kind: str, all_paths: list[str], count: int) -> list[tuple[str, tup
     chosen = [all_paths[i * stride + i % len(WEIGHTS)] for i in range(count)]  # every kind of weight
     if kind == "planner":
         return [(planner_pattern(p), ("model",) if p.endswith("bias") else (None, "model")) for p in chosen]
+    others = [p for p in all_paths if not p.endswith("/scale")]
+    step = len(others) // (count - 50)
     literal = [
         (planner_pattern(p), ("model",) if p.endswith("bias") else (None, "model"))
-        for p in chosen[: count - 50]
-        if not p.endswith("scale")
+        for p in others[::step][: count - 50]
     ]
     blocks = sorted({int(p.split("/")[1].split("_")[1]) for p in all_paths})[-50:]
     regexes = [(rf".*block_{b}/.*norm.*/scale", ("model",)) for b in blocks]

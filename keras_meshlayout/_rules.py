@@ -101,6 +101,7 @@ class _Index:
                 continue
             for text in rule.literals:
                 self.literal.setdefault(text, rule)
+        self.chunks = {kind: _chunks(regex) for kind, regex in self.regex.items()}
 
     def match(self, path: str) -> Rule | None:
         rule = self.exact.get(path)
@@ -108,12 +109,53 @@ class _Index:
             return rule  # a key equal to the path wins, as in a Keras LayoutMap
         best = self.literal.get(path)
         limit = math.inf if best is None else best.index
-        for rule in self.regex[path.endswith(OUTPUT_SUFFIX)]:
-            if rule.index >= limit:
+        for combined, by_group, part in self.chunks[path.endswith(OUTPUT_SUFFIX)]:
+            if part[0].index >= limit:
                 break
-            if rule.regex.fullmatch(path):
-                return rule
+            if combined is None:
+                for rule in part:
+                    if rule.index >= limit:
+                        break
+                    if rule.regex.fullmatch(path):
+                        return rule
+                continue
+            found = combined.fullmatch(path)
+            if found is not None:
+                rule = by_group[found.lastindex]
+                return rule if rule.index < limit else best
         return best
+
+
+#: Regex rules are tried this many at a time, as one alternation.
+_CHUNK = 64
+#: Constructs whose meaning depends on group numbers, which an alternation shifts.
+_NUMBERED = re.compile(r"\\[1-9]|\(\?P=|\(\?\(")
+
+
+def _chunks(rules: Sequence[Rule]) -> list[tuple[re.Pattern | None, dict[int, Rule], Sequence[Rule]]]:
+    """Regex rules in order, in alternations of up to `_CHUNK`: `(a)|(b)|...`.
+
+    A full match of an alternation takes the first alternative that can match
+    the whole path, so it finds the first matching rule in one call. The outer
+    group of each alternative closes last, so `lastindex` names the rule.
+    Rules an alternation could change (back-references, inline flags) are
+    tried one by one.
+    """
+    chunks = []
+    for start in range(0, len(rules), _CHUNK):
+        part = rules[start : start + _CHUNK]
+        combined, by_group = None, {}
+        if not any(_NUMBERED.search(rule.pattern) for rule in part):
+            try:
+                combined = re.compile("|".join(f"({rule.pattern})" for rule in part))
+            except (re.error, OverflowError, RecursionError):
+                combined = None
+            group = 1
+            for rule in part:
+                by_group[group] = rule
+                group += 1 + rule.regex.groups
+        chunks.append((combined, by_group, part))
+    return chunks
 
 
 class _Store:

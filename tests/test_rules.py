@@ -237,6 +237,10 @@ LOOKUP_RULE_SETS = {
     "literal-before-regex": [r"(?:net/)?d_1/kernel", r".*kernel", r".*d_.*/bias", r"net/d_1/bias"],
     "overlapping-literals": [r"(?:net/)?d_1/kernel", r"net/d_1/kernel", r"(?:net|m)/d_1/kernel", r".*"],
     "exact-regex-key": [r".*", r"net/d_.*/kernel", r".*/output", r"net/d_1/output"],
+    # More regexes than one alternation holds, a literal among them, groups of their own.
+    "many-regexes": [*(rf"(net)/d_{i}\d*/(kernel|bias)" for i in range(70)), r"net/d_2/kernel", r".*"],
+    # Back-references and inline flags are tried one by one.
+    "numbered-groups": [r"(?i)NET/D_1/KERNEL", r"(\w+)/d_\d/(?P<w>kernel)", r"(d)_(1)/\2", r".*"],
 }
 LOOKUP_PATHS = [
     "net/d_1/kernel",
