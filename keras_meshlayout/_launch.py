@@ -596,6 +596,12 @@ def _report(
                     for r in early
                 )
                 message += "."
+            hung = [r for r in survivors if r != rank and r not in joined]
+            if hung:
+                message += (
+                    f" {_ranks(hung).capitalize()} had not joined and was still running: it hung before "
+                    "or in kml.initialize()."
+                )
         say(message)
         return code if code > 0 else 128 - code
     if outcome.kind == "timeout":

@@ -543,6 +543,32 @@ def test_process_that_never_joins_times_out_with_a_clear_message(tmp_path):
     ), output(result)
 
 
+def test_process_that_hangs_before_joining_is_named(tmp_path):
+    script = write_script(
+        tmp_path,
+        "hangs_early.py",
+        """
+        import os, time
+        if os.environ["KML_PROCESS_ID"] == "1":
+            time.sleep(100)  # hangs before kml.initialize()
+        import keras_meshlayout as kml
+        kml.initialize()
+        """,
+    )
+    result, seconds = run_launcher(
+        script, options=("--devices-per-process", "4", "--init-timeout", "3", "--grace", "2")
+    )
+    assert result.returncode == INIT_TIMEOUT_EXIT_STATUS, output(result)
+    assert seconds < 40, output(result)
+    assert re.search(
+        r"rank 0 \(pid \d+\) exited with status 75; stopped rank 1 by SIGTERM\. It gave up waiting for the "
+        r"other processes to join \(--init-timeout 3 s\)\. Rank 1 had not joined and was still running: "
+        r"it hung before or in kml\.initialize\(\)\.",
+        result.stderr,
+    ), output(result)
+    assert not processes_running(str(script))
+
+
 def test_unreachable_coordinator_times_out_with_a_clear_message(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
