@@ -61,9 +61,9 @@ def test_dry_plan_allocates_nothing_and_leaves_no_trace():
 
 
 # Per device on data=2 × model=4 with MLP_RULES, float32: hidden_1 kernel and bias
-# split 4 ways, hidden_2 kernel row-split 4 ways, the rest (hidden_2 bias, the small
-# head) replicated.
-PARAMS = 32 * 256 + 256 + 256 * 128 + 128 * 4 + 128 * 10 * 4 + 10 * 4
+# split 4 ways, hidden_2 kernel and the head kernel (small, but the rule is the user's
+# own) row-split 4 ways, the rest (hidden_2 and head biases) replicated.
+PARAMS = 32 * 256 + 256 + 256 * 128 + 128 * 4 + 128 * 10 + 10 * 4
 COUNTERS = 4 + 4  # int32 iteration and float32 learning rate
 
 
