@@ -304,6 +304,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise _InputError("--memory-budget chooses layouts for --auto: add --auto.")
     if args.memory_budget is not None and args.batch_size is None:
         raise _InputError("--memory-budget needs --batch-size (and --sequence-length for token inputs).")
+    _check_batch_size(args.batch_size, mesh, args.batch_axis)
     if args.auto:
         with dry_build(build) as model:
             batch = (
@@ -417,6 +418,18 @@ def _model_inputs(model: Any) -> Any:
     raise _InputError(
         f"--batch-size: the model {model.name!r} has no defined inputs to size (a subclassed model?). "
         "Build it from keras.Input (a functional or Sequential model) to plan with --batch-size."
+    )
+
+
+def _check_batch_size(batch_size: int | None, mesh: Any, batch_axis: str | None) -> None:
+    """Refuses a `--batch-size` that training could not split over the batch axis."""
+    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    axis = mesh.axis_names[0] if batch_axis is None else batch_axis
+    if batch_size is None or axis not in sizes or batch_size % sizes[axis] == 0:
+        return  # an unknown batch axis is reported with the distribution's own message
+    raise _InputError(
+        f"--batch-size {batch_size} cannot be split over batch axis {axis!r} of size {sizes[axis]}: "
+        f"use a multiple of {sizes[axis]}."
     )
 
 

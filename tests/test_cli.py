@@ -284,6 +284,10 @@ def test_plan_models_that_used_to_crash(args, saved):
             "(see keras-meshlayout plan --help)",
         ),
         (
+            ["--model", "models:tokens", "--auto", "--batch-size", "3", "--sequence-length", "8"],
+            "error: --batch-size 3 cannot be split over batch axis 'data' of size 2: use a multiple of 2.",
+        ),
+        (
             ["--model", "models:tokens", "--auto", "--batch-size", "4", "--sequence-length", "-3"],
             "error: keras-meshlayout plan: argument --sequence-length: expected a positive integer, got -3",
         ),
@@ -300,6 +304,7 @@ def test_plan_models_that_used_to_crash(args, saved):
         "builder-not-a-model",
         "module-raises",
         "batch-size-0",
+        "batch-size-indivisible",
         "negative-length",
         "fraction-above-1",
         "missing-model",
