@@ -189,7 +189,8 @@ class Mesh(keras.distribution.DeviceMesh):
         for name in axis_names:
             if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
                 raise InvalidMeshError(
-                    f"Mesh axis names must be identifiers such as 'data' or 'model'. "
+                    f"Mesh axis names must be identifiers such as 'data' or 'model', since rules "
+                    f"and mesh specs name them (Keras's DeviceMesh takes any name). "
                     f"Received: {name!r} in axis_names={axis_names!r}."
                 )
         if len(set(axis_names)) != len(axis_names):

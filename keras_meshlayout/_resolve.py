@@ -212,7 +212,8 @@ def resolve(
                 f"{shape[dim]} is not a multiple of {axis_sizes[axis]}. Fix: choose a mesh whose "
                 f"{axis!r} axis divides {shape[dim]}, change the layer size, put None on "
                 f"dimension {dim} in this rule, or pass on_indivisible='replicate' to replicate "
-                "that dimension instead."
+                "that dimension instead. (Plain Keras would hand the layout to JAX, which fails "
+                "with an IndivisibleError naming no variable.)"
             )
         final[dim] = None
         reasons.append(
@@ -224,7 +225,8 @@ def resolve(
                 f"Variable {path!r} (shape {shape}) is replicated on dimension {dim}: size "
                 f"{shape[dim]} does not divide by mesh axis {axis!r} of size {axis_sizes[axis]} "
                 f"({rule.describe()}). It costs {axis_sizes[axis]}x the memory it would take "
-                "sharded. Pass on_indivisible='error' to make this an error.",
+                "sharded. Pass on_indivisible='error' to make this an error. (Plain Keras would "
+                "fail here in JAX with an IndivisibleError naming no variable.)",
                 IndivisibleShapeWarning,
                 stacklevel=3,
             )
