@@ -174,6 +174,28 @@ def test_on_batch_forms_and_validation_take_any_batch():
         np.testing.assert_allclose(history.history[f"val_{name}"][-1], want_val[name], atol=1e-5, rtol=0)
 
 
+def test_predict_a_generator_of_uneven_batches_on_an_uncompiled_model():
+    """The first batch is short (replicated); the later ones split again; order is kept."""
+    x, _ = data("sequential", 251)
+    sizes = [5, 32, 64, 3, 32, 115]
+
+    def batches():
+        start = 0
+        for size in sizes:
+            yield (x[start : start + size],)
+            start += size
+
+    weights = initial_weights("sequential")
+    keras.distribution.set_distribution(None)
+    reference = sequential()
+    reference.set_weights(weights)
+    want = reference.predict(batches(), steps=len(sizes), verbose=0)
+    keras.distribution.set_distribution(distribution())
+    model = sequential()
+    model.set_weights(weights)
+    assert_close(model.predict(batches(), steps=len(sizes), verbose=0), want, "predict of a generator")
+
+
 @pytest.mark.parametrize(
     "call",
     [
