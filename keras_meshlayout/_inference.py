@@ -115,7 +115,7 @@ def _is_replicated(layout: Any) -> bool:
 
 
 def _single_process(distribution: Any) -> bool:
-    devices = distribution.device_mesh.devices
+    devices = distribution.device_mesh.backend_mesh.devices  # JAX devices, whatever the mesh was given
     return len({device.process_index for device in devices.flat}) == 1
 
 
