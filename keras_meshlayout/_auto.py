@@ -31,7 +31,7 @@ from ._errors import InvalidRuleError
 from ._presets import transformer_rules
 from ._resolve import DEFAULT_REPLICATE_BELOW
 from ._rules import Axes, LayoutRules
-from .planner import Trace, abstract_batch, find_units, trace_model
+from .planner import Trace, abstract_batch, find_added, find_units, trace_model
 
 __all__ = ["auto_rules"]
 
@@ -117,8 +117,11 @@ def auto_rules(
         (?:mlp/)?down/kernel ('model', None)
         >>> rules.rules[2].note
         'row-parallel: up → down, input features split; one all-reduce forward, one backward'
-        >>> rules.rules[-2].note
+        >>> head = rules.rules[-2].note
+        >>> head.split(" (")[0]
         'final layer: replicated, so its output needs no gathering'
+        >>> head.split(" (")[1]
+        '640 weights, fewer than the 16,384 of the largest split kernel)'
 
         With a memory budget, each unit gets the layout that fits at the least
         traffic, and the rules predict what a training step costs:
@@ -152,6 +155,7 @@ def auto_rules(
     trace = _trace(model, batch)
     if trace is not None:
         planner.plan_traced(trace)
+        planner.plan_final(trace)
     planner.plan_projections(pair=trace is None)
     planner.plan_by_name()
     if trace is not None:
@@ -191,6 +195,8 @@ class _Planner:
         self.index_of: dict[str, int] = {}
         #: Dense key/value projections kept whole (by `id`): their head counts.
         self.kv_heads: dict[int, int] = {}
+        #: Units that are a final layer split over the model axis (their loss reductions cost traffic).
+        self.final_units: set[str] = set()
         self.axes_of: dict[str, Axes] = {}
         self.layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
         self.consumers: dict[int, list[Any]] = {id(layer): [] for layer in self.layers}
@@ -437,6 +443,55 @@ class _Planner:
                         f"({self.size}); kept whole beside the split query heads of {name}"
                     )
                     self.assign(variables[path], (None,) * len(variables[path].shape), note)
+
+    def plan_final(self, trace: Trace) -> None:
+        """Final projections: size decides whether they split, not their position.
+
+        A final layer whose kernel is at least as large as the largest kernel
+        the plan splits (a language model's head over its vocabulary) has its
+        output features split over the model axis like any unit: the loss
+        reduces the split logits with a few small all-reduces, and its input
+        gradient is all-reduced. A smaller one stays whole, so its output
+        needs no gathering.
+        """
+        variables = {v.path: v for v in self.model.weights}
+        split = [math.prod(variables[p].shape) for p, axes in self.axes_of.items() if self.axis in axes]
+        largest = max(split, default=0)
+        for path, uses in trace.uses.items():
+            variable = variables.get(path)
+            if variable is None or path in self.decided or len(variable.shape) != 2 or len(uses) != 1:
+                continue
+            (use,) = uses
+            output = trace.nodes[use.node].outputs[0]
+            if use.kind != "matmul" or use.contracted != (0,) or not _reaches_output(trace, output):
+                continue
+            count = math.prod(variable.shape)
+            name = self._display(_weight_name(path))
+            if largest and count >= largest and count >= self.replicate_below and not (
+                variable.shape[1] % self.size
+            ):
+                note = (
+                    f"final layer {name}, vocab-parallel: {count:,} weights, at least the {largest:,} of "
+                    f"the largest split kernel, so its output features split over {self.axis!r}; the loss "
+                    "reduces the split outputs with small all-reduces, its input gradient is all-reduced"
+                )
+                unit = f"{name} (final layer)"
+                self.assign(variable, (None, self.axis), note, unit=unit)
+                self.final_units.add(unit)
+                for bias in find_added(trace, [output]):
+                    if bias in variables and len(variables[bias].shape) == 1 and bias not in self.decided:
+                        self.assign(variables[bias], (self.axis,), note, unit=unit)
+                continue
+            why = (
+                f"{count:,} weights, fewer than the {largest:,} of the largest split kernel"
+                if largest
+                else "the plan splits no other kernel"
+            )
+            note = f"final layer: replicated, so its output needs no gathering ({why})"
+            self.decide(variable, (None,) * 2, note)
+            for bias in find_added(trace, [output]):
+                if bias in variables and bias not in self.decided:
+                    self.decide(variables[bias], (None,) * len(variables[bias].shape), note)
 
     def plan_lone(self, trace: Trace) -> None:
         """Notes the projection weights no unit took, in custom layers as in Keras ones."""

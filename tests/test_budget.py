@@ -173,7 +173,6 @@ def test_a_plan_under_a_tight_budget_trains_like_one_device():
 )
 def test_predicted_bytes_match_on_other_backbones(backbone, mesh_name, tight):
     import hub_models
-
     from keras.src.backend.common import global_state
 
     def fresh() -> keras.Model:
@@ -234,3 +233,42 @@ def test_predicted_bytes_match_under_mixed_precision():
         keras.config.set_dtype_policy("float32")
     assert {transfer.dtype for transfer in report.transfers} == {"f32"}
     assert rules.cost.wire_bytes == pytest.approx(report.wire_bytes, rel=0.02)
+
+
+# A language model's head over its vocabulary is planned like any unit (issue 11, item 3): split
+# over the model axis, the loss reducing the split logits; under a tight budget, also over data.
+VOCAB_LM, HIDDEN_LM = 512, 64
+
+
+def build_lm() -> keras.Model:
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB_LM, HIDDEN_LM, name="embed")(tokens)
+    up = keras.layers.Dense(256, activation="gelu", name="up")(x)
+    x = x + keras.layers.Dense(HIDDEN_LM, name="down")(up)
+    return keras.Model(tokens, keras.layers.Dense(VOCAB_LM, use_bias=False, name="lm_head")(x), name="lm")
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["no-budget", "smallest"])
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_a_large_final_layer_is_split_and_predicted(mesh_name, tight):
+    mesh = kml.Mesh(data=MESHES[mesh_name][0], model=MESHES[mesh_name][1])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB_LM, (BATCH, LENGTH)).astype("int32")
+    y = rng.integers(0, VOCAB_LM, (BATCH, LENGTH)).astype("int32")
+    budget = None
+    if tight:
+        with pytest.raises(kml.MemoryBudgetError) as error:
+            kml.auto_rules(build_lm(), mesh, replicate_below=0, memory_budget=1, batch=x, optimizer="adam")
+        budget = error.value.smallest_bytes
+    rules = kml.auto_rules(
+        build_lm(), mesh, replicate_below=0, memory_budget=budget, batch=x, optimizer="adam"
+    )
+    head = rules.match("lm_head/kernel")
+    assert head.axes == (("data", "model") if tight else (None, "model"))
+    assert "vocab-parallel" in head.note and "at least the 16,384 of the largest split kernel" in head.note
+    keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
+    model = build_lm()
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = kml.comm_report(model, x, y)
+    for axis, measured in report.wire_bytes_by_axis.items():
+        assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis

@@ -17,6 +17,17 @@ from ._trace import abstract_batch as abstract_batch
 from ._trace import trace_model as trace_model
 from ._units import Member as Member
 from ._units import Unit as Unit
+from ._units import find_added as find_added
 from ._units import find_units as find_units
 
-__all__ = ["Member", "Node", "Trace", "Unit", "Use", "abstract_batch", "find_units", "trace_model"]
+__all__ = [
+    "Member",
+    "Node",
+    "Trace",
+    "Unit",
+    "Use",
+    "abstract_batch",
+    "find_added",
+    "find_units",
+    "trace_model",
+]

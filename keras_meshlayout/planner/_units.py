@@ -26,7 +26,7 @@ import math
 
 from ._trace import Trace
 
-__all__ = ["Member", "Unit", "find_units"]
+__all__ = ["Member", "Unit", "find_added", "find_units"]
 
 ELEMENTWISE = frozenset(
     """add add_any sub mul div rem pow max min exp exp2 log log1p expm1 tanh logistic erf erfc
@@ -423,13 +423,13 @@ def find_units(trace: Trace, size: int) -> tuple[Unit, ...]:
         taken.update(state.members)
         kind = "attention" if state.heads_dots else "pair"
         whole = tuple(dict.fromkeys(p for p in state.whole if p not in state.members))
-        after = tuple(p for p in _added_after(trace, state.rows) if p not in state.members)
+        after = tuple(p for p in find_added(trace, state.rows) if p not in state.members)
         units.append(Unit(_name(members), kind, members, whole, after))
     return tuple(units)
 
 
-def _added_after(trace: Trace, rows: list[int]) -> list[str]:
-    """Variables added (broadcast, cast) to a row-parallel output: its biases."""
+def find_added(trace: Trace, rows: list[int]) -> list[str]:
+    """Variables added (broadcast, cast) to these outputs of projections: their biases."""
     found = []
     for value in rows:
         for index in trace.consumers.get(value, ()):
