@@ -41,10 +41,19 @@ class ModelParallel(keras.distribution.ModelParallel):
     It is a `keras.distribution.ModelParallel`: set it with
     `keras.distribution.set_distribution` (or use `scope()`) before building
     the model, then train with `model.fit` as usual. `plan(model)` shows what
-    every variable got and why.
+    every variable got and why. A rule that matched no variable draws one
+    `UnmatchedRuleWarning` when `fit` (or `evaluate`, `predict`) starts,
+    unless `plan(model)` already warned.
+
+    Keras's call forms work too, with Keras's meaning:
+    `kml.ModelParallel(layout_map=..., batch_dim_name=..., auto_shard_dataset=...)`
+    (the mesh is the layout map's) and the older `device_mesh=` keyword. The
+    rules are used as given, not copied: rules added to them later apply to
+    the variables created after.
 
     Args:
         mesh: The device mesh (a `kml.Mesh` or any `keras.distribution.DeviceMesh`).
+            May be left out when the layout map carries one.
         rules: A `LayoutRules`, a Keras `LayoutMap` (its keys become rules in
             insertion order), or `(pattern, axes)` pairs. `None`: no rules
             (pure data parallelism).
@@ -53,13 +62,21 @@ class ModelParallel(keras.distribution.ModelParallel):
         replicate_below: Weight matrices (rank 2 or more, not biases) with
             fewer elements stay replicated. Defaults to 4096 (16 KiB in float32); 0 disables it.
         auto_shard_dataset: Let Keras shard a `tf.data.Dataset` over processes
-            itself. Defaults to `False`: in a multi-process run each process
-            passes `fit` its own part of every global batch (`kml.process_slice`);
-            with `True`, Keras refuses any input that is not a `tf.data.Dataset`.
+            itself. Defaults to `False` (`True`, Keras's default, when
+            `layout_map=` or `device_mesh=` is given): in a multi-process run
+            each process passes `fit` its own part of every global batch
+            (`kml.process_slice`); with `True`, Keras refuses any input that is
+            not a `tf.data.Dataset`.
+        layout_map: Keras's name for `rules`.
+        batch_dim_name: Keras's name for `batch_axis`.
+        device_mesh: Keras's older name for `mesh`.
 
     Raises:
-        InvalidMeshError: `batch_axis` is not an axis of the mesh.
-        InvalidRuleError: a rule does not fit the mesh.
+        InvalidMeshError: no mesh is given or carried by the layout map, two
+            names of one argument disagree, or `batch_axis` is not an axis of
+            the mesh.
+        InvalidRuleError: a rule does not fit the mesh, or both `rules` and
+            `layout_map` are given.
         UnsupportedBackendError: Keras does not run on JAX.
 
     Example:
@@ -72,6 +89,10 @@ class ModelParallel(keras.distribution.ModelParallel):
         ...         [keras.Input((32,)), keras.layers.Dense(256, name="dense")], name="mlp")
         >>> model.weights[0].value.sharding.spec
         P(None, 'model')
+        >>> layout_map = kml.LayoutRules(mesh)  # Keras's way
+        >>> layout_map["mlp/dense/kernel"] = (None, "model")
+        >>> kml.ModelParallel(layout_map=layout_map, batch_dim_name="data").auto_shard_dataset
+        True
     """
 
     def __init__(
