@@ -21,3 +21,76 @@ def _no_global_distribution():
     keras.distribution.set_distribution(None)
     yield
     keras.distribution.set_distribution(None)
+
+
+# The `slow` marker (registered in pyproject.toml). `pytest -m "not slow"` is the everyday
+# loop; CI runs everything. A test function is listed here when one call takes more than
+# about 3 s on 2 CPU cores (measured with `pytest --durations`; CONTRIBUTING.md has the
+# figures): it starts processes, trains keras-hub backbones or compares a sharded `fit`
+# with one device, or compiles several models. Every parametrization of a listed function
+# is marked; "*" marks a whole module. Keeping the list here, not in the test files, says in
+# one place what the fast loop leaves out; tests/test_docs.py checks that every name exists.
+SLOW: dict[str, tuple[str, ...]] = {
+    "test_budget.py": (  # compile a training step per case, against the planner's prediction
+        "test_predicted_bytes_match_the_compiled_step",
+        "test_predicted_bytes_match_on_other_backbones",
+        "test_predicted_bytes_match_on_keras_attention_layers",
+        "test_predicted_bytes_match_under_mixed_precision",
+        "test_a_plan_under_a_tight_budget_trains_like_one_device",
+    ),
+    "test_cli.py": ("*",),  # every test runs the command line in a fresh process
+    "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
+    "test_hub.py": (  # keras-hub backbones trained against one device; a fresh interpreter
+        "test_sharded_fit_matches_single_device",
+        "test_preset_weights_load_sharded",
+        "test_import_keras_hub_loads_no_tensorflow",
+    ),
+    "test_layout_map.py": ("test_converted_gemma_map_trains_like_one_device",),
+    "test_multiprocess.py": (  # start processes (the launcher, a worker, a coordinator)
+        "test_two_processes_train_like_one_process_of_eight_devices",
+        "test_a_failing_worker_ends_the_job_naming_it",
+        "test_second_job_on_a_running_jobs_port_fails_fast_and_the_first_finishes",
+        "test_port_held_by_another_program_is_a_clear_error",
+        "test_failing_process_stops_the_others_and_sets_the_exit_status",
+        "test_launcher_timeout_stops_everything",
+        "test_process_that_never_joins_times_out_with_a_clear_message",
+        "test_process_that_hangs_before_joining_is_named",
+        "test_unreachable_coordinator_times_out_with_a_clear_message",
+        "test_script_runs_unchanged_under_slurm",
+    ),
+    "test_names.py": ("test_backbone_splits_by_name_and_trains_like_one_device",),
+    "test_planning.py": (  # end-to-end fits against one device
+        "test_auto_rules_match_the_transformer_preset",
+        "test_auto_rules_pair_an_mlp_stack_like_the_preset",
+        "test_auto_plan_trains_like_one_device",
+        "test_conv_preset_splits_output_channels_and_trains_like_one_device",
+        "test_fsdp_axis_splits_weights_in_two_dimensions",
+        "test_grouped_query_attention_replicates_key_value_heads",
+        "test_heads_first_attention_is_split_on_its_heads_dimension",
+    ),
+    "test_public_api.py": (  # a fresh interpreter each
+        "test_import_does_not_start_jax",
+        "test_emulate_devices_after_jax_started",
+        "test_other_keras_backend_is_a_clear_error",
+    ),
+    "test_recipes.py": ("*",),  # every recipe and the demo, end to end in a fresh process
+    "test_resume.py": ("*",),  # training interrupted and resumed, a killed process among them
+    "test_training.py": (  # sharded fit against one device
+        "test_mlp_fit_matches_single_device",
+        "test_attention_and_embedding_fit_with_heads_sharded",
+    ),
+}
+
+# Fixtures that start processes: every test using one is slow too (else the fast loop would
+# still pay for the fixture).
+SLOW_FIXTURES = ("two_process_run",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the tests `SLOW` and `SLOW_FIXTURES` name as `slow`."""
+    for item in items:
+        names = SLOW.get(item.path.name, ())
+        uses = set(getattr(item, "fixturenames", ()))
+        if "*" in names or getattr(item, "originalname", item.name) in names or uses & set(SLOW_FIXTURES):
+            item.add_marker(pytest.mark.slow)

@@ -145,3 +145,31 @@ def test_hint_pattern_finds_what_it_should():
     text = 'run `pip install ".[plot]"` or pip install "keras_meshlayout[plot]" && pip install --no-deps x==1'
     assert _install_hints(text) == [".[plot]", "keras_meshlayout[plot]", "x==1"]
     assert _install_hints("(pip install .) then `pip install matplotlib`") == [".", "matplotlib"]
+
+
+def _conftest():
+    spec = importlib.util.spec_from_file_location("_conftest_for_docs", ROOT / "tests" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_slow_entry_names_an_existing_test():
+    """A renamed test would silently leave the `slow` list and slow the everyday loop down."""
+    missing = []
+    for module, names in _conftest().SLOW.items():
+        source = (ROOT / "tests" / module).read_text(encoding="utf-8")
+        missing += [
+            f"{module}::{n}" for n in names if n != "*" and not re.search(rf"^def {n}\(", source, re.M)
+        ]
+    assert missing == [], "tests/conftest.py SLOW names tests that do not exist"
+
+
+def test_slow_tests_are_marked(request):
+    """Every selected test that `SLOW` lists carries the marker; this one does not."""
+    slow = _conftest().SLOW
+    for item in request.session.items:
+        names = slow.get(item.path.name, ())
+        if "*" in names or getattr(item, "originalname", item.name) in names:
+            assert item.get_closest_marker("slow"), item.nodeid
+    assert request.node.get_closest_marker("slow") is None
