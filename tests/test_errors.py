@@ -267,6 +267,55 @@ MESH_CASES = [
         kml.InvalidMeshError,
         ("'data'", "size 0", "sizes must be positive"),
     ),
+    # Keras's call form, kml.Mesh(shape, axis_names, devices): Keras's words, then ours.
+    Case(
+        "keras-empty",
+        lambda: kml.Mesh((8,), []),
+        kml.InvalidMeshError,
+        ("Shape and axis_names cannot be empty", "Received: shape=(8,), axis_names=[]", "Fix:"),
+    ),
+    Case(
+        "keras-sizes-differ",
+        lambda: kml.Mesh((2, 4), ["data"]),
+        kml.InvalidMeshError,
+        ("Shape and axis_names should have same size", "2 sizes, 1 names", "one name per axis"),
+    ),
+    Case(
+        "keras-device-count",
+        lambda: kml.Mesh((2, 4), ["data", "model"], ["cpu:0", "cpu:1"]),
+        kml.InvalidMeshError,
+        ("Shape does not match the number of devices", "needs 8 devices, and 2 were given", "Fix: pass 8"),
+    ),
+    Case(
+        "keras-size-zero",
+        lambda: kml.Mesh((0, 8), ["data", "model"]),
+        kml.InvalidMeshError,
+        ("Mesh axis 'data' needs a positive integer size", "shape=(0, 8)"),
+    ),
+    Case(
+        "keras-repeated-name",
+        lambda: kml.Mesh((2, 4), ["data", "data"]),
+        kml.InvalidMeshError,
+        ("Mesh axis names must differ", "axis_names=['data', 'data']"),
+    ),
+    Case(
+        "keras-and-ours",
+        lambda: kml.Mesh((8,), ["data"], model=1),
+        kml.InvalidMeshError,
+        ("either Keras's way", "not both", "{'model': 1}"),
+    ),
+    Case(
+        "unknown-device",
+        lambda: kml.Mesh(data=8, devices=["tpu:0"] * 8),
+        kml.InvalidMeshError,
+        ("No device is named 'tpu:0'", "The devices are cpu:0", "keras.distribution.list_devices()"),
+    ),
+    Case(
+        "device-of-another-type",
+        lambda: kml.Mesh(data=1, devices=[3]),
+        kml.InvalidMeshError,
+        ("JAX devices or names such as 'cpu:0'", "Received: 3"),
+    ),
 ]
 
 
@@ -458,6 +507,37 @@ RULE_CASES = [
         kml.InvalidRuleError,
         ("not bound to a mesh", "Fix: pass them to kml.ModelParallel(mesh, rules)", "rules.bind(mesh)"),
     ),
+    Case(
+        "output-ellipsis-first",
+        lambda: kml.LayoutRules([(r"mlp/d/output", (..., "model"))]),
+        kml.InvalidRuleError,
+        (
+            "rule #0 'mlp/d/output' -> (Ellipsis, 'model')",
+            "Keras asks for an output's layout by path alone",
+            "Fix: spell out one entry per dimension",
+            "('data', ...)",
+        ),
+    ),
+    Case(
+        "tensor-layout-on-another-mesh",
+        lambda: kml.LayoutRules(
+            [(r".*kernel", keras.distribution.TensorLayout((None, "model"), mesh("data=4,model=2")))],
+            mesh=mesh("data=2,model=4"),
+        ),
+        kml.InvalidRuleError,
+        (
+            "TensorLayout on Mesh(data=4, model=2)",
+            "Mesh(data=2, model=4)",
+            "Keras's LayoutMap would keep it",
+            "Fix:",
+        ),
+    ),
+    Case(
+        "mesh-twice",
+        lambda: kml.LayoutRules(mesh("data=2,model=4"), mesh=mesh("data=2,model=4")),
+        kml.InvalidRuleError,
+        ("The mesh is given twice", "Fix: kml.LayoutRules(mesh)"),
+    ),
 ]
 
 
@@ -496,6 +576,30 @@ DISTRIBUTION_CASES = [
         lambda: kml.ModelParallel(None),
         kml.InvalidMeshError,
         ("needs a mesh", "Received: None"),
+    ),
+    Case(
+        "keras-form-unbound-map",
+        lambda: kml.ModelParallel(layout_map=kml.LayoutRules(), batch_dim_name="data"),
+        kml.InvalidMeshError,
+        ("needs a mesh", "carried by the layout map", "You must specify a layout_map argument"),
+    ),
+    Case(
+        "rules-and-layout-map",
+        lambda: kml.ModelParallel(mesh("data=2,model=4"), [], layout_map=kml.LayoutRules()),
+        kml.InvalidRuleError,
+        ("both rules and layout_map=", "Fix: pass one of them"),
+    ),
+    Case(
+        "batch-axis-and-batch-dim-name",
+        lambda: kml.ModelParallel(mesh("data=2,model=4"), batch_axis="data", batch_dim_name="model"),
+        kml.InvalidMeshError,
+        ("batch_axis='data' and batch_dim_name='model' disagree", "Fix: pass one of them"),
+    ),
+    Case(
+        "batch-dim-name-not-an-axis",
+        lambda: kml.ModelParallel(layout_map=kml.LayoutRules(mesh("data=2,model=4")), batch_dim_name="batch"),
+        kml.InvalidMeshError,
+        ("batch_axis='batch' is not an axis of the mesh", "('data', 'model')"),
     ),
 ]
 
