@@ -99,7 +99,7 @@ def _parser(prog: str = PROG) -> argparse.ArgumentParser:
         "The script calls kml.initialize() first.",
         epilog=f"exit status: 0 when every process succeeds; otherwise the failing process's status "
         f"(128+N when killed by signal N; {INIT_TIMEOUT_EXIT_STATUS} when it gave up waiting for the "
-        "others), 124 when --timeout passes, 2 for a usage error.",
+        "others), 124 when --timeout passes, 2 for a usage error or a --port in use.",
     )
     parser.add_argument(
         "-n", "--num-processes", type=int, default=2, metavar="N", help="processes (default 2)"
@@ -111,7 +111,13 @@ def _parser(prog: str = PROG) -> argparse.ArgumentParser:
         metavar="D",
         help="CPU devices to emulate in each process (default: what the script asks of kml.initialize)",
     )
-    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="coordinator port on 127.0.0.1 (default: a free one); refused when another job or "
+        "program uses it",
+    )
     parser.add_argument(
         "--init-timeout",
         type=float,
