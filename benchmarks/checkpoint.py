@@ -40,6 +40,16 @@ back to the system and the memory "once loading is over" is what is live.
     python benchmarks/checkpoint.py                  # about a minute and a half on 2 cores
     python benchmarks/checkpoint.py --repeat 1       # one process per format (peaks vary ±0.3)
     python benchmarks/checkpoint.py --json out.json  # also write the numbers
+
+`--faults` instead injects every fault into saves and loads of the same model, on a
+tmpfs mounted in a mount namespace of its own (`unshare -rm`: no root needed):
+SIGKILL at three points of a save (in a separate process), a disk full while
+writing each of the three files, a damaged manifest, a truncated or flipped
+weights file. It reports, for each, what reported it and how fast, and what was
+lost (the next load must find the newest complete checkpoint, bit for bit, and a
+failed load must leave the model in memory as it was):
+
+    python benchmarks/checkpoint.py --faults         # about a minute on 2 cores
 """
 
 from __future__ import annotations
@@ -201,6 +211,153 @@ def load_build_only(directory: Path) -> dict:
     }
 
 
+# -- faults: what each one costs (`--faults`) ---------------------------------------------
+
+FAULT_KILLS = {
+    "SIGKILL after the weights are written": "previous",
+    "SIGKILL between the two renames": "new",
+    "SIGKILL after moving into place": "new",
+}
+
+
+def _values(model) -> list:
+    import numpy as np
+
+    return [np.asarray(v.value) for v in model.weights]
+
+
+def kill_during_save(point: str, directory: Path) -> None:
+    """In a fresh process: saves the model built with seed 1 over `ckpt`, and dies at `point`."""
+    import signal
+
+    kml, keras = _start({"data": 2, "model": 4})
+    keras.utils.set_random_seed(1)
+    model = build_mlp()
+    fsync, replace = os.fsync, os.replace
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "SIGKILL after the weights are written":
+        os.fsync = lambda fd: (fsync(fd), die())
+    else:
+        first = point == "SIGKILL between the two renames"
+        os.replace = lambda src, dst: (replace(src, dst), first == (".old-" in str(dst)) and die())
+    kml.save_checkpoint(model, directory / "ckpt")
+    raise SystemExit("not killed")
+
+
+def faults(directory: Path) -> dict:
+    """In a fresh process, on a tmpfs of its own: every fault, the time until it is reported, the loss."""
+    import json as json_
+    import shutil
+
+    import numpy as np
+
+    kml, keras = _start({"data": 2, "model": 4})
+    ckpt = directory / "ckpt"
+    keras.utils.set_random_seed(0)
+    model = build_mlp()
+    start = time.perf_counter()
+    kml.save_checkpoint(model, ckpt)
+    save_seconds = time.perf_counter() - start
+    saved = {"previous": _values(model)}
+    keras.utils.set_random_seed(1)
+    saved["new"] = _values(build_mlp())
+    rows = []
+
+    def load(expect: str) -> tuple[float, str, str]:
+        fresh = build_mlp()
+        start = time.perf_counter()
+        try:
+            kml.load_checkpoint(fresh, ckpt)
+            outcome = "loaded the " + ("newest" if expect == "new" else "previous") + " complete checkpoint"
+        except kml.CheckpointError as err:
+            outcome = "CheckpointError: " + str(err).split(". ")[0][-90:]
+        seconds = time.perf_counter() - start
+        same = all(np.array_equal(a, b) for a, b in zip(_values(fresh), saved[expect], strict=True))
+        left = [p.name for p in directory.iterdir() if p.name.startswith(".")]
+        lost = "nothing" if same and not left else f"weights equal: {same}; left: {left}"
+        return seconds, outcome, lost
+
+    for point, expect in FAULT_KILLS.items():
+        run = subprocess.run(
+            [sys.executable, __file__, "--child", "kill", str(directory), point],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == -9, run.stderr[-2000:]
+        seconds, outcome, lost = load(expect)
+        rows.append({"fault": point, "reported": "next load: " + outcome, "seconds": seconds, "lost": lost})
+        kml.save_checkpoint(model, ckpt)  # the previous checkpoint again, for the next fault
+
+    size = {p.name: p.stat().st_blocks * 512 for p in ckpt.iterdir()}
+    room = {
+        "model.weights.h5": size["model.weights.h5"] // 2,
+        "plan.json": size["model.weights.h5"],
+        "manifest.json": size["model.weights.h5"] + size["plan.json"],
+    }
+    other = build_mlp()  # values of the "new" checkpoint
+    for name, free in room.items():
+        stat = os.statvfs(directory)
+        with open(directory / "filler", "wb") as filler:
+            for _ in range((stat.f_bavail * stat.f_frsize - free) // (1 << 20)):
+                filler.write(b"0" * (1 << 20))
+            filler.write(b"0" * ((stat.f_bavail * stat.f_frsize - free) % (1 << 20)))
+        start = time.perf_counter()
+        try:
+            kml.save_checkpoint(other, ckpt)
+            reported = "not reported: the save succeeded"
+        except kml.CheckpointError as err:
+            reported = "the save: CheckpointError naming " + name
+            assert "is intact" in str(err), str(err)
+        seconds = time.perf_counter() - start
+        (directory / "filler").unlink()
+        _, _, lost = load("previous")
+        rows.append(
+            {"fault": f"disk full writing {name}", "reported": reported, "seconds": seconds, "lost": lost}
+        )
+
+    manifest = (ckpt / "manifest.json").read_bytes()
+    weights = ckpt / "model.weights.h5"
+    shutil.copyfile(weights, directory / "weights.copy")
+    damages = {
+        "manifest: variables null": lambda m: m.update(variables=None),
+        "manifest: an entry without a shape": lambda m: m["variables"][0].pop("shape"),
+        "manifest: a shape edited": lambda m: m["variables"][0].update(shape=[WIDTH, 8]),
+        "weights file truncated": None,
+        "weights file: one byte flipped": None,
+    }
+    for fault, edit in damages.items():
+        if edit is not None:
+            content = json_.loads(manifest)
+            edit(content)
+            (ckpt / "manifest.json").write_text(json_.dumps(content))
+        else:
+            raw = bytearray(weights.read_bytes())
+            raw = raw[: len(raw) // 2] if "truncated" in fault else raw
+            if "flipped" in fault:
+                raw[len(raw) // 2] ^= 0xFF
+            weights.write_bytes(bytes(raw))
+        fresh = build_mlp()
+        before = _values(fresh)
+        start = time.perf_counter()
+        try:
+            kml.load_checkpoint(fresh, ckpt)
+            reported = "not reported"
+        except kml.CheckpointError as err:
+            reported = "the load: CheckpointError: " + str(err).split("\n")[0].split(": ", 1)[1][:70]
+        seconds = time.perf_counter() - start
+        untouched = all(np.array_equal(a, b) for a, b in zip(_values(fresh), before, strict=True))
+        (ckpt / "manifest.json").write_bytes(manifest)
+        shutil.copyfile(directory / "weights.copy", weights)
+        _, _, lost = load("previous")
+        lost = lost if untouched else "the model in memory was changed"
+        rows.append({"fault": fault, "reported": reported, "seconds": seconds, "lost": lost})
+    return {"model_bytes": model_bytes(), "save_seconds": save_seconds, "rows": rows}
+
+
 def run_child(*args: str) -> dict:
     """Runs one step in a fresh process, with devices it emulates itself."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
@@ -219,10 +376,21 @@ def main() -> None:
     )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--repeat", type=int, default=2, help="fresh processes per format (default: 2)")
-    parser.add_argument("--child", nargs=2, metavar=("STEP", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--faults",
+        action="store_true",
+        help="instead, inject every fault (kills in a save, full disk, damaged files) and time each",
+    )
+    parser.add_argument("--child", nargs="+", metavar="STEP DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         step, directory = args.child[0], Path(args.child[1])
+        if step == "kill":
+            kill_during_save(args.child[2], directory)
+        if step == "faults":
+            print(json.dumps(faults(directory)), flush=True)
+            # h5py crashes at interpreter exit once one of its writes has failed for a full disk.
+            os._exit(0)
         if step == "save":
             result = save(directory)
         elif step == "build only":
@@ -236,6 +404,9 @@ def main() -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 120))
+    if args.faults:
+        print_faults(console, args.json)
+        return
     size = model_bytes()
     with tempfile.TemporaryDirectory(prefix="kml-bench-") as tmp:
         start = time.perf_counter()
@@ -279,6 +450,39 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model_bytes": size, "results": results}, f, indent=2)
+
+
+def print_faults(console, json_path: str | None) -> None:
+    """Runs `faults` in a child process, on a tmpfs mounted in a mount namespace of its own."""
+    from rich.table import Table
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    size_mib = 3 * model_bytes() // 2**20 + 64
+    with tempfile.TemporaryDirectory(prefix="kml-faults-") as tmp:
+        mount = f'mount -t tmpfs -o size={size_mib}m tmpfs "$0" && exec "$1" "$2" --child faults "$0"'
+        out = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", mount, tmp, sys.executable, __file__],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1200,
+        )
+    if out.returncode != 0:
+        raise SystemExit(f"the fault run failed (exit status {out.returncode}):\n{out.stderr[-4000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    table = Table(
+        title=f"Faults on a {result['model_bytes'] / 2**20:.0f} MiB checkpoint (save: "
+        f"{result['save_seconds']:.1f} s, on tmpfs)",
+        title_justify="left",
+    )
+    for column in ("fault", "reported by", "seconds", "lost"):
+        table.add_column(column, justify="right" if column == "seconds" else "left")
+    for row in result["rows"]:
+        table.add_row(row["fault"], row["reported"], f"{row['seconds']:.2f}", row["lost"])
+    console.print(table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

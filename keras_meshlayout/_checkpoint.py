@@ -107,24 +107,7 @@ def save_checkpoint(
         >>> sorted(p.name for p in path.iterdir())
         ['manifest.json', 'model.weights.h5', 'plan.json']
     """
-    import jax
-
-    if jax.process_count() == 1:
-        return _save(model, Path(directory), distribution)
-    # Several processes: every one calls this. Process 0 writes, with the distribution
-    # lifted: Keras's save_weights builds a throwaway optimizer, whose variables would be
-    # a collective under a distribution spanning processes. The others wait until done.
-    from jax.experimental import multihost_utils
-
-    current = keras.distribution.distribution()
-    if jax.process_index() == 0:
-        keras.distribution.set_distribution(None)
-        try:
-            _save(model, Path(directory), distribution if distribution is not None else current)
-        finally:
-            keras.distribution.set_distribution(current)
-    multihost_utils.sync_global_devices(f"kml.save_checkpoint {os.fspath(directory)}")
-    return Path(directory)
+    return _save_everywhere(model, Path(directory), distribution)
 
 
 def load_checkpoint(
@@ -347,7 +330,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 pass
 
     def _save(self, epoch: int, batch: int) -> None:
-        _save(self.model, self.path, None, training={"epoch": epoch, "batch": batch})
+        _save_everywhere(self.model, self.path, None, training={"epoch": epoch, "batch": batch})
 
     def _train_or_skip(self, state: Any, iterator: Iterator[Any]) -> tuple[dict, Any]:
         """The model's train function while resuming: reads past a batch trained before the crash.
@@ -500,6 +483,40 @@ def plan_diff(before: Plan | Mapping[str, Any], after: Plan | Mapping[str, Any])
 
 
 # -- saving and loading ---------------------------------------------------------------------
+
+
+def _save_everywhere(
+    model: keras.Model, target: Path, distribution: Any, training: Mapping[str, int] | None = None
+) -> Path:
+    """`_save`, called by every process of a job: process 0 writes, the others wait for it."""
+    import jax
+
+    if jax.process_count() == 1:
+        return _save(model, target, distribution, training)
+    # Process 0 writes, with the distribution lifted: Keras's save_weights builds a throwaway
+    # optimizer, whose variables would be a collective under a distribution spanning processes.
+    from jax.experimental import multihost_utils
+
+    current = keras.distribution.distribution()
+    failure: Exception | None = None
+    if jax.process_index() == 0:
+        keras.distribution.set_distribution(None)
+        try:
+            _save(model, target, distribution if distribution is not None else current, training)
+        except Exception as err:  # every process must still reach the collective below
+            failure = err
+        finally:
+            keras.distribution.set_distribution(current)
+    # Also the barrier: no process goes on before the checkpoint is complete, or has failed.
+    failed = int(multihost_utils.broadcast_one_to_all(np.int32(failure is not None)))
+    if failure is not None:
+        raise failure
+    if failed:
+        raise CheckpointError(
+            f"Saving checkpoint {target} failed in process 0, which writes it (its error says why). "
+            f"Whatever was at {target} before is intact."
+        )
+    return target
 
 
 def _save(

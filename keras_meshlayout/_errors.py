@@ -87,6 +87,8 @@ class CheckpointError(MeshLayoutError):
     """A checkpoint is missing, half-written, corrupt, or made for another model.
 
     Raised before anything is loaded: the model in memory is left as it was.
+    Also raised when a save cannot be written (a full disk, any `OSError`): the
+    message names the file, and the previous checkpoint is left intact.
     """
 
 
