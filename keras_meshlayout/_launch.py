@@ -72,8 +72,8 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         return _usage_error(
             f"--devices-per-process must be at least 1. Received: {args.devices_per_process}."
         )
-    if args.port is not None and not 0 < args.port < 65536:
-        return _usage_error(f"--port must be in 1..65535. Received: {args.port}.")
+    if args.port is not None and not 0 <= args.port < 65536:
+        return _usage_error(f"--port must be in 0..65535 (0: a free one). Received: {args.port}.")
     for option in ("init_timeout", "grace", "timeout"):
         value = getattr(args, option)
         if value is not None and value <= 0:
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         [*target, *args.args],
         num_processes=args.num_processes,
         devices_per_process=args.devices_per_process,
-        port=args.port,
+        port=args.port or None,
         init_timeout=args.init_timeout,
         grace=args.grace,
         timeout=args.timeout,

@@ -817,10 +817,10 @@ def test_launcher_environment():
         (["-n", "0", "x.py"], "-n must be at least 1. Received: 0."),
         (["--init-timeout", "0", "x.py"], "--init-timeout must be positive. Received: 0.0."),
         (["no_such_script.py"], "no_such_script.py: no such file."),
-        (["--port", "70000", "x.py"], "--port must be in 1..65535. Received: 70000."),
-        (["--port", "0", "x.py"], "--port must be in 1..65535. Received: 0."),
+        (["--port", "70000", "x.py"], "--port must be in 0..65535 (0: a free one). Received: 70000."),
+        (["--port", "-1", "x.py"], "--port must be in 0..65535 (0: a free one). Received: -1."),
     ],
-    ids=["no-processes", "zero-timeout", "missing-script", "port-too-large", "port-zero"],
+    ids=["no-processes", "zero-timeout", "missing-script", "port-too-large", "port-negative"],
 )
 def test_launcher_usage_errors(argv, message, capsys):
     assert launch_module.main(argv) == 2
