@@ -831,7 +831,10 @@ def _recover(target: Path) -> tuple[Path | None, list[str]]:
     if chosen is None and not target.exists():
 
         def newest(s: _Sibling) -> tuple[int, bool]:
-            return (s.path / MANIFEST).stat().st_mtime_ns, s.kind == "partial"
+            try:
+                return (s.path / MANIFEST).stat().st_mtime_ns, s.kind == "partial"
+            except OSError:  # moved away meanwhile, by another process recovering it
+                return 0, False
 
         for candidate in sorted((s for s in siblings if s.complete), key=newest, reverse=True):
             if not _verified(candidate.path):
@@ -1029,7 +1032,14 @@ def _siblings_hint(source: Path, removed: Sequence[str] = ()) -> str:
             f" Removed what {len(removed)} save(s) killed before completing had left beside it "
             f"({', '.join(removed)}): none held a complete checkpoint."
         )
-    busy = [s for s in _siblings(source) if s.alive()]
+    found = _siblings(source)
+    damaged = [s for s in found if not s.alive() and s.complete]
+    if damaged:
+        hint += (
+            f" A checkpoint that a killed save left beside it ({damaged[0].describe()}) was not used: "
+            "its files do not match the checksums in its manifest."
+        )
+    busy = [s for s in found if s.alive()]
     if busy:
         hint += (
             f" A save is under way beside it ({busy[0].describe()}): wait until it completes, or, if "

@@ -685,6 +685,7 @@ class Window:
     previous: str | None  # "ckpt", "old" or None (this was the first save)
     new: str  # "ckpt" or "partial"
     new_complete: bool = True
+    new_damaged: bool = False  # its weights no longer match their checksum
     expect: str = "new"  # which checkpoint a load then finds
 
 
@@ -693,6 +694,9 @@ KILL_WINDOWS = {
     "before the first rename": Window("ckpt", "partial", expect="previous"),
     # Issue 13: this one trained from scratch, silently.
     "between the two renames": Window("old", "partial"),
+    "between the two renames, the new one damaged": Window(
+        "old", "partial", new_damaged=True, expect="previous"
+    ),
     "before the old one is deleted": Window("old", "ckpt"),
     "first save, before its rename": Window(None, "partial"),
 }
@@ -723,6 +727,8 @@ def test_a_save_killed_anywhere_loads_the_newest_complete_checkpoint(window, two
     shutil.copytree(two_saves["new"].paths["kml"], places[case.new])
     if not case.new_complete:
         (places[case.new] / "manifest.json").unlink()
+    if case.new_damaged:
+        flip_a_byte(places[case.new])
 
     keras.distribution.set_distribution(distribution_for("1x8"))
     model = compiled()

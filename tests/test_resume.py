@@ -291,7 +291,7 @@ CHILD = """
             self.steps = 0
 
         def on_train_batch_begin(self, batch, logs=None):
-            if self.steps == kill_at and kill == "mid-epoch":
+            if kill_at and self.steps == kill_at and kill == "mid-epoch":
                 (work / "marker").touch()
                 time.sleep(120)
 
