@@ -644,6 +644,51 @@ def test_script_runs_unchanged_under_slurm(tmp_path):
         assert f"{rank} 2 [[0, 0, 0, 0], [1, 1, 1, 1]]" in stdout, stdout
 
 
+def test_raising_process_exits_at_once_without_the_launcher(tmp_path):
+    """On a cluster (here: the variables set by hand), a process that raises after kml.initialize
+    exits with status 1 at once instead of waiting in JAX's exit barrier for the others."""
+    script = write_script(
+        tmp_path,
+        "task.py",
+        """
+        import time
+        import keras_meshlayout as kml
+        process_id, _ = kml.initialize(init_timeout=60)
+        if process_id == 1:
+            raise RuntimeError("rank 1 fails after joining")
+        time.sleep(90)  # rank 0 carries on; JAX's exit barrier would hold rank 1 until it ends
+        """,
+    )
+    port = _free_port()
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=clean_env(
+                KML_COORDINATOR=f"127.0.0.1:{port}",
+                KML_NUM_PROCESSES="2",
+                KML_PROCESS_ID=str(rank),
+                KML_DEVICES_PER_PROCESS="2",
+                JAX_PLATFORMS="cpu",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        stdout, stderr = tasks[1].communicate(timeout=LAUNCH_TIMEOUT_S)
+        raised_at = time.monotonic()
+        assert tasks[0].poll() is None, "rank 0 is still running when rank 1 has exited"
+    finally:
+        for task in tasks:
+            task.kill()
+            task.communicate()  # also closes its pipes
+    assert tasks[1].returncode == 1, f"{tasks[1].returncode}\n{stdout}\n{stderr}"
+    assert "RuntimeError: rank 1 fails after joining" in stderr, stderr
+    assert time.monotonic() - raised_at < 5
+
+
 # -- settings: arguments, our variables, Keras's, clusters ---------------------------------
 
 KML = {"KML_COORDINATOR": "10.0.0.1:1234", "KML_NUM_PROCESSES": "2", "KML_PROCESS_ID": "1"}
