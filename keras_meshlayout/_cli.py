@@ -124,7 +124,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EXIT_HELP,
     )
     parser.add_argument(
-        "--traceback", action="store_true", help="show the Python traceback of an unexpected error"
+        "--traceback",
+        action="store_true",
+        help="show the traceback of an unexpected error, or of your builder or rules function that raised",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

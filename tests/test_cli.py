@@ -370,3 +370,24 @@ def test_user_code_that_raises_shows_its_traceback_on_request(args, where, workd
     assert long.returncode == 2
     assert long.stderr.startswith("Traceback") and where in long.stderr
     assert long.stderr.splitlines()[-1] == short.stderr.strip()
+
+
+WEIRD_RULES = """
+class Rules:
+    def __iter__(self):
+        raise OSError("rules store unreachable")
+
+RULES = Rules()
+"""
+
+
+def test_an_unexpected_error_is_one_line_unless_traceback_is_asked(workdir):
+    """Anything the command line does not anticipate is still one line, exit 2; --traceback shows it."""
+    (workdir / "weird_rules.py").write_text(WEIRD_RULES)
+    args = ["plan", "--mesh", "2x4", "--model", "models:mlp", "--rules", "weird_rules.py"]
+    short = cli(*args, cwd=workdir)
+    assert short.returncode == 2, short.stderr
+    assert short.stderr == "error: OSError: rules store unreachable (rerun with --traceback for details)\n"
+    long = cli("--traceback", *args, cwd=workdir)
+    assert long.returncode == 1 and long.stderr.startswith("Traceback")
+    assert 'weird_rules.py", line 4, in __iter__' in long.stderr
