@@ -37,7 +37,10 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_predicted_bytes_match_on_keras_attention_layers",
         "test_predicted_bytes_match_under_mixed_precision",
         "test_a_plan_under_a_tight_budget_trains_like_one_device",
+        "test_a_large_final_layer_is_split_and_predicted",
+        "test_no_budget_keeps_todays_rules",
     ),
+    "test_checkpoint.py": ("test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up",),  # kills a process
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_hub.py": (  # keras-hub backbones trained against one device; a fresh interpreter
@@ -45,6 +48,13 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_preset_weights_load_sharded",
         "test_import_keras_hub_loads_no_tensorflow",
     ),
+    "test_inference.py": (  # predict/evaluate/fit under the distribution against one device
+        "test_predict_and_evaluate_any_sample_count_equal_one_device",
+        "test_model_survives_an_exception",
+        "test_on_batch_forms_and_validation_take_any_batch",
+        "test_predict_a_generator_of_uneven_batches_on_an_uncompiled_model",
+    ),
+    "test_keras_compat.py": ("test_keras_code_trains_the_same_with_our_classes",),  # Keras's own code, fit
     "test_layout_map.py": ("test_converted_gemma_map_trains_like_one_device",),
     "test_multiprocess.py": (  # start processes (the launcher, a worker, a coordinator)
         "test_two_processes_train_like_one_process_of_eight_devices",
@@ -75,9 +85,11 @@ SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_recipes.py": ("*",),  # every recipe and the demo, end to end in a fresh process
     "test_resume.py": ("*",),  # training interrupted and resumed, a killed process among them
+    "test_styles.py": ("test_each_style_trains_sharded_like_one_device",),  # every model style, fit
     "test_training.py": (  # sharded fit against one device
         "test_mlp_fit_matches_single_device",
         "test_attention_and_embedding_fit_with_heads_sharded",
+        "test_batch_axis_need_not_be_first",
     ),
 }
 
