@@ -332,6 +332,20 @@ FAILURES = [
         fit_three_batches,
     ),
     (
+        "validation-in-fit-raises",  # the epoch's training stays
+        lambda m, x, y: m.fit(
+            x[:224],
+            y[:224],
+            batch_size=32,
+            validation_data=(x[:64], y[:64]),
+            callbacks=[RaiseAt(1, RuntimeError("cb"))],
+            verbose=0,
+            shuffle=False,
+        ),
+        RuntimeError,
+        fit_on_full_batches,
+    ),
+    (
         "fit-short-last-batch",
         lambda m, x, y: m.fit(x, y, batch_size=32, verbose=0, shuffle=False),
         kml.IndivisibleBatchError,
