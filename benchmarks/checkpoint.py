@@ -280,6 +280,8 @@ def faults(directory: Path) -> dict:
         lost = "nothing" if same and not left else f"weights equal: {same}; left: {left}"
         return seconds, outcome, lost
 
+    seconds, outcome, lost = load("previous")
+    rows.append({"fault": "none (for comparison)", "reported": outcome, "seconds": seconds, "lost": lost})
     for point, expect in FAULT_KILLS.items():
         run = subprocess.run(
             [sys.executable, __file__, "--child", "kill", str(directory), point],
