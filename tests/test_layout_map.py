@@ -92,6 +92,16 @@ def test_conversion_follows_the_installed_keras():
         assert (None if want is None else tuple(want.axes)) == (None if got is None else got.axes)
 
 
+def test_converted_rules_are_the_users_own():
+    """Regression (issue 12): replicate_below overrode a map's rules for small matrices."""
+    rules = kml.rules_from_layout_map(hand_made_map())
+    assert not any(rule.suggested for rule in rules.rules)
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), rules)
+    resolution = distribution.resolve("block_1/dense/kernel", (16, 16))  # 256 elements
+    assert resolution.axes == (None, "model")
+    assert resolution.reasons[0].startswith("small: 256 elements < replicate_below=4096, split anyway")
+
+
 def test_conversion_refuses_what_is_not_a_layout_map():
     with pytest.raises(kml.InvalidRuleError, match=r"needs a keras\.distribution\.LayoutMap"):
         kml.rules_from_layout_map({"dense/kernel": (None, "model")})
