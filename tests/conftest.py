@@ -39,6 +39,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_plan_under_a_tight_budget_trains_like_one_device",
         "test_a_large_final_layer_is_split_and_predicted",
         "test_no_budget_keeps_todays_rules",
+        "test_smaller_budgets_never_send_less",
     ),
     "test_checkpoint.py": ("test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up",),  # kills a process
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
@@ -67,6 +68,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_process_that_hangs_before_joining_is_named",
         "test_unreachable_coordinator_times_out_with_a_clear_message",
         "test_script_runs_unchanged_under_slurm",
+        "test_raising_process_exits_at_once_without_the_launcher",
     ),
     "test_names.py": ("test_backbone_splits_by_name_and_trains_like_one_device",),
     "test_planning.py": (  # end-to-end fits against one device
