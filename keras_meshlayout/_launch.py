@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -53,6 +53,7 @@ PROG = "python -m keras_meshlayout.launch"
 NAME = "keras_meshlayout.launch"
 DEFAULT_GRACE = 5.0
 _POLL = 0.05
+_SETTLE = 0.5  # seconds a failure waits for an earlier one to be reported
 _XLA_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 #: The bootstrap each process runs the script under (see its docstring).
 WORKER = Path(__file__).resolve().with_name("_worker.py")
@@ -493,11 +494,25 @@ def _watch(
 ) -> _Outcome:
     """Waits until all succeed, one fails, time runs out, or the launcher is told to stop."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    ended: dict[int, float] = {}  # rank: when it ended (time.time()), as its waiter saw it
+
+    def wait(rank: int, process: subprocess.Popen) -> None:
+        process.wait()
+        ended[rank] = time.time()
+
+    for rank, process in enumerate(processes):
+        threading.Thread(target=wait, args=(rank, process), name=f"kml-wait-{rank}", daemon=True).start()
     while True:
-        failed = [rank for rank, process in enumerate(processes) if process.poll() not in (None, 0)]
-        if failed:
-            return _Outcome("failed", _first_failure(failed, status_dir))
-        if all(process.poll() == 0 for process in processes):
+        if any(processes[rank].returncode != 0 for rank in list(ended)):
+            # The failure that caused this one may be another's, still reporting and ending.
+            time.sleep(_SETTLE)
+            reported = _reports(range(len(processes)), status_dir)
+            for rank in reported:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    processes[rank].wait(timeout=5)  # it reported, so it is in os._exit
+            failed = {rank: at for rank, at in list(ended.items()) if processes[rank].returncode != 0}
+            return _Outcome("failed", _first_failure(failed, reported))
+        if len(ended) == len(processes):
             return _Outcome("done")
         if stop_requested:
             return _Outcome("interrupted", signum=stop_requested[0])
@@ -506,21 +521,33 @@ def _watch(
         time.sleep(_POLL)
 
 
-def _first_failure(failed: list[int], status_dir: Path | None) -> int:
-    """The rank that failed first among `failed`, which ended within one poll of each other.
+def _first_failure(failed: dict[int, float], reported: dict[int, tuple[float, bool]]) -> int:
+    """The rank that failed first.
 
-    A worker that fails by its own hand (an exception, `sys.exit(n)`) writes
-    when it did (`_worker.fail`); one killed by a signal cannot, and comes
-    after those. Among the rest the lowest rank is named.
+    Args:
+        failed: When each process that ended with a non-zero status ended.
+        reported: For each worker that failed by its own hand (an exception,
+            `sys.exit(n)`), when it said so (`_worker.fail`, just before
+            ending) and whether its error came from losing another process.
+
+    A failure in one process makes the others fail within milliseconds (a
+    collective loses its peer), so the order of the moments alone can mislead
+    on a busy machine: a failure that says it lost a peer comes after every
+    other; then the earliest moment (the report's, or for a process killed by
+    a signal, which cannot report, its end), then the lowest rank.
     """
-    reported: dict[int, float] = {}
-    for rank in failed:
+    moments = {rank: (*reported.get(rank, (at, False))[::-1], rank) for rank, at in failed.items()}
+    return min(moments, key=moments.__getitem__)
+
+
+def _reports(ranks: Iterable[int], status_dir: Path | None) -> dict[int, tuple[float, bool]]:
+    """For each of `ranks` that reported a failure (`_worker.fail`): when, and whether it lost a peer."""
+    reported: dict[int, tuple[float, bool]] = {}
+    for rank in ranks:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            text = (status_dir / f"exit.{rank}").read_text() if status_dir else ""
-            reported[rank] = float(text.split()[1])
-    if reported:
-        return min(reported, key=lambda rank: (reported[rank], rank))
-    return failed[0]
+            fields = (status_dir / f"exit.{rank}").read_text().split() if status_dir else []
+            reported[rank] = (float(fields[1]), fields[2:3] == ["peer"])
+    return reported
 
 
 def _stop(processes: list[subprocess.Popen], grace: float) -> list[int]:

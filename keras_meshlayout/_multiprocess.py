@@ -623,16 +623,16 @@ def install_failure_exit() -> None:
         try:
             previous(kind, error, trace)
         finally:
-            _fail(1)
+            _fail(1, error)
 
     setattr(excepthook, _PACED, True)
     sys.excepthook = excepthook
 
 
-def _fail(status: int) -> None:
+def _fail(status: int, error: BaseException | None = None) -> None:
     from . import _worker
 
-    _worker.fail(status)
+    _worker.fail(status, error)
 
 
 # -- saving from one process ------------------------------------------------------

@@ -44,9 +44,10 @@ def main() -> None:
     except KeyboardInterrupt:
         traceback.print_exc()
         status = 130
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
+    except BaseException as error:
+        sys.excepthook(*sys.exc_info())  # kml.initialize's hook ends the process here, reporting it
         status = 1
+        fail(status, error)
     if status != 0:
         fail(status)
 
@@ -61,8 +62,33 @@ def _exit_status(code: object) -> int:
     return 1
 
 
-def fail(status: int) -> None:
-    """Reports `status` to the launcher and ends the process now, skipping JAX's exit barrier."""
+#: Words of the errors a process gets when another process of the job vanished mid-collective.
+_PEER_LOST = (
+    "Gloo",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "heartbeat",
+    "coordination service",
+)
+
+
+def lost_a_peer(error: BaseException | None) -> bool:
+    """Whether `error` is what a collective raises once another process of the job has gone.
+
+    Such a failure is a consequence: the launcher names the process that went.
+    """
+    if error is None or type(error).__name__ != "JaxRuntimeError":
+        return False
+    return any(word in str(error) for word in _PEER_LOST)
+
+
+def fail(status: int, error: BaseException | None = None) -> None:
+    """Reports `status` to the launcher and ends the process now, skipping JAX's exit barrier.
+
+    The report, `exit.RANK` in the launch directory, reads `STATUS TIME CAUSE`,
+    where CAUSE is `peer` when `error` came from losing another process
+    (`lost_a_peer`), else `own`.
+    """
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -72,7 +98,8 @@ def fail(status: int) -> None:
     if directory and rank:
         try:
             with open(os.path.join(directory, f"exit.{rank}"), "w") as report:
-                report.write(f"{status} {time.time():.6f}\n")
+                cause = "peer" if lost_a_peer(error) else "own"
+                report.write(f"{status} {time.time():.6f} {cause}\n")
         except OSError:
             pass  # only diagnostics for the launcher
     os._exit(status)

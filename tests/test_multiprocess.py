@@ -28,7 +28,7 @@ from helpers import BATCH, MLP_RULES, assert_same_weights, build_mlp, train
 
 import keras_meshlayout as kml
 from keras_meshlayout import launch as launch_module
-from keras_meshlayout._launch import _environment, _first_failure, _free_port, _GlooLines
+from keras_meshlayout._launch import _environment, _first_failure, _free_port, _GlooLines, _watch
 from keras_meshlayout._multiprocess import INIT_TIMEOUT_EXIT_STATUS, cluster_config
 from keras_meshlayout._worker import _exit_status
 
@@ -471,12 +471,46 @@ def test_worker_exit_status_is_pythons(code, status, capsys):
     assert capsys.readouterr().err == ("bad input\n" if code == "bad input" else "")
 
 
-def test_first_failure_prefers_the_earliest_report(tmp_path):
-    (tmp_path / "exit.1").write_text("1 100.5\n")
-    (tmp_path / "exit.2").write_text("3 100.2\n")
-    assert _first_failure([0, 1, 2], tmp_path) == 2  # rank 0 was killed: it wrote nothing
-    assert _first_failure([0, 3], tmp_path) == 0
-    assert _first_failure([1], None) == 1
+def test_watch_names_the_worker_that_reported_first_though_another_ended_first(tmp_path):
+    """Rank 1 fails (reports at t0, then takes 0.3 s to exit); rank 0, aborted by its peer's failure,
+    ends before it. The launcher must still name rank 1."""
+    report = f"import time; open({str(tmp_path / 'exit.1')!r}, 'w').write(f'3 {{time.time():.6f}} own')"
+    scripts = [
+        "import os, signal, time; time.sleep(0.1); os.kill(os.getpid(), signal.SIGABRT)",
+        f"{report}; time.sleep(0.3); raise SystemExit(3)",
+    ]
+    processes = [subprocess.Popen([sys.executable, "-c", code]) for code in scripts]
+    try:
+        outcome = _watch(processes, 30, [], tmp_path)
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    assert (outcome.kind, outcome.rank) == ("failed", 1)
+    assert processes[1].returncode == 3
+
+
+@pytest.mark.parametrize(
+    "failed, reported, first",
+    [
+        ({0: 100.3, 1: 100.6}, {1: (100.5, False)}, 0),  # rank 0 killed by a signal before rank 1 failed
+        ({0: 100.6, 1: 100.7}, {1: (100.5, False)}, 1),  # rank 1 raised; rank 0 then lost its peer
+        ({0: 100.6, 1: 100.9}, {0: (100.5, True)}, 1),  # rank 1 killed; rank 0's collective lost it first
+        ({0: 100.6, 2: 100.9}, {0: (100.5, False), 2: (100.2, False)}, 2),
+        ({1: 100.0, 0: 100.0}, {}, 0),
+        ({1: 100.0}, {0: (99.0, False)}, 1),  # a report from a rank that did not fail does not count
+    ],
+    ids=[
+        "signal-first",
+        "report-first",
+        "peer-lost-last",
+        "earliest-report",
+        "tie-lowest-rank",
+        "only-failed",
+    ],
+)
+def test_first_failure_is_the_earliest(failed, reported, first):
+    assert _first_failure(failed, reported) == first
 
 
 def test_failing_process_stops_the_others_and_sets_the_exit_status(tmp_path):
