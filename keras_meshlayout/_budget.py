@@ -43,7 +43,7 @@ import numpy as np
 
 from ._errors import InvalidOptionError, MemoryBudgetError
 from ._hlo import wire_bytes
-from ._memory import parse_bytes
+from ._memory import parse_bytes, slot_model
 from ._render import format_bytes
 from ._rules import Axes, LayoutRules
 from .planner import Trace, trace_model
@@ -161,7 +161,7 @@ class Costs:
         self.trace = trace if trace is not None else trace_model(model, batch)
         self.used = dict(self.trace.read)
         self.uses = self.trace.uses
-        self.slots, self.optimizer_scalars = _slot_factor(optimizer)
+        self.memory = slot_model(optimizer)
         self.tp_axes = dict(planner.axes_of)
 
     # -- bytes ---------------------------------------------------------------------
@@ -172,8 +172,7 @@ class Costs:
         return wire_bytes("all-reduce", read / shards, self.d)
 
     def _state(self, variable: Any, shards: int, trainable: bool) -> int:
-        per_device = _nbytes(variable) // shards
-        return per_device * (2 + self.slots) if trainable else per_device
+        return self.memory.state_bytes(tuple(variable.shape), str(variable.dtype), shards, trainable)
 
     def _activation(self, shape: Sequence[int], dtype: str) -> float:
         """Per-device bytes of an activation whose first dimension is the batch."""
@@ -218,7 +217,7 @@ class Costs:
                 by_unit.setdefault(unit, []).append(variable)
         in_units = {id(v) for variables in by_unit.values() for v in variables}
         units = [self._tensor_parallel_unit(name, variables, owners) for name, variables in by_unit.items()]
-        fixed_state, fixed_wire = self.optimizer_scalars, {}
+        fixed_state, fixed_wire = self.memory.scalar_bytes, {}
         for variable in self.model.weights:
             if id(variable) in in_units:
                 continue
@@ -561,19 +560,6 @@ def explain(unit: _Unit) -> str:
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-
-def _slot_factor(optimizer: Any) -> tuple[float, int]:
-    """Optimizer slot bytes per parameter byte, and its scalar bytes, measured on one 4×4 variable."""
-    if optimizer is None:
-        return 0.0, 0
-    optimizer = keras.optimizers.get(optimizer)
-    fresh = optimizer.__class__.from_config(optimizer.get_config())
-    probe = keras.Variable(np.zeros((4, 4), "float32"), name="kml_slot_probe")
-    fresh.build([probe])
-    slots = sum(math.prod(v.shape) for v in fresh.variables if len(v.shape) > 0)
-    scalars = sum(np.dtype(v.dtype).itemsize for v in fresh.variables if len(v.shape) == 0)
-    return slots / 16, scalars
 
 
 def _owners(model: keras.Model) -> dict[int, Any]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
+from ._memory import slot_model
 from ._plan import Plan, plan_model
 
 if TYPE_CHECKING:
@@ -110,18 +111,21 @@ def _adafactor_variables(
     parameter overwritten by its gradient).
     """
     prefix = optimizer.name
+    model = slot_model(optimizer)  # the one description of optimizer memory (`_memory.SlotModel`)
     variables = [_AbstractVariable(v.path, v.name, tuple(v.shape), v.dtype) for v in optimizer.variables]
     for param in params:
-        shape, dtype = tuple(param.shape), param.dtype
         if optimizer._overwrite_variable_with_gradient(param):
             continue
-        if len(shape) >= 2:
-            for factored in (shape[:-1], shape[:-2] + shape[-1:]):
-                variables.append(_AbstractVariable(f"{prefix}/{param.name}", param.name, factored, dtype))
-        else:  # two unscoped int32 placeholders, named after the parameter
-            variables += [_AbstractVariable(param.name, param.name, (), "int32")] * 2
-        name = f"{param.path.replace('/', '_')}_velocity"
-        variables.append(_AbstractVariable(f"{prefix}/{name}", name, shape, dtype))
+        # Adafactor's build order: the statistics (or placeholders) first, then the velocity.
+        slots = sorted(model.slot_shapes(tuple(param.shape), param.dtype), key=lambda slot: slot[2])
+        for shape, dtype, follows in slots:
+            if follows:
+                name = f"{param.path.replace('/', '_')}_velocity"
+                variables.append(_AbstractVariable(f"{prefix}/{name}", name, shape, dtype))
+            elif shape:  # row and column statistics, scoped by the optimizer
+                variables.append(_AbstractVariable(f"{prefix}/{param.name}", param.name, shape, dtype))
+            else:  # two unscoped int32 placeholders, named after the parameter
+                variables.append(_AbstractVariable(param.name, param.name, (), "int32"))
     return variables
 
 

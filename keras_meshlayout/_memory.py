@@ -21,7 +21,87 @@ if TYPE_CHECKING:
     from ._plan import Plan
     from ._resolve import Resolution
 
-__all__ = ["MemoryEstimate", "check_plan", "memory_of", "parse_bytes"]
+__all__ = ["MemoryEstimate", "SlotModel", "check_plan", "memory_of", "parse_bytes", "slot_model"]
+
+@dataclasses.dataclass(frozen=True)
+class SlotModel:
+    """What an optimizer keeps per trainable parameter: the one model of optimizer memory.
+
+    The plan counts an optimizer's real variables; the dry plan (for
+    Adafactor, which cannot be built in a stateless scope) and the budget
+    planner (for layouts not yet chosen) describe them with this model.
+
+    Attributes:
+        like_parameter: Slots shaped like the parameter, laid out like it
+            (Adam's two moments, SGD's momentum, Adafactor's velocity).
+        factored: Adafactor: a matrix also keeps the row and column statistics
+            of its last two dimensions, replicated; a vector two int32 placeholders.
+        scalar_bytes: The optimizer's own scalars (iterations, learning rate).
+    """
+
+    like_parameter: int
+    factored: bool
+    scalar_bytes: int
+
+    def slot_shapes(self, shape: tuple[int, ...], dtype: str) -> list[tuple[tuple[int, ...], str, bool]]:
+        """`(shape, dtype, laid out like the parameter)` of each slot one parameter gets."""
+        slots = [(tuple(shape), dtype, True)] * self.like_parameter
+        if self.factored:
+            if len(shape) >= 2:
+                slots += [(tuple(shape[:-1]), dtype, False), (tuple(shape[:-2] + shape[-1:]), dtype, False)]
+            else:
+                slots += [((), "int32", False)] * 2
+        return slots
+
+    def state_bytes(self, shape: tuple[int, ...], dtype: str, shards: int, trainable: bool = True) -> int:
+        """Per-device bytes of a parameter split into `shards`, its gradient and its slots."""
+        per_device = _nbytes(shape, dtype) // shards
+        if not trainable:
+            return per_device
+        total = 2 * per_device
+        for slot_shape, slot_dtype, follows in self.slot_shapes(tuple(shape), dtype):
+            size = _nbytes(slot_shape, slot_dtype)
+            total += size // shards if follows else size
+        return total
+
+
+#: No optimizer: parameters and gradients only.
+NO_OPTIMIZER = SlotModel(like_parameter=0, factored=False, scalar_bytes=0)
+
+
+def slot_model(optimizer: Any) -> SlotModel:
+    """The `SlotModel` of an optimizer (or a name Keras knows), measured on a 4×4 probe variable."""
+    if optimizer is None:
+        return NO_OPTIMIZER
+    import keras
+    import numpy as np
+
+    optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.Adafactor):
+        # Its build makes eager placeholders; its variables are known (see `SlotModel.factored`).
+        return SlotModel(like_parameter=1, factored=True, scalar_bytes=_scalar_bytes(optimizer.variables))
+    fresh = optimizer.__class__.from_config(optimizer.get_config())
+    probe = keras.Variable(np.zeros((4, 4), "float32"), name="kml_slot_probe")
+    fresh.build([probe])
+    slots = sum(int(np.prod(v.shape)) for v in fresh.variables if len(v.shape) > 0)
+    return SlotModel(
+        like_parameter=round(slots / 16), factored=False, scalar_bytes=_scalar_bytes(fresh.variables)
+    )
+
+
+def _scalar_bytes(variables: Any) -> int:
+    import numpy as np
+
+    return sum(np.dtype(v.dtype).itemsize for v in variables if len(v.shape) == 0)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    import math
+
+    import numpy as np
+
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})

@@ -272,3 +272,30 @@ def test_a_large_final_layer_is_split_and_predicted(mesh_name, tight):
     report = kml.comm_report(model, x, y)
     for axis, measured in report.wire_bytes_by_axis.items():
         assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
+
+
+# One memory model (`_memory.SlotModel`): the budget planner's state equals the plan's count of the
+# optimizer's real variables, whatever the optimizer; Adafactor's factored statistics included.
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        keras.optimizers.Adam,
+        lambda: keras.optimizers.SGD(momentum=0.9),
+        keras.optimizers.SGD,
+        keras.optimizers.Adafactor,
+        keras.optimizers.Lion,
+        lambda: keras.optimizers.Adam(amsgrad=True),
+    ],
+    ids=["adam", "sgd-momentum", "sgd", "adafactor", "lion", "amsgrad"],
+)
+def test_predicted_state_equals_the_plan_for_every_optimizer(optimizer):
+    mesh = kml.Mesh(data=2, model=4)
+    x = np.zeros((BATCH, LENGTH), "int32")
+    rules = kml.auto_rules(build_lm(), mesh, replicate_below=0, batch=x, optimizer=optimizer())
+    dist = kml.ModelParallel(mesh, rules, replicate_below=0)
+    keras.distribution.set_distribution(dist)
+    model = build_lm()
+    real = optimizer()
+    real.build(model.trainable_variables)
+    memory = kml.plan_model(dist, model, real).memory()
+    assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
