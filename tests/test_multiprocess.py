@@ -536,6 +536,33 @@ def test_failing_process_stops_the_others_and_sets_the_exit_status(tmp_path):
     assert not processes_running(str(script))
 
 
+SEES = """
+import json, sys
+print("SEES " + json.dumps([sys.argv, sys.path[0], __name__, __file__, type(__spec__).__name__]))
+"""
+
+
+@pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
+def test_launched_script_starts_as_under_python(tmp_path, as_module):
+    """The worker bootstrap is invisible: sys.argv, sys.path[0], __name__, __file__ as `python` sets them."""
+    write_script(tmp_path, "sees.py", SEES)
+    target = ["-m", "sees"] if as_module else [str(tmp_path / "sees.py")]
+    direct = subprocess.run(
+        [sys.executable, *target, "a", "--b"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True
+    )
+    launched = subprocess.run(
+        [sys.executable, "-m", "keras_meshlayout.launch", "-n", "1", *target, "a", "--b"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    assert launched.returncode == 0, output(launched)
+    assert direct.stdout.startswith("SEES "), output(direct)
+    assert launched.stdout == f"[0] {direct.stdout}", output(launched)
+
+
 def test_launcher_timeout_stops_everything(tmp_path):
     script = write_script(tmp_path, "sleeps.py", "import time\ntime.sleep(100)\n")
     result, seconds = run_launcher(script, options=("--timeout", "1", "--grace", "2"))
