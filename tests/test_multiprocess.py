@@ -272,6 +272,34 @@ def test_multi_process_save_checkpoint_loads_in_one_process(two_process_run):
     )
 
 
+LONG_LOOPS_WORKER = """
+import keras_meshlayout as kml
+
+process_id, _ = kml.initialize(emulate_devices=8)
+import keras
+import numpy as np
+
+keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(data=2, model=4), auto_shard_dataset=False))
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)])
+model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+x, y = kml.process_slice((np.ones((8 * 48, 8), "float32"), np.ones((8 * 48, 4), "float32")), batch_size=8)
+local = kml.local_batch_size(8)
+model.fit(x, y, batch_size=local, epochs=1, verbose=0)
+logs = model.evaluate(x, y, batch_size=local, verbose=0, return_dict=True)
+print(f"rank {process_id}: fit and evaluate, 48 steps each; loss {logs['loss']:.3f}", flush=True)
+"""
+
+
+def test_keras_loops_longer_than_xla_cpu_in_flight_limit(tmp_path):
+    """Regression (issue 13): from about 32 queued steps on, XLA's CPU client deadlocked
+    multi-process fit and evaluate; kml.initialize now paces Keras's loops."""
+    script = write_script(tmp_path, "long_loops.py", LONG_LOOPS_WORKER)
+    result, _ = run_launcher(script, options=("--devices-per-process", "4", "--timeout", "90"))
+    assert result.returncode == 0, output(result)
+    for rank in (0, 1):
+        assert f"[{rank}] rank {rank}: fit and evaluate, 48 steps each" in result.stdout, output(result)
+
+
 # -- failures end the run, bounded, with nothing left behind ------------------------------
 
 FAILING_WORKER = """
