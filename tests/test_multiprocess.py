@@ -300,6 +300,33 @@ def test_keras_loops_longer_than_xla_cpu_in_flight_limit(tmp_path):
         assert f"[{rank}] rank {rank}: fit and evaluate, 48 steps each" in result.stdout, output(result)
 
 
+@pytest.mark.parametrize(
+    "maker, attribute",
+    [
+        ("make_train_function", "train_function"),
+        ("make_test_function", "test_function"),
+        ("make_predict_function", "predict_function"),
+    ],
+    ids=["train", "test", "predict"],
+)
+def test_keras_trainer_has_what_pacing_wraps(maker, attribute):
+    """kml.initialize paces these Keras trainer methods; a Keras upgrade that renames one fails here."""
+    from keras_meshlayout._keras_internals import trainer_class
+    from keras_meshlayout._multiprocess import pace_keras_steps
+
+    assert callable(getattr(trainer_class(), maker, None)), f"JAXTrainer.{maker} is gone"
+    pace_keras_steps()
+    pace_keras_steps()  # once only
+    assert getattr(getattr(trainer_class(), maker), "_kml_paced", False)
+    keras.distribution.set_distribution(None)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    getattr(model, maker)()
+    step = getattr(model, attribute)
+    assert callable(step), f"{maker} no longer sets model.{attribute}"
+    assert not getattr(step, "_kml_paced", False), "one process: nothing to pace"
+
+
 # -- failures end the run, bounded, with nothing left behind ------------------------------
 
 FAILING_WORKER = """
