@@ -536,6 +536,16 @@ def test_bad_input_is_a_clear_error_and_the_model_is_untouched(build, damage, fr
     assert_untouched(model, before, shardings)
 
 
+def test_a_checkpoint_written_before_random_state_was_saved_still_loads(saved, tmp_path):
+    """Checkpoints of the previous release have no "rng" in their manifest: they load as before."""
+    path = corrupt_copy(saved, tmp_path)
+    set_field("rng", delete=True)(path)
+    keras.distribution.set_distribution(distribution_for("1x8"))
+    model = compiled()
+    kml.load_checkpoint(model, path)
+    assert_bit_identical(model, saved["2x4"].values)
+
+
 def randomise(model: keras.Model) -> None:
     """Gives every float variable, optimizer moments included, values no checkpoint has."""
     rng = np.random.default_rng(7)
