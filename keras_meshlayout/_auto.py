@@ -1,20 +1,25 @@
-"""The automatic planner: layout rules derived from a built model's structure.
+"""The automatic planner: layout rules derived from the model's traced computation.
 
-`auto_rules` reads the model's layers, their classes, their variable shapes and
-the functional graph, and writes one rule per decision, each with a note that
-explains it. It only ever chooses layouts that keep weights where they are:
+`auto_rules` traces the model's forward pass on abstract values (`planner/`:
+nothing runs, and a `kml.dry_build` model works) and reads its units off the
+dataflow, whatever wrote it (Keras layers, `keras.ops` calls, operators,
+custom layers with `add_weight`, subclassed models). It writes one rule per
+decision, each with a note that explains it, and only ever chooses layouts
+that keep weights where they are:
 
-- a projection (`Dense`, or an `EinsumDense` with an `(in, out)` kernel) whose
-  output flows, through element-wise layers only, into a second projection
-  becomes a column → row pair (two gated projections multiplied together
-  form a pair with the projection that follows);
-- attention layers (`MultiHeadAttention`, `GroupQueryAttention`) are split over
-  heads; key/value projections with too few heads stay replicated;
-- everything else (embeddings, norms, the final head, projections with no
-  partner or too small to split) stays replicated, with the reason noted;
-- inside custom layers, whose call graph is not visible, variables are matched
-  by name against `transformer_rules`, and a match is kept only when its rank
-  fits and every split dimension divides.
+- Keras attention layers (`MultiHeadAttention`, `GroupQueryAttention`), and
+  attention blocks in custom layers named as in Keras and keras-hub code, are
+  split over heads; key/value projections with too few heads stay replicated;
+- a projection whose output features, split over the model axis, flow through
+  operations that keep them split (element-wise chains, gating products,
+  bias adds, reshapes into heads, attention einsums) into projections that sum
+  over them becomes a column → row unit (`planner.find_units`);
+- a final projection as large as the largest kernel the plan splits (a
+  language model's head) is split over its output features; a smaller one,
+  and any projection with no partner, stays replicated, with the reason noted;
+- what remains (embeddings, norms) is matched by name against
+  `transformer_rules`; without a trace (a subclassed model never called), the
+  Keras layer graph pairs projections instead.
 """
 
 from __future__ import annotations

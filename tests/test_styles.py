@@ -67,16 +67,25 @@ def test_every_style_gets_the_same_layouts(family, mesh_name):
         assert plan == first, style
 
 
+def smallest_budget(model: keras.Model, mesh: kml.Mesh, x: np.ndarray) -> int:
+    with pytest.raises(kml.MemoryBudgetError) as error:
+        kml.auto_rules(model, mesh, replicate_below=0, memory_budget=1, batch=x, optimizer="adam")
+    return error.value.smallest_bytes
+
+
+@pytest.mark.parametrize("budget", ["none", "smallest"])
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_style_gets_the_same_predicted_bytes(family, mesh_name):
+def test_every_style_gets_the_same_predicted_bytes(family, mesh_name, budget):
     costs = {}
     x, _ = data(family)
+    mesh = mesh_of(mesh_name)
     for style in FAMILIES[family]:
         model = build(family, style)
-        rules = kml.auto_rules(model, mesh_of(mesh_name), replicate_below=0, batch=x, optimizer="adam")
+        limit = None if budget == "none" else smallest_budget(model, mesh, x)
+        rules = kml.auto_rules(model, mesh, replicate_below=0, memory_budget=limit, batch=x, optimizer="adam")
         cost = rules.cost
-        costs[style] = (dict(cost.wire_bytes_by_axis), cost.state_bytes, cost.activation_bytes)
+        costs[style] = (dict(cost.wire_bytes_by_axis), cost.state_bytes, cost.activation_bytes, limit)
     first = next(iter(costs.values()))
     assert first[0].get("model", 0) > 0  # activations are all-reduced over the model axis
     for style, cost in costs.items():
