@@ -614,6 +614,17 @@ def _report(
         rank = outcome.rank
         code = processes[rank].returncode
         message = f"rank {rank} (pid {processes[rank].pid}) {_describe_exit(code)}{stopped}."
+        after = [
+            r
+            for r, process in enumerate(processes)
+            if r != rank and r not in survivors and process.returncode not in (None, 0)
+        ]
+        if after and code != INIT_TIMEOUT_EXIT_STATUS:
+            message += (
+                " Then "
+                + "; ".join(f"rank {r} {_describe_exit(processes[r].returncode)}" for r in after)
+                + " (a process fails once a collective loses its peer)."
+            )
         if code == INIT_TIMEOUT_EXIT_STATUS:
             message += (
                 f" It gave up waiting for the other processes to join (--init-timeout {init_timeout:g} s)."
