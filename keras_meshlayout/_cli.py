@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import MemoryBudgetError, MeshLayoutError, MeshLayoutWarning, UnmatchedRuleWarning
+from ._presets import PRESETS as _PRESET_REGISTRY
 
 #: The plan is valid.
 EXIT_OK = 0
@@ -36,7 +37,8 @@ _EXIT_HELP = (
     f"exit status: {EXIT_OK} valid, {EXIT_PLAN_FAILS} the plan fails a check, {EXIT_INVALID} invalid input."
 )
 
-PRESETS = ("transformer", "conv", "mlp:LAYER,LAYER,...")
+#: How `--preset` spells each registered preset (the registry is `_presets.PRESETS`).
+PRESETS = tuple(preset.usage for preset in _PRESET_REGISTRY.values())
 
 _RULES_FILE_HELP = """\
 rules files:
@@ -164,7 +166,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--rules", metavar="FILE", help="rules from a JSON or Python file (see below)")
-    source.add_argument("--preset", metavar="NAME", help=f"preset rules: {', '.join(PRESETS)}")
+    source.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="preset rules: "
+        + "; ".join(f"{preset.usage} ({preset.summary})" for preset in _PRESET_REGISTRY.values()),
+    )
     source.add_argument("--auto", action="store_true", help="rules from kml.auto_rules")
     plan.add_argument(
         "--optimizer", default=None, help="plan this optimizer's state too, e.g. adam, sgd, adafactor"
@@ -547,16 +554,22 @@ def _import(name: str, option: str) -> Any:
 
 
 def _preset(name: str, model_axis: str) -> Any:
-    from ._presets import conv_rules, mlp_rules, transformer_rules
-
-    kind, _, layers = name.partition(":")
-    if kind == "transformer" and not layers:
-        return transformer_rules(model_axis=model_axis)
-    if kind == "conv" and not layers:
-        return conv_rules(model_axis=model_axis)
-    if kind == "mlp" and layers:
-        return mlp_rules(layers.split(","), model_axis=model_axis)
-    raise _InputError(f"--preset {name!r}: unknown preset. Choose one of: {', '.join(PRESETS)}.")
+    """The rules of `--preset NAME` or `--preset NAME:LAYER,LAYER,...`, from the preset registry."""
+    kind, colon, argument = name.partition(":")
+    preset = _PRESET_REGISTRY.get(kind)
+    if preset is None:
+        raise _InputError(f"--preset {name!r}: unknown preset. Choose one of: {', '.join(PRESETS)}.")
+    layers = [layer.strip() for layer in argument.split(",")] if colon else []
+    if preset.takes_layers and (not layers or not all(layers)):
+        raise _InputError(
+            f"--preset {name!r}: the {kind!r} preset needs layer names in data-flow order, "
+            f"e.g. --preset {kind}:fc1,fc2 (Received: {argument!r})."
+        )
+    if not preset.takes_layers and colon:
+        raise _InputError(
+            f"--preset {name!r}: the {kind!r} preset takes no layer names; use --preset {kind}."
+        )
+    return preset.build(layers, model_axis=model_axis)
 
 
 def _rules_file(name: str, build: Callable[[], Any], mesh: Any) -> Any:

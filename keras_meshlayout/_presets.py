@@ -10,12 +10,17 @@ All presets take the axis names as arguments. `fsdp_axis` (for instance
 `"data"`) additionally splits each sharded weight's other dimension over a
 second axis, as large-model recipes do to save memory: that trades memory for
 an all-gather of those weights every step.
+
+Every preset is registered once, in `PRESETS`, which the command line reads for
+`keras-meshlayout plan --preset`: a new preset is a function here with a
+`@_register(...)` line, exported from `keras_meshlayout/__init__.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from ._rules import LayoutRules
@@ -23,6 +28,58 @@ from ._rules import LayoutRules
 __all__ = ["conv_rules", "mlp_rules", "transformer_rules"]
 
 EmbeddingLayout = Literal["replicated", "vocab", "hidden"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One preset as the API and the command line share it.
+
+    Attributes:
+        name: Its name on the command line (`--preset NAME`).
+        rules: The public function that builds its rules; it takes
+            `model_axis` and `fsdp_axis` keywords.
+        takes_layers: Whether it needs layer names, given on the command line
+            as `NAME:LAYER,LAYER,...` and passed to `rules` first.
+        summary: One line for the command line's help.
+    """
+
+    name: str
+    rules: Callable[..., LayoutRules]
+    takes_layers: bool
+    summary: str
+
+    @property
+    def usage(self) -> str:
+        """How `--preset` spells it, e.g. `"conv"` or `"mlp:LAYER,LAYER,..."`."""
+        return f"{self.name}:LAYER,LAYER,..." if self.takes_layers else self.name
+
+    def build(
+        self, layers: Sequence[str] = (), *, model_axis: str = "model", fsdp_axis: str | None = None
+    ) -> LayoutRules:
+        """Its rules for `layers` (only when it `takes_layers`) on the given axes."""
+        if self.takes_layers:
+            return self.rules(list(layers), model_axis=model_axis, fsdp_axis=fsdp_axis)
+        return self.rules(model_axis=model_axis, fsdp_axis=fsdp_axis)
+
+
+#: Every preset by its command-line name, in the order the help lists them.
+PRESETS: dict[str, Preset] = {}
+
+
+def _register(
+    name: str, *, summary: str, takes_layers: bool = False
+) -> Callable[[Callable[..., LayoutRules]], Callable[..., LayoutRules]]:
+    """Adds the decorated preset function to `PRESETS` under `name`, unchanged."""
+
+    def register(rules: Callable[..., LayoutRules]) -> Callable[..., LayoutRules]:
+        if name in PRESETS:
+            taken = PRESETS[name].rules.__name__
+            raise ValueError(f"A preset named {name!r} is already registered ({taken}).")
+        PRESETS[name] = Preset(name, rules, takes_layers, summary)
+        return rules
+
+    return register
+
 
 #: Feed-forward input projections (column-parallel) and output projections
 #: (row-parallel), by the names common in Keras and keras-hub model code.
@@ -43,6 +100,7 @@ FFN_ROW = (
 )
 
 
+@_register("mlp", takes_layers=True, summary="Dense layers in data-flow order, alternating column and row")
 def mlp_rules(
     layers: Sequence[str], *, model_axis: str = "model", fsdp_axis: str | None = None
 ) -> LayoutRules:
@@ -86,6 +144,7 @@ def mlp_rules(
     return LayoutRules(rules, optional=True, suggested=True)
 
 
+@_register("transformer", summary="attention heads and feed-forward pairs split, Megatron-style")
 def transformer_rules(
     *,
     model_axis: str = "model",
@@ -185,6 +244,7 @@ def transformer_rules(
     )
 
 
+@_register("conv", summary="convolution output channels split")
 def conv_rules(
     convs: str = r"\w*conv\w*",
     *,
