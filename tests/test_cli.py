@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import keras_meshlayout as kml
+
 MODELS = """
 import keras
 
@@ -42,6 +44,19 @@ def tokens():
     hidden = keras.layers.Dense(256, activation="gelu", name="up")(hidden)
     hidden = keras.layers.Dense(64, name="down")(hidden)
     return keras.Model(ids, keras.layers.Dense(4, name="head")(hidden), name="tokens")
+
+def attention():
+    x = keras.Input((8, 64), name="x")
+    hidden = keras.layers.MultiHeadAttention(num_heads=4, key_dim=32, name="attn")(x, x)
+    hidden = keras.layers.LayerNormalization(name="norm")(hidden + x)
+    return keras.Model(x, keras.layers.Dense(4, name="head")(hidden), name="attention")
+
+def convnet():
+    x = keras.Input((8, 8, 3), name="image")
+    hidden = keras.layers.Conv2D(32, 3, name="conv1")(x)
+    hidden = keras.layers.Conv2D(64, 3, name="conv2")(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D(name="pool")(hidden)
+    return keras.Model(x, keras.layers.Dense(4, name="head")(hidden), name="convnet")
 """
 
 RULES_PY = """
@@ -391,3 +406,107 @@ def test_an_unexpected_error_is_one_line_unless_traceback_is_asked(workdir):
     long = cli("--traceback", *args, cwd=workdir)
     assert long.returncode == 1 and long.stderr.startswith("Traceback")
     assert 'weird_rules.py", line 4, in __iter__' in long.stderr
+
+
+# -- issue 15: one preset registry for the API and the command line ------------------------------
+
+#: Each registered preset, planned through `keras-meshlayout plan --preset`: its spelling there,
+#: the model, and the layouts it must give. A new preset needs a row here (the test checks).
+PRESET_CASES = {
+    "mlp": (
+        "mlp:fc1,fc2",
+        "models:mlp",
+        {"mlp/fc1/kernel": [None, "model"], "mlp/fc2/kernel": ["model", None]},
+    ),
+    "transformer": (
+        "transformer",
+        "models:attention",
+        {
+            "attn/query/kernel": [None, "model", None],
+            "attn/attention_output/kernel": ["model", None, None],
+            "norm/gamma": [None],
+        },
+    ),
+    "conv": (
+        "conv",
+        "models:convnet",
+        {"conv2/kernel": [None, None, None, "model"], "conv2/bias": ["model"]},
+    ),
+}
+
+PLAN_EACH_PRESET = """
+import contextlib, io, json, sys
+from keras_meshlayout._cli import main
+results = {}
+for name, preset, model in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["plan", "--mesh", "data=2,model=4", "--model", model, "--preset", preset, "--json"])
+    results[name] = {"status": status, "stderr": err.getvalue(), "plan": json.loads(out.getvalue() or "null")}
+print(json.dumps(results))
+"""
+
+
+def test_the_command_line_offers_exactly_the_registered_presets():
+    """The registry is the one list: kml exports each preset function, the CLI offers each name."""
+    from keras_meshlayout import _cli, _presets
+
+    registry = _presets.PRESETS
+    assert {p.rules.__name__ for p in registry.values()} == set(_presets.__all__), "register every preset"
+    for preset in registry.values():
+        assert getattr(kml, preset.rules.__name__) is preset.rules and preset.rules.__name__ in kml.__all__
+    assert _cli.PRESETS == tuple(p.usage for p in registry.values())
+    plan_parser = _cli._parser()._subparsers._group_actions[0].choices["plan"]
+    (option,) = [a for a in plan_parser._actions if "--preset" in a.option_strings]
+    for preset in registry.values():
+        assert f"{preset.usage} ({preset.summary})" in option.help
+    with pytest.raises(_cli._InputError) as unknown:
+        _cli._preset("bogus", "model")
+    assert str(unknown.value) == (
+        f"--preset 'bogus': unknown preset. Choose one of: {', '.join(p.usage for p in registry.values())}."
+    )
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "mlp",
+            "--preset 'mlp': the 'mlp' preset needs layer names in data-flow order, "
+            "e.g. --preset mlp:fc1,fc2",
+        ),
+        ("mlp:fc1,,fc2", "--preset 'mlp:fc1,,fc2': the 'mlp' preset needs layer names in data-flow order"),
+        ("conv:conv1", "--preset 'conv:conv1': the 'conv' preset takes no layer names; use --preset conv."),
+    ],
+    ids=["mlp-without-layers", "mlp-empty-layer", "conv-with-layers"],
+)
+def test_a_preset_spelled_wrong_says_how_to_spell_it(spec, message):
+    from keras_meshlayout import _cli
+
+    with pytest.raises(_cli._InputError) as error:
+        _cli._preset(spec, "model")
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_every_registered_preset_plans_through_the_command_line(workdir):
+    from keras_meshlayout import _presets
+
+    assert set(PRESET_CASES) == set(_presets.PRESETS), "add a PRESET_CASES row for each registered preset"
+    cases = [[name, preset, model] for name, (preset, model, _) in PRESET_CASES.items()]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env["PYTHONPATH"] = str(workdir)
+    result = subprocess.run(
+        [sys.executable, "-c", PLAN_EACH_PRESET, json.dumps(cases)],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    results = json.loads(result.stdout)
+    for name, (_, _, expected) in PRESET_CASES.items():
+        outcome = results[name]
+        assert outcome["status"] == 0 and outcome["plan"]["valid"], (name, outcome["stderr"])
+        axes = {v["path"]: v["axes"] for v in outcome["plan"]["variables"]}
+        assert {path: axes.get(path) for path in expected} == expected, name
