@@ -257,7 +257,7 @@ class Mesh(keras.distribution.DeviceMesh):
     @property
     def axis_sizes(self) -> dict[str, int]:
         """Axis sizes by name, in mesh order."""
-        return dict(zip(self.axis_names, self.shape, strict=True))
+        return mesh_axis_sizes(self)
 
     @property
     def size(self) -> int:
@@ -395,8 +395,28 @@ def _spanning_axes(processes: np.ndarray, names: Sequence[str]) -> tuple[str, ..
     return tuple(name for axis, name in enumerate(names) if (np.diff(processes, axis=axis) != 0).any())
 
 
+def mesh_axis_sizes(mesh: Any) -> dict[str, int]:
+    """Axis sizes by name, in mesh order, of any mesh the package is given.
+
+    The one place that pairs names with sizes: a `kml.Mesh` or a plain
+    `keras.distribution.DeviceMesh` (`shape` a tuple), or a
+    `jax.sharding.Mesh` (`shape` already a mapping of name to size).
+
+    Example:
+        >>> import keras
+        >>> mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"], keras.distribution.list_devices())
+        >>> mesh_axis_sizes(mesh)
+        {'data': 2, 'model': 4}
+    """
+    if isinstance(mesh.shape, Mapping):
+        return {str(name): int(size) for name, size in mesh.shape.items()}
+    return {name: int(size) for name, size in zip(mesh.axis_names, mesh.shape, strict=True)}
+
+
 def _id_ranges(ids: Sequence[int]) -> str:
-    """`[0, 1, 2, 3, 8]` → `'0-3, 8'`."""
+    """Device ids as text, runs collapsed: `[0, 1, 2, 3, 8]` → `'0-3, 8'` (the one format for id lists)."""
+    if not ids:
+        return ""
     parts: list[str] = []
     start = previous = ids[0]
     for current in [*ids[1:], None]:
