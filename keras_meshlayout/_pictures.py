@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._errors import IndivisibleShapeError, InvalidOptionError, InvalidRuleError, RankMismatchError
+from ._mesh import _id_ranges, mesh_axis_sizes
 from ._plan import format_axes, format_bytes
 from ._resolve import Resolution
 
@@ -303,7 +304,7 @@ def show_sharding(
         title = f"shape {format_axes(shape)}"
     blocks = sharding_blocks(mesh, shape, axes)
     ids = _device_ids(mesh)
-    sizes = dict(zip(mesh.axis_names, ids.shape, strict=True))
+    sizes = mesh_axis_sizes(mesh)
     layout = tuple(entry if entry is None or isinstance(entry, str) else "×".join(entry) for entry in axes)
     lines = [
         Text(f"{title} · layout {format_axes(layout)} · mesh {_mesh_text(tuple(sizes), ids.shape)}", "bold"),
@@ -357,7 +358,7 @@ def _block_grid(blocks: list[ShardBlock], rank: int, colours: dict) -> Any:
         cells = []
         for column in columns:
             block = at[(row, column)]
-            cells.append(Text(_id_list(block.devices), style=f"black on {colours[block.ranges]}"))
+            cells.append(Text(_id_ranges(block.devices), style=f"black on {colours[block.ranges]}"))
         table.add_row(*([f"[{row[0]}:{row[1]}, :]"] if row is not None else []), *cells)
     return table
 
@@ -377,7 +378,7 @@ def _block_table(blocks: list[ShardBlock], shape: tuple[int, ...], colours: dict
             Text(f" {number} ", style=f"black on {colours[block.ranges]}"),
             str(block),
             format_axes(block.shape),
-            _id_list(block.devices),
+            _id_ranges(block.devices),
         )
     return table
 
@@ -443,28 +444,6 @@ def _mesh_text(names: Sequence[str], shape: Sequence[int]) -> str:
 
 def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-def _id_list(ids: Sequence[int]) -> str:
-    """`(0, 1, 2, 3, 8)` → `'0–3, 8'`: runs of consecutive ids collapsed."""
-    parts: list[str] = []
-    run: list[int] = []
-    for device in ids:
-        if run and device == run[-1] + 1:
-            run.append(device)
-            continue
-        if run:
-            parts.append(_run_text(run))
-        run = [device]
-    if run:
-        parts.append(_run_text(run))
-    return ", ".join(parts)
-
-
-def _run_text(run: list[int]) -> str:
-    if len(run) <= 2:
-        return ", ".join(map(str, run))
-    return f"{run[0]}–{run[-1]}"
 
 
 # -- the plan as a PNG -----------------------------------------------------------------

@@ -209,7 +209,7 @@ def test_show_sharding_1d_and_replicated():
     assert cells(lines[5]) == ["0, 4", "1, 5", "2, 6", "3, 7"]
     lines = render(kml.show_sharding(mesh, (128, 256), (None, None)))
     assert lines[1] == "1 block of shape (128, 256), on all 8 devices: not split"
-    assert cells(lines[5]) == ["[0:128, :]", "0–7"]
+    assert cells(lines[5]) == ["[0:128, :]", "0-7"]
 
 
 @pytest.mark.parametrize(
