@@ -437,15 +437,23 @@ def _die_with_parent() -> None:
 
 #: What gloo prints, once per communicator and device, when a group of devices connects.
 _GLOO_CONNECTED = re.compile(
-    rb"^\[Gloo\] Rank (\d+) is connected to (\d+) peer ranks\. "
-    rb"Expected number of connected peer ranks is : (\d+)\s*$"
+    rb"\[Gloo\] Rank (\d+) is connected to (\d+) peer ranks\. "
+    rb"Expected number of connected peer ranks is : (\d+)"
+)
+#: The pieces gloo writes that line in: devices connect at once, so their pieces interleave.
+_GLOO_PIECES = re.compile(
+    rb"(?:\[Gloo\] Rank |\d+| is connected to "
+    rb"| peer ranks\. Expected number of connected peer ranks is : |\s)+"
 )
 
 
 class _GlooLines:
     """Drops gloo's "Rank N is connected to K peer ranks" lines, dozens per run, that bury the output.
 
-    A line whose count of connected peers differs from the expected one is
+    The devices of a process connect at the same time and gloo writes each
+    line in pieces, so lines arrive interleaved ("[Gloo] Rank [Gloo] Rank 0 is
+    connected ..."): a line made only of those pieces is dropped. A complete
+    line whose count of connected peers differs from the expected one is
     kept: it tells of a connection problem.
     """
 
@@ -453,8 +461,11 @@ class _GlooLines:
         self.dropped = 0
 
     def keep(self, line: bytes) -> bool:
-        match = _GLOO_CONNECTED.match(line)
-        if match is None or match[2] != match[3]:
+        if b"[Gloo] Rank " not in line and b" is connected to " not in line:
+            return True
+        if any(match[2] != match[3] for match in _GLOO_CONNECTED.finditer(line)):
+            return True
+        if _GLOO_PIECES.fullmatch(line) is None:
             return True
         self.dropped += 1
         return False

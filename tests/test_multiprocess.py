@@ -509,11 +509,24 @@ def gloo_line(rank: int, connected: int, expected: int) -> bytes:
         (gloo_line(3, 7, 7), False),
         (gloo_line(0, 1, 1), False),
         (gloo_line(3, 5, 7), True),
+        (b"[Gloo] Rank " + gloo_line(0, 1, 1), False),  # two devices' lines, interleaved (seen)
+        (gloo_line(0, 1, 1)[len(b"[Gloo] Rank ") :], False),  # ... and the rest of the second
         (b"[Gloo] something else\n", True),
         (b"epoch 1: loss 0.3 [Gloo] Rank 3 is connected to 7 peer ranks.\n", True),
         (b"Rank 3 is connected\n", True),
+        (b"42\n", True),
     ],
-    ids=["connected-8", "connected-2", "missing-peers", "other-gloo", "user-line", "plain"],
+    ids=[
+        "connected-8",
+        "connected-2",
+        "missing-peers",
+        "interleaved",
+        "interleaved-rest",
+        "other-gloo",
+        "user-line",
+        "plain",
+        "number",
+    ],
 )
 def test_launcher_drops_gloo_connection_lines(line, kept):
     """Regression (issue 13): about 30 of these per run buried the user's output."""
