@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import MemoryBudgetError, MeshLayoutError, MeshLayoutWarning, UnmatchedRuleWarning
+from ._mesh import mesh_axis_sizes
 from ._presets import PRESETS as _PRESET_REGISTRY
 
 #: The plan is valid.
@@ -432,7 +433,7 @@ def _model_inputs(model: Any) -> Any:
 
 def _check_batch_size(batch_size: int | None, mesh: Any, batch_axis: str | None) -> None:
     """Refuses a `--batch-size` that training could not split over the batch axis."""
-    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    sizes = mesh_axis_sizes(mesh)
     axis = mesh.axis_names[0] if batch_axis is None else batch_axis
     if batch_size is None or axis not in sizes or batch_size % sizes[axis] == 0:
         return  # an unknown batch axis is reported with the distribution's own message

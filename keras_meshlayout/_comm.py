@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._hlo import Collective, parse_collectives, wire_bytes
+from ._mesh import mesh_axis_sizes
 from ._render import format_bytes, to_text
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = 
     compiled = lowered.compile()
 
     mesh = None if distribution is None else distribution.device_mesh
-    axis_sizes = {} if mesh is None else dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    axis_sizes = {} if mesh is None else mesh_axis_sizes(mesh)
     device_count = 1 if mesh is None else int(np.prod(mesh.shape))
     collectives = parse_collectives(compiled.as_text(), device_count)
     layer_names = {layer.name for layer in model._flatten_layers(include_self=False)}

@@ -11,6 +11,7 @@ import keras
 
 from ._backend import require_jax_backend
 from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
+from ._mesh import mesh_axis_sizes
 from ._multiprocess import process_batch_block
 from ._plan import Plan, plan_model
 from ._resolve import DEFAULT_REPLICATE_BELOW, IndivisiblePolicy, Resolution, check_policy, resolve
@@ -146,7 +147,7 @@ class ModelParallel(keras.distribution.ModelParallel):
         )
         self._on_indivisible = on_indivisible
         self._replicate_below = replicate_below
-        self._axis_sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+        self._axis_sizes = mesh_axis_sizes(mesh)
         #: Paths of the model variables laid out so far, for the unmatched-rule check.
         self._laid_out: list[str] = []
         self._unmatched_checked = False
