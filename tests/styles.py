@@ -266,3 +266,37 @@ MLPS = {
     "add_weight": mlp_add_weight,
     "sequential_custom": mlp_sequential_custom,
 }
+
+
+class _GroupedQueryBlock(keras.layers.Layer):
+    """Grouped-query attention with add_weight: 2 key/value heads repeated for 4 query heads."""
+
+    def build(self, input_shape):
+        kv = 2 * HEAD_DIM
+        self.wq = self.add_weight(shape=(HIDDEN, HIDDEN), initializer="glorot_uniform", name="wq")
+        self.wk = self.add_weight(shape=(HIDDEN, kv), initializer="glorot_uniform", name="wk")
+        self.wv = self.add_weight(shape=(HIDDEN, kv), initializer="glorot_uniform", name="wv")
+        self.wo = self.add_weight(shape=(HIDDEN, HIDDEN), initializer="glorot_uniform", name="wo")
+
+    def call(self, x):
+        q = ops.reshape(ops.matmul(x, self.wq), (-1, LENGTH, HEADS, HEAD_DIM))
+        k, v = (
+            ops.repeat(ops.reshape(ops.matmul(x, w), (-1, LENGTH, 2, HEAD_DIM)), HEADS // 2, axis=2)
+            for w in (self.wk, self.wv)
+        )
+        scores = ops.softmax(ops.einsum("bqhd,bkhd->bhqk", q, k) / HEAD_DIM**0.5, axis=-1)
+        out = ops.reshape(ops.einsum("bhqk,bkhd->bqhd", scores, v), (-1, LENGTH, HIDDEN))
+        return x + ops.matmul(out, self.wo)
+
+
+def grouped_query() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((LENGTH,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, HIDDEN, name="embed"),
+            _GroupedQueryBlock(name="block"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(CLASSES, name="head"),
+        ],
+        name="gqa",
+    )

@@ -120,3 +120,68 @@ def test_each_style_trains_sharded_like_one_device(family, style):
     keras.distribution.set_distribution(None)
     assert_laid_out_as_planned(model, dist.plan(model), mesh)
     assert_same_weights(model, reference.trained)
+
+
+@pytest.mark.parametrize(
+    ("mesh_name", "query", "key"),
+    [("2x4", (None, "model"), (None, None)), ("4x2", (None, "model"), (None, "model"))],
+    ids=["2-kv-heads-on-model-4", "2-kv-heads-on-model-2"],
+)
+def test_grouped_query_heads_in_a_custom_layer(mesh_name, query, key):
+    """Key/value heads that do not divide stay whole beside split query heads, with the reason."""
+    model = styles.grouped_query()
+    rules = kml.auto_rules(model, mesh_of(mesh_name), replicate_below=0)
+    assert rules.match("gqa/block/wq").axes == query
+    assert rules.match("gqa/block/wo").axes == ("model", None)
+    assert rules.match("gqa/block/wk").axes == key == rules.match("gqa/block/wv").axes
+    if key == (None, None):
+        note = rules.match("gqa/block/wk").note
+        assert "grouped-query attention: key/value heads too few to divide" in note
+
+
+def test_grouped_query_custom_layer_trains_like_one_device():
+    reference = Reference(styles.grouped_query, data("block"))
+    mesh = mesh_of("2x4")
+    rules = kml.auto_rules(styles.grouped_query(), mesh, replicate_below=0)
+    dist = kml.ModelParallel(mesh, rules, replicate_below=0)
+    model = train(styles.grouped_query, reference.initial, data("block"), distribution=dist)
+    keras.distribution.set_distribution(None)
+    assert_same_weights(model, reference.trained)
+
+
+# The split dimension's blocks through a reshape: heads merged or split, and cuts that would mix them.
+RESHAPES = [
+    ((2, 8, 32), (2, 8, 4, 8), 2, 4, 2),  # features into 4 heads of 8: the heads split
+    ((2, 8, 32), (2, 8, 4, 8), 2, 8, None),  # 4 heads cannot split 8 ways
+    ((2, 8, 4, 8), (2, 8, 32), 2, 4, 2),  # heads merged back into features
+    ((2, 8, 4, 8), (2, 8, 32), 3, 4, None),  # the head dimension is not the major one
+    ((2, 8, 2, 8), (2, 8, 16), 2, 4, None),  # 2 key/value heads on 4 devices
+    ((16, 64), (16, 8, 8), 1, 4, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "dim", "size", "expected"),
+    RESHAPES,
+    ids=["split-heads", "too-few-heads", "merge-heads", "minor-dim", "kv-heads", "rank-2"],
+)
+def test_a_reshape_keeps_the_split_blocks(before, after, dim, size, expected):
+    from keras_meshlayout.planner._units import _reshape_dim
+
+    assert _reshape_dim(before, after, dim, size) == expected
+
+
+def test_the_hand_offs_are_immutable():
+    """Each stage hands the next a frozen value: nothing downstream can change the trace or a unit."""
+    import dataclasses
+
+    from keras_meshlayout.planner import find_units, trace_model
+
+    model = styles.mlp_sequential()
+    trace = trace_model(model, np.zeros((4, styles.FEATURES), "float32"))
+    (unit, *_) = find_units(trace, 4)
+    for value, field in ((trace, "nodes"), (unit, "members"), (unit.members[0], "dim")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, field, None)
+    with pytest.raises(TypeError):
+        trace.uses["x"] = ()  # read-only mappings
