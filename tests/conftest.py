@@ -87,7 +87,10 @@ SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_recipes.py": ("*",),  # every recipe and the demo, end to end in a fresh process
     "test_resume.py": ("*",),  # training interrupted and resumed, a killed process among them
-    "test_styles.py": ("test_each_style_trains_sharded_like_one_device",),  # every model style, fit
+    "test_styles.py": (  # every model style, fit
+        "test_each_style_trains_sharded_like_one_device",
+        "test_grouped_query_custom_layer_trains_like_one_device",
+    ),
     "test_training.py": (  # sharded fit against one device
         "test_mlp_fit_matches_single_device",
         "test_attention_and_embedding_fit_with_heads_sharded",
