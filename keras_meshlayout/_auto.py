@@ -33,6 +33,7 @@ import keras
 
 from ._budget import check_budget_args, within_budget
 from ._errors import InvalidRuleError
+from ._mesh import mesh_axis_sizes
 from ._presets import transformer_rules
 from ._resolve import DEFAULT_REPLICATE_BELOW
 from ._rules import Axes, LayoutRules
@@ -150,7 +151,7 @@ def auto_rules(
             f"auto_rules: model_axis={model_axis!r} is not an axis of the mesh, which has axes "
             f"{tuple(mesh.axis_names)}. Fix: pass model_axis= one of them."
         )
-    size = dict(zip(mesh.axis_names, mesh.shape, strict=True))[model_axis]
+    size = mesh_axis_sizes(mesh)[model_axis]
     if batch_axis is None:
         batch_axis = next((axis for axis in mesh.axis_names if axis != model_axis), None)
     check_budget_args(memory_budget, batch)
@@ -202,6 +203,8 @@ class _Planner:
         self.kv_heads: dict[int, int] = {}
         #: Units that are a final layer split over the model axis (their loss reductions cost traffic).
         self.final_units: set[str] = set()
+        #: Key/value weights kept whole beside a traced attention unit's split heads: path → unit.
+        self.whole_kv: dict[str, str] = {}
         self.axes_of: dict[str, Axes] = {}
         self.layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
         self.consumers: dict[int, list[Any]] = {id(layer): [] for layer in self.layers}
@@ -448,6 +451,7 @@ class _Planner:
                         f"({self.size}); kept whole beside the split query heads of {name}"
                     )
                     self.assign(variables[path], (None,) * len(variables[path].shape), note)
+                    self.whole_kv[path] = name
 
     def plan_final(self, trace: Trace) -> None:
         """Final projections: size decides whether they split, not their position.

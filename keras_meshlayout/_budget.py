@@ -44,6 +44,7 @@ import numpy as np
 from ._errors import InvalidOptionError, MemoryBudgetError
 from ._hlo import wire_bytes
 from ._memory import parse_bytes, slot_model
+from ._mesh import mesh_axis_sizes
 from ._render import format_bytes
 from ._rules import Axes, LayoutRules
 from .planner import Trace, trace_model
@@ -305,6 +306,7 @@ class Costs:
         layers = {id(owners[id(k)]): owners[id(k)] for k in kernels if id(k) in owners}
         for kv in self._grouped_kv(name, layers):
             _add(tp_wire, self.model_axis, kv)
+        self._traced_kv(name, tp_wire)
         options = [replicated, _Option("tensor-parallel", tp_axes, tp_state, tp_wire)]
         if self.d > 1 and two_d_axes != tp_axes:
             options.append(_Option("2-D", two_d_axes, two_d_state, _plus(tp_wire, self.batch_axis, gathers)))
@@ -371,6 +373,45 @@ class Costs:
                 if count > 1:
                     extra.append(wire_bytes("all-gather", all_heads, count))
         return extra
+
+    def _traced_kv(self, unit: str, wire: dict[str, float]) -> None:
+        """Key/value weights of a custom layer kept whole beside this unit's split query heads.
+
+        No layer output can be kept whole there (the projections are
+        `ops.matmul` calls inside a layer), so, measured on XLA:CPU, each
+        weight's gradient is summed only over the devices sharing a
+        key/value head (group = model axis ÷ key/value heads), and every step
+        the weight and its optimizer slots are all-gathered over that group;
+        the activations cost as for `_grouped_kv`.
+        """
+        for path, owner in getattr(self.planner, "whole_kv", {}).items():
+            if owner != unit:
+                continue
+            count = self._kv_heads(path)
+            if count is None or self.m % count:
+                continue
+            group = self.m // count
+            variable = next(v for v in self.model.weights if v.path == path)
+            size = _nbytes(variable)
+            _add(wire, self.batch_axis, self._grad_sync(variable, group) - self._grad_sync(variable, 1))
+            gathered = (1 + self.memory.like_parameter) * wire_bytes("all-gather", size, group)
+            _add(wire, self.model_axis, gathered)
+            for _, output, _, dtype in self.calls(path):
+                all_heads = self._summed(output, dtype)
+                _add(wire, self.model_axis, wire_bytes("all-reduce", all_heads / count, group))
+                if count > 1:
+                    _add(wire, self.model_axis, wire_bytes("all-gather", all_heads, count))
+
+    def _kv_heads(self, path: str) -> int | None:
+        """The key/value heads a projection's output is reshaped into (`(..., heads, head_dim)`)."""
+        for use in self.uses.get(path, ()):
+            output = self.trace.nodes[use.node].outputs[0]
+            for index in self.trace.consumers.get(output, ()):
+                node = self.trace.nodes[index]
+                shape = self.trace.shapes[node.outputs[0]]
+                if node.primitive == "reshape" and len(shape) == len(use.output) + 1:
+                    return int(shape[-2])
+        return None
 
     def _embedding_unit(self, owner: Any, variable: Any) -> _Unit | None:
         """A look-up table: a Keras `Embedding`, or a custom layer's weight read only by one `take`."""
@@ -447,7 +488,7 @@ def within_budget(
     Without a budget every unit keeps the planner's own layout; either way the
     rules carry `rules.cost`.
     """
-    axis_sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    axis_sizes = mesh_axis_sizes(mesh)
     budget = None if memory_budget is None else parse_bytes(memory_budget)
     costs = Costs(
         model,
