@@ -38,6 +38,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_predicted_bytes_match_under_mixed_precision",
         "test_a_plan_under_a_tight_budget_trains_like_one_device",
         "test_a_large_final_layer_is_split_and_predicted",
+        "test_predicted_bytes_match_on_custom_layer_grouped_query_attention",
         "test_no_budget_keeps_todays_rules",
         "test_smaller_budgets_never_send_less",
     ),

@@ -299,3 +299,22 @@ def test_predicted_state_equals_the_plan_for_every_optimizer(optimizer):
     real.build(model.trainable_variables)
     memory = kml.plan_model(dist, model, real).memory()
     assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
+
+
+# Grouped-query attention inside a custom layer (tests/styles.py): with 2 key/value heads on a
+# 4-way model axis the key/value weights stay whole, and no layer output rule can keep their
+# outputs whole, so XLA gathers them and their slots every step; the prediction counts that.
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_predicted_bytes_match_on_custom_layer_grouped_query_attention(mesh_name):
+    import styles
+
+    mesh = kml.Mesh(data=MESHES[mesh_name][0], model=MESHES[mesh_name][1])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, styles.VOCAB, (BATCH, styles.LENGTH)).astype("int32")
+    rules = kml.auto_rules(styles.grouped_query(), mesh, replicate_below=0, batch=x, optimizer="adam")
+    keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
+    model = styles.grouped_query()
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = kml.comm_report(model, x, np.zeros(BATCH, "int32"))
+    for axis, measured in report.wire_bytes_by_axis.items():
+        assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
