@@ -438,37 +438,39 @@ def _die_with_parent() -> None:
 #: What gloo prints, once per communicator and device, when a group of devices connects.
 _GLOO_CONNECTED = re.compile(
     rb"\[Gloo\] Rank (\d+) is connected to (\d+) peer ranks\. "
-    rb"Expected number of connected peer ranks is : (\d+)"
+    rb"Expected number of connected peer ranks is : (\d+)\s*"
 )
-#: The pieces gloo writes that line in: devices connect at once, so their pieces interleave.
-_GLOO_PIECES = re.compile(
-    rb"(?:\[Gloo\] Rank |\d+| is connected to "
-    rb"| peer ranks\. Expected number of connected peer ranks is : |\s)+"
+#: The pieces gloo writes that line in (`std::cout << ...`, piece by piece).
+_GLOO_WORDS = (
+    b"[Gloo] Rank ",
+    b" is connected to ",
+    b" peer ranks. ",
+    b"Expected number of connected peer ranks is : ",
 )
+_GLOO_PIECES = re.compile(b"(?:" + b"|".join(re.escape(word) for word in _GLOO_WORDS) + rb"|\d+|\s)+")
 
 
 class _GlooLines:
     """Drops gloo's "Rank N is connected to K peer ranks" lines, dozens per run, that bury the output.
 
     The devices of a process connect at the same time and gloo writes each
-    line in pieces, so lines arrive interleaved ("[Gloo] Rank [Gloo] Rank 0 is
-    connected ..."): a line made only of those pieces is dropped. A complete
-    line whose count of connected peers differs from the expected one is
-    kept: it tells of a connection problem.
+    line in pieces, so the lines arrive interleaved ("[Gloo] Rank 2 is
+    connected to [Gloo] Rank 73 peer ranks. ..."): a line made only of such
+    pieces is dropped. A whole line whose count of connected peers differs
+    from the expected one is kept: it tells of a connection problem.
     """
 
     def __init__(self) -> None:
         self.dropped = 0
 
     def keep(self, line: bytes) -> bool:
-        if b"[Gloo] Rank " not in line and b" is connected to " not in line:
-            return True
-        if any(match[2] != match[3] for match in _GLOO_CONNECTED.finditer(line)):
-            return True
-        if _GLOO_PIECES.fullmatch(line) is None:
-            return True
-        self.dropped += 1
-        return False
+        whole = _GLOO_CONNECTED.fullmatch(line)
+        if whole is not None:
+            keep = whole[2] != whole[3]
+        else:
+            keep = not any(word in line for word in _GLOO_WORDS) or _GLOO_PIECES.fullmatch(line) is None
+        self.dropped += not keep
+        return keep
 
 
 def _relay(

@@ -511,6 +511,12 @@ def gloo_line(rank: int, connected: int, expected: int) -> bytes:
         (gloo_line(3, 5, 7), True),
         (b"[Gloo] Rank " + gloo_line(0, 1, 1), False),  # two devices' lines, interleaved (seen)
         (gloo_line(0, 1, 1)[len(b"[Gloo] Rank ") :], False),  # ... and the rest of the second
+        (
+            b"[Gloo] Rank 2 is connected to [Gloo] Rank 73 peer ranks.  is connected to Expected number "
+            b"of connected peer ranks is : 77 peer ranks. \n",
+            False,
+        ),  # seen in a recipe run
+        (b"Expected number of connected peer ranks is : 7\n", False),  # ... its next line
         (b"[Gloo] something else\n", True),
         (b"epoch 1: loss 0.3 [Gloo] Rank 3 is connected to 7 peer ranks.\n", True),
         (b"Rank 3 is connected\n", True),
@@ -522,6 +528,8 @@ def gloo_line(rank: int, connected: int, expected: int) -> bytes:
         "missing-peers",
         "interleaved",
         "interleaved-rest",
+        "interleaved-finer",
+        "interleaved-tail",
         "other-gloo",
         "user-line",
         "plain",
