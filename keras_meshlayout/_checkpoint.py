@@ -58,7 +58,8 @@ __all__ = [
     "save_checkpoint",
 ]
 
-FORMAT = 1
+FORMAT = 1  # the weights in one Keras .weights.h5 file
+ORBAX_FORMAT = 2  # the arrays in Orbax checkpoints, each process writing and reading its own shards
 WEIGHTS = "model.weights.h5"
 PLAN = "plan.json"
 MANIFEST = "manifest.json"  # written last: its presence marks a complete checkpoint
@@ -66,7 +67,11 @@ _MANIFEST_KEYS = ("format", "variables", "weights_sha256")
 
 
 def save_checkpoint(
-    model: keras.Model, directory: str | os.PathLike, *, distribution: ModelParallel | None = None
+    model: keras.Model,
+    directory: str | os.PathLike,
+    *,
+    distribution: ModelParallel | None = None,
+    storage: Literal["h5", "orbax"] = "h5",
 ) -> Path:
     """Saves the weights (optimizer state included), the plan and a manifest, atomically.
 
@@ -88,6 +93,15 @@ def save_checkpoint(
         directory: Checkpoint directory; replaced if it exists.
         distribution: The `kml.ModelParallel` whose plan to save; defaults to
             the current distribution (no plan is saved without one).
+        storage: How the arrays are stored. `"h5"`: one Keras
+            `model.weights.h5` file, every variable gathered whole (in a
+            multi-process run, by process 0). `"orbax"`: Orbax checkpoints
+            (`model.orbax/`, `optimizer.orbax/`, on TensorStore) that every
+            process writes its own shards into, one copy of each, and that a
+            load reads, in every process, only the slices its devices hold
+            under the current plan. `load_checkpoint` reads either. Every
+            process must call `save_checkpoint` with `"orbax"`, and the
+            directory must be on a file system they all see.
 
     Returns:
         The checkpoint directory.
@@ -107,7 +121,9 @@ def save_checkpoint(
         >>> sorted(p.name for p in path.iterdir())
         ['manifest.json', 'model.weights.h5', 'plan.json']
     """
-    return _save_everywhere(model, Path(directory), distribution)
+    if storage not in ("h5", "orbax"):
+        raise InvalidOptionError(f'storage must be "h5" or "orbax". Received: storage={storage!r}.')
+    return _save_everywhere(model, Path(directory), distribution, storage=storage)
 
 
 def load_checkpoint(
@@ -219,6 +235,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             batches (across epochs).
         delete_on_end: Delete the backup once `fit` completes (and `directory`,
             if that leaves it empty). Defaults to `True`, like `BackupAndRestore`.
+        storage: How each backup stores its arrays: `"h5"` or `"orbax"`, as
+            for `save_checkpoint` (a backup in either is resumed from).
 
     Raises:
         InvalidOptionError: `save_freq` is neither `"epoch"` nor a positive integer.
@@ -240,8 +258,12 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         save_freq: int | Literal["epoch"] = "epoch",
         *,
         delete_on_end: bool = True,
+        storage: Literal["h5", "orbax"] = "h5",
     ) -> None:
         super().__init__()
+        if storage not in ("h5", "orbax"):
+            raise InvalidOptionError(f'storage must be "h5" or "orbax". Received: storage={storage!r}.')
+        self.storage = storage
         if save_freq != "epoch" and (
             isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
         ):
@@ -330,7 +352,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 pass
 
     def _save(self, epoch: int, batch: int) -> None:
-        _save_everywhere(self.model, self.path, None, training={"epoch": epoch, "batch": batch})
+        _save_everywhere(
+            self.model, self.path, None, training={"epoch": epoch, "batch": batch}, storage=self.storage
+        )
 
     def _train_or_skip(self, state: Any, iterator: Iterator[Any]) -> tuple[dict, Any]:
         """The model's train function while resuming: reads past a batch trained before the crash.
@@ -486,11 +510,17 @@ def plan_diff(before: Plan | Mapping[str, Any], after: Plan | Mapping[str, Any])
 
 
 def _save_everywhere(
-    model: keras.Model, target: Path, distribution: Any, training: Mapping[str, int] | None = None
+    model: keras.Model,
+    target: Path,
+    distribution: Any,
+    training: Mapping[str, int] | None = None,
+    storage: str = "h5",
 ) -> Path:
     """`_save`, called by every process of a job: process 0 writes, the others wait for it."""
     import jax
 
+    if storage == "orbax":
+        return _save_orbax(model, target, distribution, training)
     if jax.process_count() == 1:
         return _save(model, target, distribution, training)
     # Process 0 writes, with the distribution lifted: Keras's save_weights builds a throwaway
@@ -568,6 +598,128 @@ def _save(
     return target
 
 
+def _save_orbax(
+    model: keras.Model,
+    target: Path,
+    distribution: Any,
+    training: Mapping[str, int] | None = None,
+) -> Path:
+    """A checkpoint whose arrays every process writes its own shards of, with Orbax; all processes call it.
+
+    The protocol is `_save`'s: everything goes to one hidden sibling directory (named by
+    process 0, for all), which process 0 moves into place once every process's shards are on
+    disk (Orbax's barrier) and it has written the plan and the manifest. A failure in any
+    process is raised in every process, after each of the three steps.
+    """
+    import jax
+
+    from . import _orbax_store
+
+    primary = jax.process_index() == 0
+    partial = target.with_name(_common(_sibling_name(target, "partial")))
+    step = [partial]  # what is being written, for the error message
+
+    def prepare() -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _recover(target)  # a save killed between its renames is finished before this one starts
+        partial.mkdir()
+
+    def write_arrays() -> None:
+        step[0] = partial / _orbax_store.DIRECTORIES["model"]
+        optimizer = getattr(model, "optimizer", None)
+        slots = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+        _orbax_store.save(
+            partial, {"model": [v.value for v in model.weights], "optimizer": [v.value for v in slots]}
+        )
+
+    def complete() -> None:
+        listing = _orbax_store.files(partial)
+        manifest: dict[str, Any] = {
+            "format": ORBAX_FORMAT,
+            "keras": keras.__version__,
+            "model": model.name,
+            "optimizer": _optimizer_info(model),
+            "variables": _describe(model),
+            "files": listing,
+            "weights_sha256": _orbax_store.digest(listing),
+            "rng": _rng_state(model),
+        }
+        plan = _current_plan(model, distribution)
+        if plan is not None:
+            step[0] = partial / PLAN
+            _write_json(partial / PLAN, plan.to_dict())
+            manifest["plan_sha256"] = _sha256(partial / PLAN)
+        if training is not None:
+            manifest["training"] = dict(training)
+        step[0] = partial / MANIFEST
+        _write_json(partial / MANIFEST, manifest)
+        step[0] = partial
+        _fsync(partial)
+        step[0] = target
+        _replace_directory(partial, target)
+
+    _IN_FLIGHT.add(partial.name)
+    try:
+        for run, everywhere in ((prepare, False), (write_arrays, True), (complete, False)):
+            failure = _attempt(run) if everywhere or primary else None
+            try:
+                _agree(failure, target, step[0])
+            except BaseException:
+                if primary:
+                    shutil.rmtree(partial, ignore_errors=True)
+                raise
+    finally:
+        _IN_FLIGHT.discard(partial.name)
+    return target
+
+
+def _attempt(run: Any) -> BaseException | None:
+    try:
+        run()
+    except BaseException as err:  # raised by _agree, once every process knows
+        return err
+    return None
+
+
+def _common(name: str) -> str:
+    """`name` as process 0 has it, in every process (a collective)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return name
+    from jax.experimental import multihost_utils
+
+    raw = np.zeros(255, np.uint8)
+    encoded = np.frombuffer(name.encode()[:255], np.uint8)
+    raw[: len(encoded)] = encoded
+    shared = np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)
+    return bytes(shared).rstrip(b"\0").decode()
+
+
+def _agree(failure: BaseException | None, target: Path, step: Path) -> None:
+    """Raises `failure` here, and a `CheckpointError` in every other process, if any process failed.
+
+    With several processes, a collective: every process calls it at the same point.
+    """
+    import jax
+
+    failed: list[int] = []
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(failure is not None))
+        failed = [i for i, flag in enumerate(np.asarray(flags).reshape(-1)) if flag]
+    if failure is not None:
+        if isinstance(failure, OSError):
+            raise CheckpointError(_save_failed(target, step, failure)) from failure
+        raise failure
+    if failed:
+        raise CheckpointError(
+            f"Saving checkpoint {target} failed in process(es) {failed} (their error says why). "
+            f"Whatever was at {target} before is intact."
+        )
+
+
 def _save_failed(target: Path, step: Path, err: OSError) -> str:
     reason = f"{err.strerror} (errno {err.errno})" if err.strerror else f"{type(err).__name__}: {err}"
     if _complete(target):
@@ -596,7 +748,15 @@ def _load(
         source = recovered
     manifest = _read_manifest(source, removed)
     weights = source / WEIGHTS
-    if not weights.is_file() or _sha256(weights) != manifest["weights_sha256"]:
+    orbax = manifest["format"] == ORBAX_FORMAT
+    if orbax:
+        problem = _orbax_damage(source, manifest)
+        if problem is not None:
+            raise CheckpointError(
+                f"Checkpoint {source}: its arrays are missing, truncated or corrupt: {problem}. Nothing was "
+                "loaded; the model is unchanged. Fix: use an earlier checkpoint."
+            )
+    elif not weights.is_file() or _sha256(weights) != manifest["weights_sha256"]:
         raise CheckpointError(
             f"Checkpoint {source}: {WEIGHTS} is missing, truncated or corrupt (its checksum does not "
             "match the manifest). Nothing was loaded; the model is unchanged. Fix: use an earlier "
@@ -620,7 +780,10 @@ def _load(
     values = [v.value for v in variables] if rollback else None
     skip = [] if with_optimizer or optimizer is None else [optimizer]
     try:
-        model.load_weights(weights, objects_to_skip=skip) if skip else model.load_weights(weights)
+        if orbax:
+            _load_orbax(model, source, with_optimizer)
+        else:
+            model.load_weights(weights, objects_to_skip=skip) if skip else model.load_weights(weights)
         for variable, state in seeds:
             variable.assign(np.asarray(state, dtype=variable.dtype))
     except BaseException as err:
@@ -642,6 +805,40 @@ def _load(
     current = _current_plan(model, distribution)
     diff = None if saved_plan is None or current is None else plan_diff(saved_plan, current)
     return manifest, diff
+
+
+def _load_orbax(model: keras.Model, source: Path, with_optimizer: bool) -> None:
+    """Reads every array onto its variable's current sharding (each process its own slices), then assigns.
+
+    Everything is read before the first variable is assigned.
+    """
+    import jax
+
+    from . import _orbax_store
+
+    kinds = {"model": list(model.weights)}
+    if with_optimizer:
+        kinds["optimizer"] = list(model.optimizer.variables)
+    targets = {
+        kind: [
+            jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=v.value.sharding) for v in variables
+        ]
+        for kind, variables in kinds.items()
+    }
+    restored = _orbax_store.restore(source, targets)
+    for kind, variables in kinds.items():
+        for variable, value in zip(variables, restored[kind], strict=True):
+            variable.assign(value)
+
+
+def _orbax_damage(source: Path, manifest: Mapping[str, Any]) -> str | None:
+    """What is wrong with an Orbax checkpoint's files, or `None` (sizes everywhere, checksums of metadata)."""
+    from . import _orbax_store
+
+    listing = manifest["files"]
+    if _orbax_store.digest(listing) != manifest["weights_sha256"]:
+        return f'the file list in {MANIFEST} does not match its "weights_sha256" (edited or damaged)'
+    return _orbax_store.damage(source, listing)
 
 
 # -- random state -------------------------------------------------------------------------
@@ -803,7 +1000,10 @@ def _verified(path: Path) -> bool:
     """Whether `path` holds a complete checkpoint whose files match their checksums."""
     try:
         manifest = json.loads((path / MANIFEST).read_bytes().decode("utf-8"))
-        if _sha256(path / WEIGHTS) != manifest["weights_sha256"]:
+        if manifest.get("format") == ORBAX_FORMAT:
+            if _orbax_damage(path, manifest) is not None:
+                return False
+        elif _sha256(path / WEIGHTS) != manifest["weights_sha256"]:
             return False
         plan = manifest.get("plan_sha256")
         return plan is None or _sha256(path / PLAN) == plan
@@ -920,10 +1120,10 @@ def _read_manifest(source: Path, removed: Sequence[str] = ()) -> dict[str, Any]:
             f"Checkpoint {source}: {MANIFEST} is corrupt: it needs the keys {list(_MANIFEST_KEYS)}. "
             f"Received: {keys}. Nothing was loaded; the model is unchanged. Fix: use an earlier checkpoint."
         )
-    if manifest["format"] != FORMAT:
+    if manifest["format"] not in (FORMAT, ORBAX_FORMAT):
         raise CheckpointError(
-            f"Checkpoint {source} has format {manifest['format']!r}; this version reads format {FORMAT}. "
-            "Nothing was loaded; the model is unchanged."
+            f"Checkpoint {source} has format {manifest['format']!r}; this version reads formats {FORMAT} "
+            f"(h5) and {ORBAX_FORMAT} (Orbax). Nothing was loaded; the model is unchanged."
         )
     _check_schema(manifest, path)
     return manifest
@@ -981,6 +1181,17 @@ def _check_schema(manifest: Mapping[str, Any], path: Path) -> None:
                 fail(f"{where}.{key}", expected, entry.get(key, _MISSING))
         if entry.get("kind", "model") not in ("model", "optimizer"):
             fail(f"{where}.kind", '"model" or "optimizer"', entry["kind"])
+    if manifest["format"] == ORBAX_FORMAT:
+        files = manifest.get("files", _MISSING)
+        if not isinstance(files, dict):
+            fail("files", "a {name: {bytes, sha256}} mapping (an Orbax checkpoint's files)", files)
+        for name, entry in files.items():
+            if not (
+                isinstance(entry, dict)
+                and count(entry.get("bytes", _MISSING))
+                and (entry.get("sha256") is None or text(entry["sha256"]))
+            ):
+                fail(f"files[{name!r}]", '{"bytes": int, "sha256": str or null}', entry)
     training = manifest.get("training")
     if training is not None:
         if not isinstance(training, dict):
@@ -1103,19 +1314,27 @@ def _check_manifest_against_weights(manifest: Mapping[str, Any], source: Path) -
     The weights file is checked against its checksum, the manifest is not: before a
     mismatch is blamed on the model, make sure it is not the manifest that was edited.
     """
-    import h5py
-
     stored: Counter[tuple[int, ...]] = Counter()
+    where = WEIGHTS
+    if manifest["format"] == ORBAX_FORMAT:
+        from . import _orbax_store
 
-    def visit(_: str, item: Any) -> None:
-        if isinstance(item, h5py.Dataset):
-            stored[tuple(item.shape)] += 1
+        found = _orbax_store.stored_shapes(source)
+        if found is None:
+            return  # unreadable: the load reports it
+        stored, where = found, "model.orbax/ and optimizer.orbax/"
+    else:
+        import h5py
 
-    try:
-        with h5py.File(source / WEIGHTS, "r") as f:
-            f.visititems(visit)
-    except OSError:
-        return  # unreadable: Keras's own load reports it
+        def visit(_: str, item: Any) -> None:
+            if isinstance(item, h5py.Dataset):
+                stored[tuple(item.shape)] += 1
+
+        try:
+            with h5py.File(source / WEIGHTS, "r") as f:
+                f.visititems(visit)
+        except OSError:
+            return  # unreadable: Keras's own load reports it
     listed = Counter(tuple(v["shape"]) for v in manifest["variables"])
     extra = listed - stored
     if not extra:
@@ -1127,7 +1346,7 @@ def _check_manifest_against_weights(manifest: Mapping[str, Any], source: Path) -
         if tuple(v["shape"]) in extra
     ]
     raise CheckpointError(
-        f"Checkpoint {source}: {MANIFEST} disagrees with the arrays stored in {WEIGHTS}:\n"
+        f"Checkpoint {source}: {MANIFEST} disagrees with the arrays stored in {where}:\n"
         + "\n".join(lines[:10] + ([f"  ... and {len(lines) - 10} more"] if len(lines) > 10 else []))
         + "\nThe manifest was edited or damaged after the save (the weights file matches its checksum), "
         "so the model was not compared with it. Nothing was loaded; the model is unchanged. Fix: use an "

@@ -353,7 +353,11 @@ def _processes(mesh: keras.distribution.DeviceMesh) -> tuple[str, ...]:
 
 def _device_capacity(mesh: keras.distribution.DeviceMesh) -> int | None:
     """Bytes of memory of the mesh's first device, if JAX reports them (not on CPU)."""
-    device = mesh.devices.flat[0]
+    import jax
+
+    # One of this process's devices: another process's cannot report its memory (JaxRuntimeError).
+    here = [d for d in mesh.devices.flat if getattr(d, "process_index", 0) == jax.process_index()]
+    device = here[0] if here else mesh.devices.flat[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
     return int(limit) if limit else None
