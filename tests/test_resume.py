@@ -511,3 +511,42 @@ def test_resume_into_a_model_with_other_random_layers_is_refused(tmp_path):
     message = str(raised.value)
     assert "holds the state of 3 random seed generator(s), and the model has 1 ('seed_generator" in message
     assert "could not resume exactly. Nothing was loaded; the model is unchanged." in message
+
+
+# -- backups on Orbax (each process writes its own shards) --------------------------------
+
+STORAGES = {"orbax": ("orbax", "orbax"), "h5 then orbax": ("h5", "orbax"), "orbax then h5": ("orbax", "h5")}
+
+
+@pytest.mark.parametrize("resume_on", ["2x4", "1x8"])
+@pytest.mark.parametrize("storages", list(STORAGES))
+def test_resumable_checkpoint_on_orbax_resumes_exactly_mid_epoch(storages, resume_on, reference, tmp_path):
+    """Backed up with Orbax (or h5), resumed from it by a callback that writes either."""
+    before, after = STORAGES[storages]
+    backup = tmp_path / "backup"
+    with pytest.raises(RuntimeError, match="crash at step"):
+        fit(
+            "2x4",
+            reference["initial"],
+            [kml.ResumableCheckpoint(backup, 2, storage=before), Crash(STEPS + 3)],
+        )
+    manifest = json.loads((backup / "latest" / "manifest.json").read_text())
+    assert manifest["format"] == (2 if before == "orbax" else 1)
+    assert manifest["training"] == {"epoch": 1, "batch": 2}
+    model = fit(resume_on, reference["initial"], [kml.ResumableCheckpoint(backup, 2, storage=after)])
+    assert_same(model, reference["trained"], TOLERANCE[resume_on])
+    assert not backup.exists()
+
+
+def test_resume_with_dropout_on_orbax_is_bit_exact(random_reference, tmp_path):
+    """The random state travels in the manifest beside Orbax's arrays, as beside the h5 file."""
+    backup = tmp_path / "backup"
+    kind = "Sequential with Dropout"
+    with pytest.raises(RuntimeError, match="crash at step"):
+        fit_random(
+            kind, "2x4", [kml.ResumableCheckpoint(backup, 2, storage="orbax"), Crash(CRASHES["mid-epoch"])]
+        )
+    model = fit_random(kind, "2x4", [kml.ResumableCheckpoint(backup, 2, storage="orbax")])
+    assert int(model.optimizer.iterations) == EPOCHS * STEPS
+    for variable, want in zip(model.weights, random_reference[kind][0], strict=True):
+        assert np.array_equal(np.asarray(variable.value), want), variable.path
