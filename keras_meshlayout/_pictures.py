@@ -55,7 +55,7 @@ _BLOCK_COLOURS = (
 
 _PLOT_INSTALL_HINT = (
     "Plotting a plan needs matplotlib, which is not installed. "
-    'Install it with: pip install "keras_meshlayout[plot]"'
+    'Install it with: pip install matplotlib (or, from the keras_meshlayout checkout, pip install ".[plot]")'
 )
 
 # The PNG: 12 × 5 inches at 100 dpi, i.e. 1200 × 500 pixels.
@@ -480,7 +480,7 @@ def plot_plan(
         The path written.
 
     Raises:
-        ImportError: matplotlib is not installed (`pip install "keras_meshlayout[plot]"`).
+        ImportError: matplotlib is not installed (`pip install matplotlib`).
         InvalidOptionError: `top` is negative, or `mesh` does not match the plan's axes.
     """
     figure_class, canvas_class = _matplotlib()

@@ -129,7 +129,7 @@ class Plan:
     def plot(self, path: str | os.PathLike, **kw: Any) -> Path:
         """Writes a picture of the plan: memory per device, the mesh, the largest variables.
 
-        Needs matplotlib (`pip install "keras_meshlayout[plot]"`). See
+        Needs matplotlib (`pip install matplotlib`). See
         `kml.plot_plan` for the options (`top`, `mesh`, `device_memory`).
 
         Returns:

@@ -20,7 +20,7 @@ Copy this file and adapt it. It:
 
 Run it with:
 
-    pip install "keras-meshlayout[hub]" && pip install --no-deps keras-hub==0.32.0
+    pip install ".[hub]" && pip install --no-deps keras-hub==0.32.0    # from the repository root
     python recipes/hub_finetune_2x4.py      # or --epochs 1 --steps 4 for a quick check
 """
 

@@ -38,7 +38,7 @@ def _install_hints(text: str) -> list[str]:
     """What `pip install` is told to fetch in `text`: each argument that is not an option."""
     return [
         word.strip("\"'")
-        for arguments in re.findall(r"pip install((?:[ \t]+[^\s`|)&]+)+)", text)
+        for arguments in re.findall(r"pip install((?:[ \t]+(?:[^\s`|()&,;\[]|\[[^\]\s]*\])+)+)", text)
         for word in arguments.split()
         if not word.startswith("-")
     ]
@@ -145,6 +145,10 @@ def test_hint_pattern_finds_what_it_should():
     text = 'run `pip install ".[plot]"` or pip install "keras_meshlayout[plot]" && pip install --no-deps x==1'
     assert _install_hints(text) == [".[plot]", "keras_meshlayout[plot]", "x==1"]
     assert _install_hints("(pip install .) then `pip install matplotlib`") == [".", "matplotlib"]
+    assert _install_hints('pip install matplotlib (or, from a checkout, pip install ".[plot,docs]")') == [
+        "matplotlib",
+        ".[plot,docs]",
+    ]
 
 
 def _conftest():
