@@ -14,7 +14,13 @@ loaded model occupies exactly its own size across the 8 devices):
 - `kml`: `kml.load_checkpoint(model, directory)` into a model built first,
   the previous values held until the load completes (to put them back if it
   fails part-way), and with `rollback=False`;
+- `kml orbax`: the same, from a checkpoint saved with `storage="orbax"`
+  (each process reads only the slices its devices hold; here one process
+  holds all 8 devices, so it reads the whole model);
 - `build only`: the model built, nothing loaded (the floor of the other rows).
+
+The save of each format is timed too (in the process that builds the model on
+2×4), and both are given as throughput: the model's bytes over the seconds.
 
 The devices are emulated CPUs: their buffers live in the process's own memory,
 so the resident set counts the loaded model itself as well as any host copies
@@ -72,6 +78,8 @@ FORMATS = {
     "weights.h5": "model.load_weights(m.weights.h5)",
     "kml": "kml.load_checkpoint(model, dir)",
     "kml, no rollback": "kml.load_checkpoint(model, dir, rollback=False)",
+    "kml orbax": 'kml.load_checkpoint(model, dir), saved with storage="orbax"',
+    "kml orbax, no rollback": "the same, rollback=False",
     "build only": "model built, nothing loaded",
 }
 RULES = [(r".*kernel", (None, "model")), (r".*bias", ("model",))]
@@ -133,14 +141,27 @@ def save(directory: Path) -> dict:
     kml, keras = _start({"data": 2, "model": 4})
     keras.utils.set_random_seed(0)
     model = build_mlp()
-    model.save(directory / "m.keras")
-    model.save_weights(directory / "m.weights.h5")
-    kml.save_checkpoint(model, directory / "ckpt")
-    return {
-        "keras": (directory / "m.keras").stat().st_size,
-        "weights.h5": (directory / "m.weights.h5").stat().st_size,
-        "kml": sum(p.stat().st_size for p in (directory / "ckpt").iterdir()),
+    saves = {
+        "keras": lambda: model.save(directory / "m.keras"),
+        "weights.h5": lambda: model.save_weights(directory / "m.weights.h5"),
+        "kml": lambda: kml.save_checkpoint(model, directory / "ckpt"),
+        "kml orbax": lambda: kml.save_checkpoint(model, directory / "ckpt_orbax", storage="orbax"),
     }
+    seconds = {}
+    for fmt, run in saves.items():
+        start = time.perf_counter()
+        run()
+        seconds[fmt] = round(time.perf_counter() - start, 2)
+
+    def size(path: Path) -> int:
+        return (
+            path.stat().st_size
+            if path.is_file()
+            else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        )
+
+    paths = {"keras": "m.keras", "weights.h5": "m.weights.h5", "kml": "ckpt", "kml orbax": "ckpt_orbax"}
+    return {"bytes": {fmt: size(directory / name) for fmt, name in paths.items()}, "save_seconds": seconds}
 
 
 def load(fmt: str, directory: Path) -> dict:
@@ -164,6 +185,10 @@ def load(fmt: str, directory: Path) -> dict:
         kml.load_checkpoint(model, directory / "ckpt")
     elif fmt == "kml, no rollback":
         kml.load_checkpoint(model, directory / "ckpt", rollback=False)
+    elif fmt == "kml orbax":
+        kml.load_checkpoint(model, directory / "ckpt_orbax")
+    elif fmt == "kml orbax, no rollback":
+        kml.load_checkpoint(model, directory / "ckpt_orbax", rollback=False)
     seconds = time.perf_counter() - start
     peak = _peak(resettable)
     gc.collect()
@@ -412,7 +437,8 @@ def main() -> None:
     size = model_bytes()
     with tempfile.TemporaryDirectory(prefix="kml-bench-") as tmp:
         start = time.perf_counter()
-        files = run_child("save", tmp)
+        saved = run_child("save", tmp)
+        files, save_seconds = saved["bytes"], saved["save_seconds"]
         runs = {fmt: [run_child(fmt, tmp) for _ in range(args.repeat)] for fmt in FORMATS}
         total = time.perf_counter() - start
     # The worst of the runs: what a machine must have room for. JAX frees buffers asynchronously,
@@ -420,6 +446,7 @@ def main() -> None:
     results = [max(found, key=lambda r: r["peak_over_model"]) for found in runs.values()]
     for r in results:
         r["file_bytes"] = files.get(r["format"].split(",")[0])
+        r["save_seconds"] = None if "," in r["format"] else save_seconds.get(r["format"])
         r["runs"] = [
             {k: run[k] for k in ("seconds", "peak_over_model", "extra_over_model")}
             for run in runs[r["format"]]
@@ -430,14 +457,19 @@ def main() -> None:
         "(fresh process each)",
         title_justify="left",
     )
-    for column in ("format", "how", "file", "seconds", "peak / model", "extra / model"):
+    columns = ("format", "how", "file", "save s", "save MB/s", "load s", "load MB/s", "peak / model")
+    for column in (*columns, "extra / model"):
         table.add_column(column, justify="left" if column in ("format", "how") else "right")
     for r in results:
+        saved_in = r["save_seconds"]
         table.add_row(
             r["format"],
             r["how"],
             "-" if r["file_bytes"] is None else f"{r['file_bytes'] / 2**20:.0f} MiB",
+            "-" if saved_in is None else f"{saved_in:.2f}",
+            "-" if saved_in is None else f"{size / 1e6 / saved_in:.0f}",
             f"{r['seconds']:.2f}",
+            "-" if r["format"] == "build only" else f"{size / 1e6 / r['seconds']:.0f}",
             f"{r['peak_over_model']:.2f}" + (" *" if r["peak_is_lifetime"] else ""),
             f"{r['extra_over_model']:.2f}",
         )

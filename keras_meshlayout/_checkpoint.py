@@ -781,7 +781,7 @@ def _load(
     skip = [] if with_optimizer or optimizer is None else [optimizer]
     try:
         if orbax:
-            _load_orbax(model, source, with_optimizer)
+            _load_orbax(model, source, with_optimizer, rollback)
         else:
             model.load_weights(weights, objects_to_skip=skip) if skip else model.load_weights(weights)
         for variable, state in seeds:
@@ -807,10 +807,12 @@ def _load(
     return manifest, diff
 
 
-def _load_orbax(model: keras.Model, source: Path, with_optimizer: bool) -> None:
-    """Reads every array onto its variable's current sharding (each process its own slices), then assigns.
+def _load_orbax(model: keras.Model, source: Path, with_optimizer: bool, rollback: bool) -> None:
+    """Reads every array onto its variable's current sharding (each process its own slices), and assigns.
 
-    Everything is read before the first variable is assigned.
+    With `rollback`, everything is read before the first variable is assigned. Without, the
+    arrays are read and assigned a group at a time, each variable's previous value freed as
+    it goes, so that the load holds at most one group beside the model.
     """
     import jax
 
@@ -825,10 +827,18 @@ def _load_orbax(model: keras.Model, source: Path, with_optimizer: bool) -> None:
         ]
         for kind, variables in kinds.items()
     }
-    restored = _orbax_store.restore(source, targets)
-    for kind, variables in kinds.items():
-        for variable, value in zip(variables, restored[kind], strict=True):
-            variable.assign(value)
+    if rollback:
+        restored = _orbax_store.restore(source, targets)
+        for kind, variables in kinds.items():
+            for variable, value in zip(variables, restored[kind], strict=True):
+                variable.assign(value)
+    else:
+        _orbax_store.restore_into(
+            source,
+            targets,
+            lambda kind, i, value: kinds[kind][i].assign(value),
+            group_bytes=_orbax_store.GROUP_BYTES,
+        )
 
 
 def _orbax_damage(source: Path, manifest: Mapping[str, Any]) -> str | None:

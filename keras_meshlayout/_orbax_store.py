@@ -18,9 +18,11 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 DIRECTORIES = {"model": "model.orbax", "optimizer": "optimizer.orbax"}
 #: Files up to this size are checksummed (Orbax's metadata); larger ones (array chunks) are
@@ -58,23 +60,60 @@ def restore(directory: Path, targets: Mapping[str, Sequence[Any]]) -> dict[str, 
 
     Each process reads only the slices its devices hold under those shardings.
     """
-    import jax
+    restored: dict[str, list[Any]] = {kind: [None] * len(structs) for kind, structs in targets.items()}
 
-    checkpointer = _checkpointer()
+    def keep(kind: str, index: int, value: Any) -> None:
+        restored[kind][index] = value
+
+    restore_into(directory, targets, keep, group_bytes=None)
+    return restored
+
+
+#: How many bytes `restore_into` reads before handing them over, by default.
+GROUP_BYTES = 64 << 20
+
+
+def restore_into(
+    directory: Path,
+    targets: Mapping[str, Sequence[Any]],
+    assign: Callable[[str, int, Any], None],
+    group_bytes: int | None = GROUP_BYTES,
+) -> None:
+    """Reads the arrays in groups of about `group_bytes` (`None`: all at once), and hands each over.
+
+    `assign(kind, index, array)` is called for every array of a group once the whole group is
+    read, so that at most one group is held beside the variables it replaces.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
     try:
-        restored = {}
         for kind, structs in targets.items():
-            if not structs:
-                restored[kind] = []
-                continue
-            tree = checkpointer.restore(
-                directory / DIRECTORIES[kind], {key(i): s for i, s in enumerate(structs)}
-            )
-            restored[kind] = [tree[key(i)] for i in range(len(structs))]
-            for value, struct in zip(restored[kind], structs, strict=True):
-                if isinstance(value, jax.Array) and value.sharding != struct.sharding:
-                    raise ValueError(f"Orbax restored an array with sharding {value.sharding}")
-        return restored
+            groups: list[list[int]] = [[]]
+            size = 0
+            for i, struct in enumerate(structs):
+                nbytes = int(np.prod(struct.shape, dtype=np.int64)) * np.dtype(struct.dtype).itemsize
+                if groups[-1] and group_bytes is not None and size + nbytes > group_bytes:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(i)
+                size += nbytes
+            for group in groups:
+                if not group:
+                    continue
+                item = {key(i): structs[i] for i in group}
+                args = ocp.args.PyTreeRestore(
+                    item=item,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                    partial_restore=True,
+                )
+                tree = checkpointer.restore(directory / DIRECTORIES[kind], args=args)
+                for i in group:
+                    value = tree[key(i)]
+                    if not isinstance(value, jax.Array) or value.sharding != structs[i].sharding:
+                        raise ValueError(f"Orbax restored {key(i)} as {type(value).__name__}, not as asked")
+                    assign(kind, i, value)
     finally:
         checkpointer.close()
 

@@ -152,6 +152,33 @@ def test_orbax_round_trip_is_bit_identical_and_laid_out_as_planned(source, targe
         assert dict(diff.mesh_after) == sizes(target)
 
 
+@pytest.mark.parametrize("group_bytes", [4096, None], ids=["small-groups", "one-group"])
+def test_orbax_load_without_rollback_reads_and_assigns_a_group_at_a_time(group_bytes, saved, monkeypatch):
+    """rollback=False reads about GROUP_BYTES at a time and assigns it, freeing what it replaces."""
+    import orbax.checkpoint as ocp
+
+    monkeypatch.setattr(_orbax_store, "GROUP_BYTES", group_bytes)
+    reads = []
+    restore = ocp.PyTreeCheckpointer.restore
+
+    def counted(self, directory, *args, **kwargs):
+        reads.append(len(kwargs["args"].item))
+        return restore(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", counted)
+    keras.distribution.set_distribution(distribution_for("1x8"))
+    model = compiled()
+    kml.load_checkpoint(model, saved["2x4"].path, rollback=False)
+    monkeypatch.undo()
+    assert_bit_identical(model, saved["2x4"].values)
+    assert_laid_out_for(model)
+    assert sum(reads) == len(saved["2x4"].values)
+    if group_bytes is None:
+        assert len(reads) == 2, "the model's arrays, then the optimizer's"
+    else:
+        assert len(reads) > 6, reads
+
+
 def test_orbax_loaded_model_trains_on_its_new_mesh(saved):
     keras.distribution.set_distribution(distribution_for("1x8"))
     model = compiled()
@@ -168,7 +195,13 @@ def test_orbax_into_a_model_without_optimizer_loads_the_weights(saved):
         assert np.array_equal(np.asarray(variable.value), want), variable.path
 
 
-def test_orbax_checkpoint_holds_plan_manifest_and_one_copy_of_each_shard(saved):
+def data_bytes(path: Path) -> int:
+    """Bytes of the array data files an Orbax checkpoint lists (chunks and their b-tree nodes)."""
+    listing = json.loads((path / "manifest.json").read_text())["files"]
+    return sum(e["bytes"] for name, e in listing.items() if "/ocdbt.process_" in f"/{name}")
+
+
+def test_orbax_checkpoint_holds_plan_manifest_and_one_copy_of_each_shard(saved, tmp_path):
     path = saved["2x4"].path
     assert sorted(p.name for p in path.iterdir()) == [
         "manifest.json",
@@ -179,13 +212,15 @@ def test_orbax_checkpoint_holds_plan_manifest_and_one_copy_of_each_shard(saved):
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["format"] == _checkpoint.ORBAX_FORMAT
     assert manifest["weights_sha256"] == _orbax_store.digest(manifest["files"])
-    listing = manifest["files"]
-    assert set(listing) == set(_orbax_store.files(path)), "every file Orbax wrote is listed, and only those"
-    # On 2×4 every array has two replicas (the data axis) or eight; each must be stored once.
-    data_bytes = sum(e["bytes"] for name, e in listing.items() if "/ocdbt.process_0/d/" in f"/{name}")
-    array_bytes = sum(v.nbytes for v in saved["2x4"].values)
-    # (One copy of each takes 1.28× their bytes here, with the metadata of each chunk; two would take 2×.)
-    assert 0.5 * array_bytes < data_bytes < 1.5 * array_bytes, (data_bytes, array_bytes)
+    assert set(manifest["files"]) == set(_orbax_store.files(path)), "every file Orbax wrote is listed"
+    # On data=8 every variable has 8 replicas: one copy of each is stored, as from one device.
+    keras.distribution.set_distribution(distribution_for("8x1"))
+    model = compiled()
+    kml.load_checkpoint(model, saved["none"].path)
+    kml.save_checkpoint(model, tmp_path / "replicated", storage="orbax")
+    one, eight = data_bytes(saved["none"].path), data_bytes(tmp_path / "replicated")
+    assert one > 0.5 * sum(v.nbytes for v in saved["none"].values)
+    assert eight < 2 * one, f"{eight} bytes stored for 8 replicas, {one} for one copy"
 
 
 # -- bad input: a clear error, and nothing lost -----------------------------------------
