@@ -625,12 +625,16 @@ def _save_orbax(
         partial.mkdir()
 
     def write_arrays() -> None:
-        step[0] = partial / _orbax_store.DIRECTORIES["model"]
         optimizer = getattr(model, "optimizer", None)
         slots = list(optimizer.variables) if optimizer is not None and optimizer.built else []
-        _orbax_store.save(
-            partial, {"model": [v.value for v in model.weights], "optimizer": [v.value for v in slots]}
-        )
+        for kind, variables in (("model", model.weights), ("optimizer", slots)):
+            step[0] = partial / _orbax_store.DIRECTORIES[kind]
+            try:
+                _orbax_store.save(partial, {kind: [v.value for v in variables]})
+            except Exception as err:  # TensorStore reports a write error (a full disk) as a ValueError
+                if isinstance(err, OSError):
+                    raise
+                raise OSError(None, f"{type(err).__name__}: {err}") from err
 
     def complete() -> None:
         listing = _orbax_store.files(partial)
@@ -721,7 +725,10 @@ def _agree(failure: BaseException | None, target: Path, step: Path) -> None:
 
 
 def _save_failed(target: Path, step: Path, err: OSError) -> str:
-    reason = f"{err.strerror} (errno {err.errno})" if err.strerror else f"{type(err).__name__}: {err}"
+    if err.strerror and err.errno is not None:
+        reason = f"{err.strerror} (errno {err.errno})"
+    else:
+        reason = err.strerror or f"{type(err).__name__}: {err}"
     if _complete(target):
         previous = f"The previous checkpoint at {target} is intact."
     elif target.exists():

@@ -632,3 +632,69 @@ def test_two_process_checkpoint_restores_in_one_process(target, two_processes):
     if target != "none":
         kernel = model.get_layer("fc1").kernel.value
         assert kernel.sharding.mesh.shape["model"] == sizes(target)["model"]
+
+
+# -- a full disk ---------------------------------------------------------------------------
+
+FULL_DISK = """
+import json, os, sys
+from pathlib import Path
+
+import keras_meshlayout as kml
+
+kml.emulate_devices(8)
+import keras
+import numpy as np
+
+disk, out = Path(sys.argv[1]), Path(sys.argv[2])
+keras.distribution.set_distribution(
+    kml.ModelParallel(kml.Mesh(data=2, model=4), [(r".*fc1/kernel", (None, "model"))], replicate_below=0)
+)
+model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(2048, name="fc1")], name="mlp")
+model.compile(optimizer="adam", loss="mse")
+model.optimizer.build(model.trainable_variables)
+path = disk / "ckpt"
+kml.save_checkpoint(model, path, storage="orbax")
+first = [np.asarray(v.value) for v in [*model.weights, *model.optimizer.variables]]
+arrays = sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file() and ".orbax" in str(p))
+for variable in model.weights:
+    variable.assign(variable.value + 1.0)
+stat = os.statvfs(disk)
+with open(disk / "filler", "wb") as filler:  # room for a third of the arrays
+    filler.write(b"0" * (stat.f_bavail * stat.f_frsize - arrays // 3))
+try:
+    kml.save_checkpoint(model, path, storage="orbax")
+    error = None
+except kml.CheckpointError as err:
+    error = str(err)
+(disk / "filler").unlink()
+entries = sorted(p.name for p in disk.iterdir())
+fresh = keras.Sequential([keras.Input((16,)), keras.layers.Dense(2048, name="fc1")], name="mlp")
+fresh.compile(optimizer="adam", loss="mse")
+kml.load_checkpoint(fresh, path)
+intact = all(
+    np.array_equal(np.asarray(v.value), w)
+    for v, w in zip([*fresh.weights, *fresh.optimizer.variables], first, strict=True)
+)
+(out / "results.json").write_text(json.dumps({"error": error, "entries": entries, "intact": intact}))
+"""
+
+
+def test_orbax_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_is_intact(tmp_path):
+    """A real full disk (a 1 MiB tmpfs in a mount namespace of a child process) while Orbax writes."""
+    (tmp_path / "disk").mkdir()
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    mount = 'mount -t tmpfs -o size=1m tmpfs "$0" && exec "$1" "$2" "$0" "$3"'
+    command = ["unshare", "-rm", "sh", "-c", mount, tmp_path / "disk", sys.executable, script, tmp_path]
+    run = subprocess.run([str(c) for c in command], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    message = result["error"]
+    assert message is not None, "the disk was not full"
+    assert message.split("failed while writing ")[1].split(":")[0].endswith(".orbax"), message
+    assert "No space left on device" in message
+    assert "/disk/ckpt is intact." in message and "Fix: free space on that disk" in message
+    assert result["entries"] == ["ckpt"], "what the failed save had written is removed"
+    assert result["intact"], "the previous checkpoint loads bit for bit"
