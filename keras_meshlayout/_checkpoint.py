@@ -120,6 +120,9 @@ def save_checkpoint(
         >>> path = kml.save_checkpoint(model, os.path.join(tempfile.mkdtemp(), "step_1"), distribution=dist)
         >>> sorted(p.name for p in path.iterdir())
         ['manifest.json', 'model.weights.h5', 'plan.json']
+        >>> path = kml.save_checkpoint(model, path.with_name("step_2"), distribution=dist, storage="orbax")
+        >>> sorted(p.name for p in path.iterdir())
+        ['manifest.json', 'model.orbax', 'plan.json']
     """
     if storage not in ("h5", "orbax"):
         raise InvalidOptionError(f'storage must be "h5" or "orbax". Received: storage={storage!r}.')
