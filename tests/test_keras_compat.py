@@ -14,6 +14,7 @@ import re
 import types
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -643,3 +644,10 @@ def test_documented_differences_from_keras(name):
         assert difference.keras_says in str(raised.value)
     else:
         assert difference.run() == difference.ours
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/differences.md"])
+def test_every_difference_is_documented(page):
+    text = (Path(__file__).parents[1] / page).read_text(encoding="utf-8")
+    ids = set(re.findall(r"^\| `([\w-]+)`", text, re.M)) | set(re.findall(r" / `([\w-]+)` \|", text))
+    assert ids == set(DIFFERENCES), f"{page} lists {sorted(ids)}, the tests {sorted(DIFFERENCES)}"
