@@ -240,6 +240,15 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             if that leaves it empty). Defaults to `True`, like `BackupAndRestore`.
         storage: How each backup stores its arrays: `"h5"` or `"orbax"`, as
             for `save_checkpoint` (a backup in either is resumed from).
+        asynchronous: With `storage="orbax"`, write each backup while training
+            goes on: a save blocks training only while the arrays are copied
+            off the devices, and the files are written, and the backup moved
+            into place, in the background. One backup is written at a time
+            (the next save waits for the last), so the extra memory is one host
+            copy of the training state. Until a backup is complete the previous
+            one stays in place, and a process killed meanwhile resumes from it.
+            A background save that fails is raised at the next save or when
+            `fit` ends. In a multi-process run, saves are synchronous.
 
     Raises:
         InvalidOptionError: `save_freq` is neither `"epoch"` nor a positive integer.
@@ -262,11 +271,19 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         *,
         delete_on_end: bool = True,
         storage: Literal["h5", "orbax"] = "h5",
+        asynchronous: bool = False,
     ) -> None:
         super().__init__()
         if storage not in ("h5", "orbax"):
             raise InvalidOptionError(f'storage must be "h5" or "orbax". Received: storage={storage!r}.')
+        if asynchronous and storage != "orbax":
+            raise InvalidOptionError(
+                'asynchronous=True writes backups with Orbax in the background: pass storage="orbax" too. '
+                f"Received: storage={storage!r}."
+            )
         self.storage = storage
+        self.asynchronous = asynchronous
+        self._pending: _BackgroundSave | None = None
         if save_freq != "epoch" and (
             isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
         ):
@@ -287,6 +304,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._global_seed: Mapping[str, Any] | None = None  # a manifest whose global seed is due
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
+        self._wait_for_save()  # a backup this callback started in a fit that died
         self._restore_train_function()  # left in place if the last fit died while skipping
         self._since_save = 0
         self._resume = None
@@ -345,6 +363,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._save(epoch + 1, 0)
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
+        self._wait_for_save()
         self._restore_train_function()
         self.model._initial_epoch = None  # BackupAndRestore leaves it set for the next fit
         if self.delete_on_end:
@@ -354,7 +373,18 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             except OSError:
                 pass
 
+    def _wait_for_save(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
     def _save(self, epoch: int, batch: int) -> None:
+        import jax
+
+        if self.asynchronous and jax.process_count() == 1:
+            self._wait_for_save()
+            self._pending = _BackgroundSave(self.model, self.path, None, {"epoch": epoch, "batch": batch})
+            return
         _save_everywhere(
             self.model, self.path, None, training={"epoch": epoch, "batch": batch}, storage=self.storage
         )
@@ -559,6 +589,7 @@ def _save(
     training: Mapping[str, int] | None = None,
 ) -> Path:
     step = target.parent
+    _wait_for_background_saves(target)
     partial = target.with_name(_sibling_name(target, "partial"))
     _IN_FLIGHT.add(partial.name)
     try:
@@ -619,6 +650,7 @@ def _save_orbax(
     from . import _orbax_store
 
     primary = jax.process_index() == 0
+    _wait_for_background_saves(target)
     partial = target.with_name(_common(_sibling_name(target, "partial")))
     step = [partial]  # what is being written, for the error message
 
@@ -688,6 +720,122 @@ def _attempt(run: Any) -> BaseException | None:
     return None
 
 
+class _BackgroundSave:
+    """An Orbax save, in one process, whose files are written while training goes on.
+
+    Starting it (the constructor) copies the arrays off the devices and snapshots the
+    manifest; a thread then waits for Orbax's writes, writes the plan and the manifest and
+    moves the checkpoint into place, as `_save_orbax` does. Until then the previous
+    checkpoint stays in place; a process killed meanwhile leaves a hidden partial directory,
+    which the next save or load removes.
+    """
+
+    def __init__(
+        self, model: keras.Model, target: Path, distribution: Any, training: Mapping[str, int] | None
+    ) -> None:
+        import threading
+
+        from . import _orbax_store
+
+        _wait_for_background_saves(target)
+        self.target = target
+        self.partial = target.with_name(_sibling_name(target, "partial"))
+        self.error: CheckpointError | None = None
+        self._step = self.partial
+        _IN_FLIGHT.add(self.partial.name)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _recover(target)
+            self.partial.mkdir()
+            plan = _current_plan(model, distribution)
+            self._plan = None if plan is None else plan.to_dict()
+            self._manifest: dict[str, Any] = {
+                "format": ORBAX_FORMAT,
+                "keras": keras.__version__,
+                "model": model.name,
+                "optimizer": _optimizer_info(model),
+                "variables": _describe(model),
+                "rng": _rng_state(model),
+            }
+            if training is not None:
+                self._manifest["training"] = dict(training)
+            optimizer = getattr(model, "optimizer", None)
+            slots = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+            self._writes = []
+            for kind, variables in (("model", model.weights), ("optimizer", slots)):
+                if variables:
+                    self._step = self.partial / _orbax_store.DIRECTORIES[kind]
+                    self._writes.append(
+                        (kind, _orbax_store.start_save(self.partial, kind, [v.value for v in variables]))
+                    )
+        except BaseException as err:
+            self._fail(err)
+            if self.error is None:
+                raise
+            raise self.error from err
+        self._thread = threading.Thread(target=self._complete, name=f"kml-save-{target.name}", daemon=True)
+        _BACKGROUND[_key(target)] = self
+        self._thread.start()
+
+    def _complete(self) -> None:
+        from . import _orbax_store
+
+        try:
+            for kind, write in self._writes:
+                self._step = self.partial / _orbax_store.DIRECTORIES[kind]
+                _orbax_store.finish(write)
+            listing = _orbax_store.files(self.partial)
+            manifest = {**self._manifest, "files": listing, "weights_sha256": _orbax_store.digest(listing)}
+            if self._plan is not None:
+                self._step = self.partial / PLAN
+                _write_json(self.partial / PLAN, self._plan)
+                manifest["plan_sha256"] = _sha256(self.partial / PLAN)
+            self._step = self.partial / MANIFEST
+            _write_json(self.partial / MANIFEST, manifest)
+            self._step = self.partial
+            _fsync(self.partial)
+            self._step = self.target
+            _replace_directory(self.partial, self.target)
+        except BaseException as err:  # reported by wait(), in the thread that trains
+            self._fail(err)
+        finally:
+            _IN_FLIGHT.discard(self.partial.name)
+
+    def _fail(self, err: BaseException) -> None:
+        shutil.rmtree(self.partial, ignore_errors=True)
+        _IN_FLIGHT.discard(self.partial.name)
+        if isinstance(err, Exception):
+            cause = err if isinstance(err, OSError) else OSError(None, f"{type(err).__name__}: {err}")
+            self.error = CheckpointError(_save_failed(self.target, self._step, cause))
+            self.error.__cause__ = err
+
+    def wait(self) -> None:
+        """Blocks until the checkpoint is in place; raises `CheckpointError` if it could not be written."""
+        self._thread.join()
+        if _BACKGROUND.get(_key(self.target)) is self:
+            del _BACKGROUND[_key(self.target)]
+        if self.error is not None:
+            raise self.error
+
+
+#: The background save under way to each checkpoint path (at most one), in this process.
+_BACKGROUND: dict[str, _BackgroundSave] = {}
+
+
+def _key(target: Path) -> str:
+    return os.path.abspath(target)
+
+
+def _wait_for_background_saves(target: Path) -> None:
+    """Lets a background save to `target` finish first, so that nothing reads or writes it meanwhile.
+
+    Its error, if any, is left for whoever started it (the previous checkpoint is intact).
+    """
+    pending = _BACKGROUND.get(_key(target))
+    if pending is not None:
+        pending._thread.join()
+
+
 def _common(name: str) -> str:
     """`name` as process 0 has it, in every process (a collective)."""
     import jax
@@ -753,6 +901,7 @@ def _load(
     rollback: bool = True,
     resume: bool = False,
 ) -> tuple[dict[str, Any], PlanDiff | None]:
+    _wait_for_background_saves(source)
     recovered, removed = _recover(source)
     if recovered is not None:
         source = recovered

@@ -55,6 +55,28 @@ def save(directory: Path, arrays: Mapping[str, Sequence[Any]]) -> None:
         checkpointer.close()
 
 
+def start_save(directory: Path, kind: str, values: Sequence[Any]) -> Any:
+    """Starts writing one kind's arrays; returns once they are copied off the devices.
+
+    The files are written in the background: call `finish` on what this returns.
+    """
+    checkpointer = _checkpointer()
+    try:
+        checkpointer.save(directory / DIRECTORIES[kind], {key(i): v for i, v in enumerate(values)})
+    except BaseException:
+        checkpointer.close()
+        raise
+    return checkpointer
+
+
+def finish(checkpointer: Any) -> None:
+    """Waits until what `start_save` started is on disk (raising its error, if any)."""
+    try:
+        checkpointer.wait_until_finished()
+    finally:
+        checkpointer.close()
+
+
 def restore(directory: Path, targets: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
     """Reads each kind's arrays onto the shardings of `targets` (`jax.ShapeDtypeStruct`s).
 

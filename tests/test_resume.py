@@ -313,8 +313,23 @@ CHILD = """
 
     if kill_at and kill in ("between the renames", "after moving into place"):
         os.replace = replace_then_die
+    if kill_at and kill == "save in flight":
+        from keras_meshlayout import _orbax_store
+
+        finish = _orbax_store.finish
+
+        def finish_or_hang(write):
+            # The fault: SIGKILL while a background save after step kill_at writes its files.
+            if hang.steps >= kill_at:
+                (work / "marker").touch()
+                time.sleep(120)
+            finish(write)
+
+        _orbax_store.finish = finish_or_hang
     if kind == "backup_and_restore":
         backup = keras.callbacks.BackupAndRestore(work / "backup", save_freq="epoch")
+    elif kind == "resumable_async":
+        backup = ResumableCheckpoint(work / "backup", save_freq=2, storage="orbax", asynchronous=True)
     else:
         backup = ResumableCheckpoint(work / "backup", save_freq=2)
     model.fit(x, y, batch_size={batch}, epochs={epochs}, shuffle=False, verbose=0, callbacks=[hang, backup])
@@ -336,6 +351,8 @@ KILLS = [
     # Issue 13: killed between the renames, the next start trained from scratch, silently.
     ("resumable_checkpoint", "dropout", "between the renames"),
     ("resumable_checkpoint", "dropout", "after moving into place"),
+    ("resumable_async", "dropout", "mid-epoch"),
+    ("resumable_async", "dropout", "save in flight"),
 ]
 
 
@@ -355,12 +372,12 @@ def test_training_killed_with_sigkill_resumes_exactly(
         )
         try:
             deadline = time.monotonic() + 120
-            while kill == "mid-epoch" and not (tmp_path / "marker").exists():
+            while kill in ("mid-epoch", "save in flight") and not (tmp_path / "marker").exists():
                 if child.poll() is not None:
                     pytest.fail(f"the child exited before step {kill_at}:\n{log.read_text()}")
                 assert time.monotonic() < deadline, "the child never reached the kill step"
                 time.sleep(0.05)
-            if kill == "mid-epoch":
+            if kill in ("mid-epoch", "save in flight"):
                 os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=120)
         finally:
@@ -369,14 +386,18 @@ def test_training_killed_with_sigkill_resumes_exactly(
                 child.wait()
     assert child.returncode == -signal.SIGKILL, log.read_text()
     assert (tmp_path / "backup").is_dir() and not (tmp_path / "final.npz").exists()
-    if kind == "resumable_checkpoint":
+    if kind != "backup_and_restore":
         left = sorted(p.name.split("-")[0] for p in (tmp_path / "backup").iterdir())
         expected = {
             "mid-epoch": ["latest"],
+            "save in flight": [".latest.partial", "latest"],  # the previous backup, intact
             "between the renames": [".latest.old", ".latest.partial"],  # no "latest": the bug's window
             "after moving into place": [".latest.old", "latest"],
         }
-        assert left == expected[kill]
+        if kind == "resumable_async" and kill == "mid-epoch":  # the last save may still be writing
+            assert left in (["latest"], [".latest.partial", "latest"]), left
+        else:
+            assert left == expected[kill]
 
     rerun = subprocess.run([*command, "0"], env=child_env(), capture_output=True, text=True, timeout=180)
     assert rerun.returncode == 0, rerun.stderr
@@ -550,3 +571,35 @@ def test_resume_with_dropout_on_orbax_is_bit_exact(random_reference, tmp_path):
     assert int(model.optimizer.iterations) == EPOCHS * STEPS
     for variable, want in zip(model.weights, random_reference[kind][0], strict=True):
         assert np.array_equal(np.asarray(variable.value), want), variable.path
+
+
+@pytest.mark.parametrize("resume_on", ["2x4", "1x8"])
+def test_resumable_checkpoint_saving_in_the_background_resumes_exactly(resume_on, reference, tmp_path):
+    backup = tmp_path / "backup"
+    model = crash_then_resume(
+        lambda: kml.ResumableCheckpoint(backup, save_freq=2, storage="orbax", asynchronous=True),
+        crash_at=CRASHES["mid-epoch"],
+        resume_on=resume_on,
+        reference=reference,
+    )
+    assert_same(model, reference["trained"], TOLERANCE[resume_on])
+    assert not backup.exists(), "the last background save is waited for, then deleted"
+
+
+def test_a_background_save_in_flight_when_fit_ends_completes(reference, tmp_path):
+    backup = kml.ResumableCheckpoint(
+        tmp_path, save_freq=3, storage="orbax", asynchronous=True, delete_on_end=False
+    )
+    fit("2x4", reference["initial"], [backup])
+    assert backup._pending is None
+    manifest = json.loads((tmp_path / "latest" / "manifest.json").read_text())
+    assert manifest["format"] == 2 and manifest["training"] == {"epoch": EPOCHS, "batch": 0}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_a_background_save_needs_orbax():
+    with pytest.raises(
+        kml.InvalidOptionError,
+        match='asynchronous=True writes backups with Orbax in the background: pass storage="orbax" too',
+    ):
+        kml.ResumableCheckpoint("backup", asynchronous=True)
