@@ -56,6 +56,13 @@ lost (the next load must find the newest complete checkpoint, bit for bit, and a
 failed load must leave the model in memory as it was):
 
     python benchmarks/checkpoint.py --faults         # about a minute on 2 cores
+
+`--blocking` instead times how long a save blocks training: a synchronous Orbax
+save of the model (and its Adam state) against the part of a background save
+(`ResumableCheckpoint(storage="orbax", asynchronous=True)`) that runs before
+training goes on (copying the arrays off the devices), three of each:
+
+    python benchmarks/checkpoint.py --blocking
 """
 
 from __future__ import annotations
@@ -236,6 +243,37 @@ def load_build_only(directory: Path) -> dict:
     }
 
 
+def blocking(directory: Path) -> dict:
+    """In a fresh process: seconds a synchronous and a background Orbax save block the caller."""
+    import numpy as np
+
+    from keras_meshlayout import _checkpoint
+
+    kml, keras = _start({"data": 2, "model": 4})
+    keras.utils.set_random_seed(0)
+    model = build_mlp()
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    sync, blocked, total = [], [], []
+    for i in range(3):
+        start = time.perf_counter()
+        kml.save_checkpoint(model, directory / f"sync_{i}", storage="orbax")
+        sync.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        pending = _checkpoint._BackgroundSave(model, directory / f"async_{i}", None, None)
+        blocked.append(time.perf_counter() - start)
+        pending.wait()
+        total.append(time.perf_counter() - start)
+    state = sum(int(np.prod(v.shape)) * 4 for v in [*model.weights, *model.optimizer.variables])
+    return {
+        "state_bytes": state,
+        "sync_seconds": sync,
+        "async_blocking_seconds": blocked,
+        "async_total_seconds": total,
+        "blocked_over_sync": round(min(blocked) / min(sync), 3),
+    }
+
+
 # -- faults: what each one costs (`--faults`) ---------------------------------------------
 
 FAULT_KILLS = {
@@ -408,6 +446,11 @@ def main() -> None:
         action="store_true",
         help="instead, inject every fault (kills in a save, full disk, damaged files) and time each",
     )
+    parser.add_argument(
+        "--blocking",
+        action="store_true",
+        help="instead, time how long a synchronous and a background Orbax save block training",
+    )
     parser.add_argument("--child", nargs="+", metavar="STEP DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -418,7 +461,9 @@ def main() -> None:
             print(json.dumps(faults(directory)), flush=True)
             # h5py crashes at interpreter exit once one of its writes has failed for a full disk.
             os._exit(0)
-        if step == "save":
+        if step == "blocking":
+            result = blocking(directory)
+        elif step == "save":
             result = save(directory)
         elif step == "build only":
             result = load_build_only(directory)
@@ -433,6 +478,20 @@ def main() -> None:
     console = Console(width=max(Console().width, 120))
     if args.faults:
         print_faults(console, args.json)
+        return
+    if args.blocking:
+        with tempfile.TemporaryDirectory(prefix="kml-bench-") as tmp:
+            result = run_child("blocking", tmp)
+        console.print(
+            f"Saving {result['state_bytes'] / 2**20:.0f} MiB of training state (model and Adam) with Orbax: "
+            f"synchronous {min(result['sync_seconds']):.2f} s; in the background, training blocked "
+            f"{min(result['async_blocking_seconds']):.2f} s (done after "
+            f"{min(result['async_total_seconds']):.2f} s): blocked / synchronous = "
+            f"{result['blocked_over_sync']:.2f} (best of 3 each)"
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
         return
     size = model_bytes()
     with tempfile.TemporaryDirectory(prefix="kml-bench-") as tmp:
