@@ -179,6 +179,19 @@ def test_orbax_load_without_rollback_reads_and_assigns_a_group_at_a_time(group_b
         assert len(reads) > 6, reads
 
 
+def test_orbax_none_of_the_keras_orbax_callback_defects_apply(saved):
+    """Keras 3.15's OrbaxCheckpoint (see tests/test_checkpoint.py): a reloaded Sequential restores
+    nothing, an optimizer named otherwise gets no state back, and without a distribution the arrays
+    come back on the saved mesh. Here: a Sequential, Adam named "adam_7", no distribution."""
+    keras.distribution.set_distribution(None)
+    model = build_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2, name="adam_7"), loss="mse")
+    kml.load_checkpoint(model, saved["2x4"].path)
+    assert model.optimizer.name == "adam_7" and isinstance(model, keras.Sequential)
+    assert_bit_identical(model, saved["2x4"].values)
+    assert_laid_out_for(model)  # every variable on one device
+
+
 def test_orbax_loaded_model_trains_on_its_new_mesh(saved):
     keras.distribution.set_distribution(distribution_for("1x8"))
     model = compiled()
