@@ -108,3 +108,18 @@ def build_convnet() -> keras.Model:
         ],
         name="convnet",
     )
+
+
+def values(model: keras.Model) -> list[np.ndarray]:
+    """Model weights, then optimizer variables (when built), as host arrays."""
+    optimizer = getattr(model, "optimizer", None)
+    slots = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+    return [np.asarray(v.value) for v in [*model.weights, *slots]]
+
+
+def assert_bit_identical(model: keras.Model, expected: list[np.ndarray]) -> None:
+    got = values(model)
+    assert len(got) == len(expected)
+    paths = [v.path for v in [*model.weights, *model.optimizer.variables]]
+    for path, a, b in zip(paths, got, expected, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b), path

@@ -29,7 +29,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from helpers import assert_laid_out_as_planned
+from helpers import assert_bit_identical, assert_laid_out_as_planned, values
 from jax.sharding import SingleDeviceSharding
 
 import keras_meshlayout as kml
@@ -81,20 +81,6 @@ def data() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * STEPS, 16)).astype("float32")
     return x, x[:, :8].argmax(axis=1).astype("int32")
-
-
-def values(model: keras.Model) -> list[np.ndarray]:
-    optimizer = getattr(model, "optimizer", None)
-    slots = list(optimizer.variables) if optimizer is not None and optimizer.built else []
-    return [np.asarray(v.value) for v in [*model.weights, *slots]]
-
-
-def assert_bit_identical(model: keras.Model, expected: list[np.ndarray]) -> None:
-    got = values(model)
-    assert len(got) == len(expected)
-    paths = [v.path for v in [*model.weights, *model.optimizer.variables]]
-    for path, a, b in zip(paths, got, expected, strict=True):
-        assert a.dtype == b.dtype and np.array_equal(a, b), path
 
 
 def assert_laid_out_for(model: keras.Model) -> None:
