@@ -23,7 +23,6 @@ exactly where the last backup was taken, mid-epoch included, on any mesh.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -41,6 +40,7 @@ import keras
 import numpy as np
 
 from ._errors import CheckpointError, InvalidOptionError, MeshLayoutWarning
+from ._orbax_store import sha256 as _sha256  # imports no Orbax until a save or load uses it
 from ._plan import Plan
 from ._render import format_bytes, to_text
 
@@ -1564,14 +1564,6 @@ def _format_axes(axes: Sequence[Any], sizes: Mapping[str, int] | None) -> str:
 def _short(path: str) -> str:
     """A variable path without its first scope, the way Keras sometimes drops it."""
     return path.split("/", 1)[1] if path.count("/") >= 2 else path
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -171,7 +171,7 @@ def files(directory: Path) -> dict[str, dict[str, Any]]:
                 size = path.stat().st_size
                 listing[path.relative_to(directory).as_posix()] = {
                     "bytes": size,
-                    "sha256": _sha256(path) if size < HASHED_BELOW else None,
+                    "sha256": sha256(path) if size < HASHED_BELOW else None,
                 }
     return dict(sorted(listing.items()))
 
@@ -191,12 +191,13 @@ def damage(directory: Path, listing: Mapping[str, Mapping[str, Any]]) -> str | N
             return f"{name} is missing"
         if size != entry["bytes"]:
             return f"{name} holds {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
-        if entry["sha256"] is not None and _sha256(path) != entry["sha256"]:
+        if entry["sha256"] is not None and sha256(path) != entry["sha256"]:
             return f"{name} does not match its checksum in the manifest (corrupt)"
     return None
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read 1 MiB at a time."""
     hasher = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
