@@ -247,7 +247,7 @@ def blocking(directory: Path) -> dict:
     """In a fresh process: seconds a synchronous and a background Orbax save block the caller."""
     import numpy as np
 
-    from keras_meshlayout import _checkpoint
+    from keras_meshlayout.checkpoint import _checkpoint
 
     kml, keras = _start({"data": 2, "model": 4})
     keras.utils.set_random_seed(0)

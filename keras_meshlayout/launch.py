@@ -7,7 +7,7 @@ its emulated CPU devices.
 
 import sys
 
-from ._launch import main as main
+from .runtime._launch import main as main
 
 __all__ = ["main"]
 

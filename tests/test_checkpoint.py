@@ -33,7 +33,7 @@ from helpers import assert_bit_identical, assert_laid_out_as_planned, values
 from jax.sharding import SingleDeviceSharding
 
 import keras_meshlayout as kml
-from keras_meshlayout import _checkpoint
+from keras_meshlayout.checkpoint import _checkpoint
 
 RULES = [
     (r".*fc1/kernel", (None, "model")),

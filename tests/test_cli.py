@@ -436,7 +436,7 @@ PRESET_CASES = {
 
 PLAN_EACH_PRESET = """
 import contextlib, io, json, sys
-from keras_meshlayout._cli import main
+from keras_meshlayout.cli._main import main
 results = {}
 for name, preset, model in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
@@ -449,7 +449,8 @@ print(json.dumps(results))
 
 def test_the_command_line_offers_exactly_the_registered_presets():
     """The registry is the one list: kml exports each preset function, the CLI offers each name."""
-    from keras_meshlayout import _cli, _presets
+    from keras_meshlayout.cli import _main as _cli
+    from keras_meshlayout.planner import _presets
 
     registry = _presets.PRESETS
     assert {p.rules.__name__ for p in registry.values()} == set(_presets.__all__), "register every preset"
@@ -481,7 +482,7 @@ def test_the_command_line_offers_exactly_the_registered_presets():
     ids=["mlp-without-layers", "mlp-empty-layer", "conv-with-layers"],
 )
 def test_a_preset_spelled_wrong_says_how_to_spell_it(spec, message):
-    from keras_meshlayout import _cli
+    from keras_meshlayout.cli import _main as _cli
 
     with pytest.raises(_cli._InputError) as error:
         _cli._preset(spec, "model")
@@ -489,7 +490,7 @@ def test_a_preset_spelled_wrong_says_how_to_spell_it(spec, message):
 
 
 def test_every_registered_preset_plans_through_the_command_line(workdir):
-    from keras_meshlayout import _presets
+    from keras_meshlayout.planner import _presets
 
     assert set(PRESET_CASES) == set(_presets.PRESETS), "add a PRESET_CASES row for each registered preset"
     cases = [[name, preset, model] for name, (preset, model, _) in PRESET_CASES.items()]

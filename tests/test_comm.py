@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import keras_meshlayout as kml
-from keras_meshlayout._plan import format_bytes
+from keras_meshlayout.core._plan import format_bytes
 
 #: Sizes chosen so that no activation, (BATCH / DATA) × features, has a weight's shape.
 F, D_IN, H, D_OUT = 6, 12, 16, 8

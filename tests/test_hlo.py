@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_meshlayout._hlo import Collective, parse_collectives, wire_bytes
+from keras_meshlayout.report._hlo import Collective, parse_collectives, wire_bytes
 
 ROWS_2x4 = ((0, 1, 2, 3), (4, 5, 6, 7))  # the two rows of a 2×4 mesh
 COLUMNS_2x4 = ((0, 4), (1, 5), (2, 6), (3, 7))  # its four columns

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import keras_meshlayout as kml
-from keras_meshlayout import _inference
-from keras_meshlayout import _keras_internals as internals
+from keras_meshlayout import _compat as internals
+from keras_meshlayout.core import _inference
 
 FEATURES, CLASSES = 8, 4
 RULES = [
@@ -389,7 +389,7 @@ def test_model_survives_an_exception(fail, error, expected, tmp_path):
     assert_close(loaded.get_weights(), want_weights, "saved after the error")
 
 
-# -- the Keras internals this relies on (keras_meshlayout/_keras_internals.py) -----------
+# -- the Keras internals this relies on (keras_meshlayout/_compat.py) -----------
 
 
 def _predict_seeing(model, probe):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import keras_meshlayout as kml
-from keras_meshlayout._mesh import _id_ranges, mesh_axis_sizes
+from keras_meshlayout.core._mesh import _id_ranges, mesh_axis_sizes
 
 
 @pytest.mark.parametrize(
@@ -56,4 +56,4 @@ def test_no_module_pairs_axis_names_with_sizes_itself():
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
-    assert found == [], "use keras_meshlayout._mesh.mesh_axis_sizes(mesh) instead:\n" + "\n".join(found)
+    assert found == [], "use keras_meshlayout.core._mesh.mesh_axis_sizes(mesh) instead:\n" + "\n".join(found)

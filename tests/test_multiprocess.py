@@ -28,9 +28,9 @@ from helpers import BATCH, MLP_RULES, assert_same_weights, build_mlp, train
 
 import keras_meshlayout as kml
 from keras_meshlayout import launch as launch_module
-from keras_meshlayout._launch import _environment, _first_failure, _free_port, _GlooLines, _watch
-from keras_meshlayout._multiprocess import INIT_TIMEOUT_EXIT_STATUS, cluster_config
-from keras_meshlayout._worker import _exit_status
+from keras_meshlayout.runtime._launch import _environment, _first_failure, _free_port, _GlooLines, _watch
+from keras_meshlayout.runtime._multiprocess import INIT_TIMEOUT_EXIT_STATUS, cluster_config
+from keras_meshlayout.runtime._worker import _exit_status
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 8
@@ -315,8 +315,8 @@ def test_keras_loops_longer_than_xla_cpu_in_flight_limit(tmp_path):
 )
 def test_keras_trainer_has_what_pacing_wraps(maker, attribute):
     """kml.initialize paces these Keras trainer methods; a Keras upgrade that renames one fails here."""
-    from keras_meshlayout._keras_internals import trainer_class
-    from keras_meshlayout._multiprocess import pace_keras_steps
+    from keras_meshlayout._compat import trainer_class
+    from keras_meshlayout.runtime._multiprocess import pace_keras_steps
 
     assert callable(getattr(trainer_class(), maker, None)), f"JAXTrainer.{maker} is gone"
     pace_keras_steps()
@@ -967,7 +967,7 @@ def test_initialize_needs_devices_to_split_evenly(monkeypatch):
     monkeypatch.setenv("KML_NUM_PROCESSES", "3")
     monkeypatch.setenv("KML_PROCESS_ID", "0")
     monkeypatch.setenv("KML_COORDINATOR", "127.0.0.1:1")
-    from keras_meshlayout import _multiprocess
+    from keras_meshlayout.runtime import _multiprocess
 
     monkeypatch.setattr(_multiprocess, "backends_started", lambda: False)  # reach the device check
     with pytest.raises(

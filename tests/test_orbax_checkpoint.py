@@ -33,7 +33,7 @@ from helpers import assert_bit_identical, assert_laid_out_as_planned, values
 from jax.sharding import SingleDeviceSharding
 
 import keras_meshlayout as kml
-from keras_meshlayout import _checkpoint, _orbax_store
+from keras_meshlayout.checkpoint import _checkpoint, _orbax_store
 
 RULES = [
     (r".*fc1/kernel", (None, "model")),
@@ -475,7 +475,7 @@ import keras_meshlayout as kml
 
 kml.emulate_devices(8)
 import keras
-from keras_meshlayout import _orbax_store
+from keras_meshlayout.checkpoint import _orbax_store
 
 path, point = Path(sys.argv[1]), sys.argv[2]
 model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(128, name="fc1")], name="mlp")

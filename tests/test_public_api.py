@@ -51,7 +51,7 @@ def test_ci_tests_the_installed_package():
 
 def _modules_with_docstrings() -> list:
     """The package and every module in it, as installed (`__main__` would exit)."""
-    names = [info.name for info in pkgutil.iter_modules(kml.__path__, kml.__name__ + ".")]
+    names = [info.name for info in pkgutil.walk_packages(kml.__path__, kml.__name__ + ".")]
     return [kml] + [importlib.import_module(name) for name in sorted(names) if not name.endswith(".__main__")]
 
 
@@ -70,7 +70,7 @@ def test_doctests_cover_the_modules_with_examples():
     """Guards the finder: every module known to carry examples is collected."""
     names = [test.name for test in DOCTESTS]
     assert "keras_meshlayout" in names, names
-    for module in ("_backend", "_mesh", "_rules", "_resolve", "_distribution"):
+    for module in ("core._backend", "core._mesh", "core._rules", "core._resolve", "core._distribution"):
         assert any(name.startswith(f"keras_meshlayout.{module}.") for name in names), (module, names)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.py"))
-# The first line of the plan table and its totals line (see keras_meshlayout/_plan.py).
+# The first line of the plan table and its totals line (see keras_meshlayout/core/_plan.py).
 PLAN_MARKERS = (
     "Layout plan on mesh data=2",
     "model=4 (8 devices), batch over 'data'",

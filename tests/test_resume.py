@@ -314,7 +314,7 @@ CHILD = """
     if kill_at and kill in ("between the renames", "after moving into place"):
         os.replace = replace_then_die
     if kill_at and kill == "save in flight":
-        from keras_meshlayout import _orbax_store
+        from keras_meshlayout.checkpoint import _orbax_store
 
         finish = _orbax_store.finish
 

@@ -213,7 +213,7 @@ def test_notes_travel_to_the_plan():
     ],
 )
 def test_literal_strings(pattern, strings):
-    from keras_meshlayout._rules import literal_strings
+    from keras_meshlayout.core._rules import literal_strings
 
     found = literal_strings(pattern)
     assert (None if found is None else set(found)) == strings

@@ -5,9 +5,9 @@
 2. `find_units` (`_units`): the weights that split over the model axis together
    (column → row projection pairs, attention heads), as `Unit`s, read off the
    dataflow whatever style wrote the model.
-3. Costs and search (`keras_meshlayout._budget`): per unit, the layout that fits
+3. Costs and search (`keras_meshlayout.planner._budget`): per unit, the layout that fits
    a memory budget at the least traffic.
-4. Rules (`keras_meshlayout._auto`): one exact rule per variable, with a note.
+4. Rules (`keras_meshlayout.planner._auto`): one exact rule per variable, with a note.
 """
 
 from ._trace import Node as Node

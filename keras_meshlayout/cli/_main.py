@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._errors import MemoryBudgetError, MeshLayoutError, MeshLayoutWarning, UnmatchedRuleWarning
-from ._mesh import mesh_axis_sizes
-from ._presets import PRESETS as _PRESET_REGISTRY
+from ..core._errors import MemoryBudgetError, MeshLayoutError, MeshLayoutWarning, UnmatchedRuleWarning
+from ..core._mesh import mesh_axis_sizes
+from ..planner._presets import PRESETS as _PRESET_REGISTRY
 
 #: The plan is valid.
 EXIT_OK = 0
@@ -54,7 +54,7 @@ rules files:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:  # everything after it is the launcher's and the script's
-        from ._launch import main as launch
+        from ..runtime._launch import main as launch
 
         return launch(argv[1:], prog="keras-meshlayout launch")
     parser = _parser()
@@ -248,7 +248,7 @@ def _add_emulate(parser: argparse.ArgumentParser) -> None:
 
 
 def _devices(args: argparse.Namespace) -> int:
-    from ._backend import emulate_devices
+    from ..core._backend import emulate_devices
 
     emulate_devices(args.emulate_devices)
     import jax
@@ -274,7 +274,7 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _device_row(device: Any) -> dict[str, Any]:
-    from ._render import format_bytes
+    from ..core._format import format_bytes
 
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
@@ -297,14 +297,14 @@ def _meshes_that_fit(count: int) -> list[str]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ._backend import emulate_devices
+    from ..core._backend import emulate_devices
 
     emulate_devices(args.emulate_devices)
-    from ._auto import auto_rules
-    from ._distribution import ModelParallel
-    from ._dry import dry_build, dry_plan
-    from ._mesh import Mesh
-    from ._resolve import DEFAULT_REPLICATE_BELOW
+    from ..core._distribution import ModelParallel
+    from ..core._dry import dry_build, dry_plan
+    from ..core._mesh import Mesh
+    from ..core._resolve import DEFAULT_REPLICATE_BELOW
+    from ..planner._auto import auto_rules
 
     mesh = Mesh.parse(args.mesh)
     build = _load_builder(args.model)
@@ -591,7 +591,7 @@ def _rules_file(name: str, build: Callable[[], Any], mesh: Any) -> Any:
     if path.suffix == ".py":
         module = _import(name, "--rules")
         if callable(getattr(module, "rules", None)):
-            from ._dry import dry_build
+            from ..core._dry import dry_build
 
             with dry_build(build) as model:
                 try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._backend import emulate_devices
+from ..core._backend import emulate_devices
 
 
 def run_demo(steps: int = 20, batch_size: int = 64, seed: int = 0) -> float:
@@ -17,10 +17,10 @@ def run_demo(steps: int = 20, batch_size: int = 64, seed: int = 0) -> float:
     import jax
     import keras
 
-    from ._comm import comm_report
-    from ._distribution import ModelParallel
-    from ._mesh import Mesh
-    from ._rules import LayoutRules
+    from ..core._distribution import ModelParallel
+    from ..core._mesh import Mesh
+    from ..core._rules import LayoutRules
+    from ..report._comm import comm_report
 
     devices = jax.devices() if jax.device_count() >= 8 else jax.devices("cpu")
     mesh = Mesh(data=2, model=4, devices=devices[:8])

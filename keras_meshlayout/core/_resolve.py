@@ -145,7 +145,7 @@ def resolve(
 
     Example:
         >>> import keras_meshlayout as kml
-        >>> from keras_meshlayout._resolve import resolve
+        >>> from keras_meshlayout.core._resolve import resolve
         >>> rules = kml.LayoutRules([(r".*kernel", (None, "model"))])
         >>> resolve("d/kernel", (256, 128), "float32", rules, {"data": 2, "model": 4}).axes
         (None, 'model')

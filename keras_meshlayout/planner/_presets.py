@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from ._rules import LayoutRules
+from ..core._rules import LayoutRules
 
 __all__ = ["conv_rules", "mlp_rules", "transformer_rules"]
 

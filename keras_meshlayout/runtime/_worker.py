@@ -1,7 +1,7 @@
 """The launcher's worker bootstrap: runs the user's script, and makes a failure end the process at once.
 
 `python -m keras_meshlayout.launch` starts each process as
-`python .../keras_meshlayout/_worker.py SCRIPT ARGS` (or `... -m MODULE ARGS`).
+`python .../keras_meshlayout/runtime/_worker.py SCRIPT ARGS` (or `... -m MODULE ARGS`).
 This file imports only the standard library, so the script starts exactly as
 under `python SCRIPT ARGS`: same `sys.argv`, `sys.path[0]` and `__main__`.
 

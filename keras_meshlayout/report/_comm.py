@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..core._format import format_bytes, to_text
+from ..core._mesh import mesh_axis_sizes
 from ._hlo import Collective, parse_collectives, wire_bytes
-from ._mesh import mesh_axis_sizes
-from ._render import format_bytes, to_text
 
 if TYPE_CHECKING:
     import keras

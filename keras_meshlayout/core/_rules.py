@@ -487,7 +487,7 @@ def literal_strings(pattern: str) -> frozenset[str] | None:
     optional: `(?:a|b)`, `(?:prefix/)?`.
 
     Example:
-        >>> from keras_meshlayout._rules import literal_strings
+        >>> from keras_meshlayout.core._rules import literal_strings
         >>> sorted(literal_strings(r"(?:mlp/)?fc1/kernel"))
         ['fc1/kernel', 'mlp/fc1/kernel']
         >>> literal_strings(r".*fc1/kernel") is None

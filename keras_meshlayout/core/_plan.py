@@ -9,9 +9,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import GroupedConvWarning, UnmatchedRuleWarning
+from ._format import format_axes, format_bytes, to_text
 from ._memory import MemoryEstimate, check_plan, memory_of
 from ._mesh import process_layout
-from ._render import format_axes, format_bytes, to_text
 from ._resolve import Resolution
 from ._rules import Axes, Rule
 
@@ -135,7 +135,7 @@ class Plan:
         Returns:
             The path written.
         """
-        from ._pictures import plot_plan
+        from ..report._pictures import plot_plan
 
         return plot_plan(self, path, **kw)
 

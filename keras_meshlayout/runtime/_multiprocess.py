@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 import keras
 import numpy as np
 
-from ._backend import backends_started, emulate_devices, require_jax_backend
-from ._errors import (
+from ..core._backend import backends_started, emulate_devices, require_jax_backend
+from ..core._errors import (
     DevicesAlreadyInitializedError,
     IndivisibleBatchError,
     InvalidMeshError,
@@ -155,7 +155,7 @@ def cluster_config(
             (coordinator, number of processes, process id) are given.
 
     Example:
-        >>> from keras_meshlayout._multiprocess import cluster_config
+        >>> from keras_meshlayout.runtime._multiprocess import cluster_config
         >>> env = {"KML_COORDINATOR": "10.0.0.1:1234", "KML_NUM_PROCESSES": "2", "KML_PROCESS_ID": "1"}
         >>> config = cluster_config(env)
         >>> config.coordinator, config.num_processes, config.process_id, config.source
@@ -537,7 +537,7 @@ def pace_keras_steps() -> None:
     jitted steps must block on a result every few steps itself
     (`jax.block_until_ready`).
     """
-    from ._keras_internals import trainer_class
+    from .._compat import trainer_class
 
     trainer = trainer_class()
     for name, attribute in (
@@ -826,7 +826,7 @@ def process_slice(data: Any, *, batch_size: int | None = None, distribution: Any
         >>> kml.process_slice(np.arange(7), distribution=dist)
         Traceback (most recent call last):
         ...
-        keras_meshlayout._errors.IndivisibleBatchError: A global batch of 7 rows cannot be split ...
+        keras_meshlayout.core._errors.IndivisibleBatchError: A global batch of 7 rows cannot be split ...
     """
     slicer = _slicer_for(distribution)
     if slicer is None:

@@ -39,15 +39,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import keras
 import numpy as np
 
-from ._errors import CheckpointError, InvalidOptionError, MeshLayoutWarning
+from ..core._errors import CheckpointError, InvalidOptionError, MeshLayoutWarning
+from ..core._format import format_bytes, to_text
+from ..core._plan import Plan
 from ._orbax_store import sha256 as _sha256  # imports no Orbax until a save or load uses it
-from ._plan import Plan
-from ._render import format_bytes, to_text
 
 if TYPE_CHECKING:
     import rich.console
 
-    from ._distribution import ModelParallel
+    from ..core._distribution import ModelParallel
 
 __all__ = [
     "LayoutChange",
@@ -1253,14 +1253,14 @@ def _optimizer_info(model: keras.Model) -> dict[str, str] | None:
 
 
 def _current_plan(model: keras.Model, distribution: Any = None) -> Plan | None:
-    from ._distribution import ModelParallel
+    from ..core._distribution import ModelParallel
 
     distribution = distribution or keras.distribution.distribution()
     if not isinstance(distribution, ModelParallel):
         return None
     import warnings
 
-    from ._errors import MeshLayoutWarning
+    from ..core._errors import MeshLayoutWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MeshLayoutWarning)

@@ -31,13 +31,14 @@ from typing import Any
 
 import keras
 
+from ..core._errors import InvalidRuleError
+from ..core._mesh import mesh_axis_sizes
+from ..core._resolve import DEFAULT_REPLICATE_BELOW
+from ..core._rules import Axes, LayoutRules
 from ._budget import check_budget_args, within_budget
-from ._errors import InvalidRuleError
-from ._mesh import mesh_axis_sizes
 from ._presets import transformer_rules
-from ._resolve import DEFAULT_REPLICATE_BELOW
-from ._rules import Axes, LayoutRules
-from .planner import Trace, abstract_batch, find_added, find_units, trace_model
+from ._trace import Trace, abstract_batch, trace_model
+from ._units import find_added, find_units
 
 __all__ = ["auto_rules"]
 

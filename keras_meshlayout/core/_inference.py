@@ -49,7 +49,7 @@ from typing import Any
 
 import keras
 
-from . import _keras_internals as internals
+from .. import _compat as internals
 
 __all__ = ["install", "replicates_batch", "batch_layout", "replicated_layout"]
 

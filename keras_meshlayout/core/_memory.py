@@ -15,7 +15,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ._errors import InvalidOptionError, MemoryBudgetError
-from ._render import format_bytes
+from ._format import format_bytes
 
 if TYPE_CHECKING:
     from ._plan import Plan

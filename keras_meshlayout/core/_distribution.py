@@ -9,10 +9,10 @@ from typing import Any
 
 import keras
 
+from ..runtime._multiprocess import process_batch_block
 from ._backend import require_jax_backend
 from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
 from ._mesh import mesh_axis_sizes
-from ._multiprocess import process_batch_block
 from ._plan import Plan, plan_model
 from ._resolve import DEFAULT_REPLICATE_BELOW, IndivisiblePolicy, Resolution, check_policy, resolve
 from ._rules import LayoutRules
@@ -380,7 +380,7 @@ def _as_rules(rules: Any) -> LayoutRules:
     if isinstance(rules, LayoutRules):
         return rules
     if isinstance(rules, keras.distribution.LayoutMap):
-        from ._hub import rules_from_layout_map
+        from ._layout_map import rules_from_layout_map
 
         return rules_from_layout_map(rules)  # the same paths as Keras would match
     if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):

@@ -20,16 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import IndivisibleShapeError, InvalidOptionError, InvalidRuleError, RankMismatchError
-from ._mesh import _id_ranges, mesh_axis_sizes
-from ._plan import format_axes, format_bytes
-from ._resolve import Resolution
+from ..core._errors import IndivisibleShapeError, InvalidOptionError, InvalidRuleError, RankMismatchError
+from ..core._mesh import _id_ranges, mesh_axis_sizes
+from ..core._plan import format_axes, format_bytes
+from ..core._resolve import Resolution
 
 if TYPE_CHECKING:
     import keras
 
-    from ._memory import MemoryEstimate
-    from ._plan import Plan
+    from ..core._memory import MemoryEstimate
+    from ..core._plan import Plan
 
 __all__ = ["Picture", "ShardBlock", "plot_plan", "sharding_blocks", "show_mesh", "show_sharding"]
 

@@ -41,13 +41,13 @@ from typing import Any
 import keras
 import numpy as np
 
-from ._errors import InvalidOptionError, MemoryBudgetError
-from ._hlo import wire_bytes
-from ._memory import parse_bytes, slot_model
-from ._mesh import mesh_axis_sizes
-from ._render import format_bytes
-from ._rules import Axes, LayoutRules
-from .planner import Trace, trace_model
+from ..core._errors import InvalidOptionError, MemoryBudgetError
+from ..core._format import format_bytes
+from ..core._memory import parse_bytes, slot_model
+from ..core._mesh import mesh_axis_sizes
+from ..core._rules import Axes, LayoutRules
+from ..report._hlo import wire_bytes
+from ._trace import Trace, trace_model
 
 __all__ = ["PlanCost", "UnitChoice"]
 
