@@ -1,26 +1,55 @@
-"""Every private part of Keras's JAX trainer that `kml`'s predict/evaluate support relies on.
+"""The one seam to Keras's and JAX's internals: every private module, attribute or patch.
 
-Nothing else in `_inference.py` touches Keras internals; `tests/test_inference.py`
-(`test_keras_internal_is_there`) names each one, so an upgrade of Keras that
-removes or renames one fails that test with the name of what broke:
+No other module of the package imports `keras.src` or `jax._src`, reads a private
+attribute of a Keras object, or replaces a Keras function. `tests/test_compat.py` checks
+each internal below against the installed versions, so that an upgrade that removes or
+renames one fails there with the name of what broke (keras is pinned to the tested
+series in `pyproject.toml`).
 
-- `keras.src.backend.jax.trainer.JAXTrainer`: the class whose `fit`,
-  `evaluate`, `predict`, `train_on_batch`, `test_on_batch` and
-  `predict_on_batch` every `keras.Model` inherits on JAX. `kml` wraps them.
-- `Variable._value`: the array a variable holds. Keras's trainer sets it to
-  `None` while a loop runs ("purge", to save memory) and puts the values back
-  only when the loop ends normally.
-- `JAXTrainer._purge_model_variables`: the method that empties them. `kml`
-  records the values just before, so that variables built inside the call
-  (compile metrics, optimizer slots) can be put back too.
-- `JAXTrainer._jax_state` and `_jax_state_synced`: the state produced by the
-  last completed step, not yet written back to the variables.
+Keras's JAX trainer (predict/evaluate support, multi-process pacing):
+
+- `keras.src.backend.jax.trainer.JAXTrainer`: the class whose `fit`, `evaluate`,
+  `predict`, `train_on_batch`, `test_on_batch` and `predict_on_batch` every
+  `keras.Model` inherits on JAX. `kml` wraps them.
+- `Variable._value`: the array a variable holds. Keras's trainer sets it to `None`
+  while a loop runs ("purge", to save memory) and puts the values back only when the
+  loop ends normally.
+- `JAXTrainer._purge_model_variables`: the method that empties them. `kml` records
+  the values just before, so that variables built inside the call (compile metrics,
+  optimizer slots) can be put back too.
+- `JAXTrainer._jax_state` and `_jax_state_synced`: the state produced by the last
+  completed step, not yet written back to the variables.
+- `Model._initial_epoch`: the epoch `fit` starts from, set by a resuming callback.
+
+Keras's global state and distribution backend:
+
+- `keras.src.backend.common.global_state`: the name-scope stack (whose `caller`
+  tells an optimizer's or metric's variables), the name counters and uninitialised
+  variables a dry build must hand back, and the global seed generator.
+- `keras.src.backend.common.stateless_scope.StatelessScope`: builds a model without
+  allocating its variables.
+- `keras.src.backend.jax.distribution_lib`: `distribute_data_input`, wrapped to check
+  every batch, and `initialize_rng`, the first collective of a multi-process run.
+- `Variable._layout`: the layout Keras gave an optimizer slot (its parameter's).
+- `Optimizer._overwrite_variable_with_gradient`: parameters an optimizer keeps no
+  slots for.
+- `Layer._flatten_layers`, `Model._symbolic_build`, `Model._get_state_sharding_spec`:
+  every sub-layer, a build on symbolic inputs, and the shardings of a model's state.
+- `Layer._build_shapes_dict`, `Model._inputs_struct`, `Layer._call_has_training_arg`,
+  `KerasTensor._keras_history`: the shapes a layer was built with, a functional model's
+  input structure, whether `call` takes `training`, and whether a tensor comes from a layer.
+
+JAX:
+
+- `jax._src.xla_bridge.backends_are_initialized`: whether the devices exist already.
+- `jax._src.interpreters.partial_eval.dce_jaxpr`: dead-code elimination of a jaxpr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: The trainer methods `kml` wraps, and whether each runs inference (`True`) or training.
@@ -112,3 +141,132 @@ def clear_pending_state(model: Any) -> None:
     """Marks the trainer as having no state to write back, as a loop that ended normally does."""
     model._jax_state = None
     model._jax_state_synced = True
+
+
+def set_initial_epoch(model: Any, epoch: int | None) -> None:
+    """Sets the epoch `fit` starts from (read right after `on_train_begin`, as for BackupAndRestore)."""
+    model._initial_epoch = epoch
+
+
+# -- Keras's global state ---------------------------------------------------------------
+
+
+def name_scope_callers() -> list[Any]:
+    """The objects (layers, optimizers, metrics) whose name scopes are open, innermost first."""
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    return [caller for scope in reversed(stack) if (caller := getattr(scope, "caller", None)) is not None]
+
+
+@contextlib.contextmanager
+def global_attribute_kept(name: str, copy: Callable[[Any], Any]) -> Iterator[None]:
+    """Restores Keras's global attribute `name` to (a `copy` of) its value on entry, on exit."""
+    from keras.src.backend.common import global_state
+
+    saved = copy(global_state.get_global_attribute(name))
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute(name, saved)
+
+
+def stateless_scope() -> Any:
+    """A Keras scope in which variables are created without being allocated."""
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    return StatelessScope(initialize_variables=False)
+
+
+def global_seed_generator(create: bool = False) -> Any:
+    """Keras's process-wide seed generator (used by random ops given no seed), if there is one."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    if create:
+        return seed_generator.global_seed_generator()
+    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+
+
+# -- Keras's JAX distribution backend -----------------------------------------------------
+
+
+def wrap_distribute_data_input(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replaces Keras's `distribute_data_input` (looked up for every batch) by `wrap(original)`, once."""
+    from keras.src.backend.jax import distribution_lib
+
+    original = distribution_lib.distribute_data_input
+    if getattr(original, _WRAPPED, False):
+        return
+    wrapped = functools.wraps(original)(wrap(original))
+    setattr(wrapped, _WRAPPED, True)
+    distribution_lib.distribute_data_input = wrapped
+
+
+def initialize_rng() -> None:
+    """Keras's agreement on one random seed across processes (a collective over all of them)."""
+    from keras.src.backend.jax.distribution_lib import initialize_rng
+
+    initialize_rng()
+
+
+def variable_layout(variable: Any) -> Any:
+    """The layout Keras set on a variable itself (an optimizer slot: its parameter's), or `None`."""
+    return getattr(variable, "_layout", None)
+
+
+def keeps_no_slots(optimizer: Any, variable: Any) -> bool:
+    """Whether `optimizer` overwrites `variable` with its gradient, keeping no state for it."""
+    return bool(optimizer._overwrite_variable_with_gradient(variable))
+
+
+def sublayers(model: Any, recursive: bool = True) -> list[Any]:
+    """Every layer inside `model` (nested ones too unless `recursive=False`), not `model` itself."""
+    return list(model._flatten_layers(include_self=False, recursive=recursive))
+
+
+def build_shapes(layer: Any) -> dict[str, Any]:
+    """The input shapes `layer` was built with, by `build` argument name (empty if unknown)."""
+    return dict(getattr(layer, "_build_shapes_dict", None) or {})
+
+
+def input_structure(model: Any) -> Any:
+    """A functional model's inputs in the structure it was called with, or `None`."""
+    return getattr(model, "_inputs_struct", None)
+
+
+def takes_training(layer: Any) -> bool:
+    """Whether `layer.call` takes a `training` argument (`True` when Keras does not say)."""
+    return bool(getattr(layer, "_call_has_training_arg", True))
+
+
+def made_by_a_layer(tensor: Any) -> bool:
+    """Whether a symbolic tensor was produced by a Keras layer (it has a history)."""
+    return hasattr(tensor, "_keras_history")
+
+
+def symbolic_build(model: Any, data: Any) -> None:
+    """Builds `model`, its optimizer and metrics on symbolic data as `fit` would."""
+    model._symbolic_build(data_batch=data)
+
+
+def state_shardings(model: Any) -> Any:
+    """The shardings Keras's trainer gives the model's state (weights, optimizer, metrics)."""
+    return model._get_state_sharding_spec()
+
+
+# -- JAX ------------------------------------------------------------------------------------
+
+
+def backends_started() -> bool:
+    """Whether JAX has already created its backends (and so its devices)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def dce_jaxpr(jaxpr: Any) -> tuple[Any, list[bool]]:
+    """`jaxpr` without the equations its outputs do not need, and which inputs it still reads."""
+    from jax._src.interpreters import partial_eval
+
+    return partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))

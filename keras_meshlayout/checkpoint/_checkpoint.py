@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import keras
 import numpy as np
 
+from .. import _compat
 from ..core._errors import CheckpointError, InvalidOptionError, MeshLayoutWarning
 from ..core._format import format_bytes, to_text
 from ..core._plan import Plan
@@ -318,7 +319,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         manifest, _ = _load(self.model, source, None, rollback=False, resume=True)
         training = manifest.get("training") or {}
         epoch, batch = int(training.get("epoch", 0)), int(training.get("batch", 0))
-        self.model._initial_epoch = epoch  # read by fit right after on_train_begin, as for BackupAndRestore
+        _compat.set_initial_epoch(self.model, epoch)  # read by fit right after on_train_begin
         if batch:
             self._resume = (epoch, batch)
             self._train_function = self.model.train_function
@@ -365,7 +366,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
         self._wait_for_save()
         self._restore_train_function()
-        self.model._initial_epoch = None  # BackupAndRestore leaves it set for the next fit
+        _compat.set_initial_epoch(self.model, None)  # BackupAndRestore leaves it set for the next fit
         if self.delete_on_end:
             shutil.rmtree(self.path, ignore_errors=True)
             try:
@@ -1028,12 +1029,7 @@ def _host_value(variable: Any) -> list[int]:
 
 def _global_seed_generator(create: bool = False) -> Any:
     """Keras's process-wide seed generator (used by random ops given no seed), if there is one."""
-    from keras.src.backend.common import global_state
-    from keras.src.random import seed_generator
-
-    if create:
-        return seed_generator.global_seed_generator()
-    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+    return _compat.global_seed_generator(create)
 
 
 def _rng_state(model: keras.Model) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import re
 
 import keras
 
+from .. import _compat
 from ._errors import DevicesAlreadyInitializedError, InvalidOptionError, UnsupportedBackendError
 
 _XLA_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -28,9 +29,7 @@ def require_jax_backend() -> None:
 
 def backends_started() -> bool:
     """Whether JAX has already created its backends (and so its devices)."""
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
+    return _compat.backends_started()
 
 
 def emulate_devices(count: int = 8) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import keras
 
+from .. import _compat
 from ..runtime._multiprocess import process_batch_block
 from ._backend import require_jax_backend
 from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
@@ -245,8 +246,8 @@ class ModelParallel(keras.distribution.ModelParallel):
     # -- keras.distribution.Distribution --------------------------------------
 
     def get_variable_layout(self, variable: keras.Variable) -> keras.distribution.TensorLayout:
-        if getattr(variable, "_layout", None) is not None:
-            return variable._layout  # optimizer slots: their parameter's layout
+        if (layout := _compat.variable_layout(variable)) is not None:
+            return layout  # optimizer slots: their parameter's layout
         if _created_by_optimizer_or_metric():
             # Rules describe model variables; an optimizer's own statistics (Adafactor's
             # factored moments, step counters) and metric totals stay replicated.
@@ -335,13 +336,8 @@ def _created_by_optimizer_or_metric() -> bool:
     Keras creates those variables inside a name scope whose `caller` is the
     optimizer or metric; the innermost scope with a caller tells.
     """
-    from keras.src.backend.common import global_state
-
-    for scope in reversed(global_state.get_global_attribute("name_scope_stack") or []):
-        caller = getattr(scope, "caller", None)
-        if caller is not None:
-            return isinstance(caller, (keras.optimizers.Optimizer, keras.metrics.Metric))
-    return False
+    callers = _compat.name_scope_callers()
+    return bool(callers) and isinstance(callers[0], (keras.optimizers.Optimizer, keras.metrics.Metric))
 
 
 def _install_batch_check() -> None:
@@ -354,24 +350,20 @@ def _install_batch_check() -> None:
     `distribute_data_input` up on its backend module for every batch; wrapping it
     there adds our check and changes nothing for other distributions.
     """
-    from keras.src.backend.jax import distribution_lib as backend_lib
-
     from . import _inference
 
     _inference.install()  # predict/evaluate of any batch size; weights survive errors
-    original = backend_lib.distribute_data_input
-    if getattr(original, "_kml_checked", False):
-        return
 
-    @functools.wraps(original)
-    def distribute_data_input(per_process_batch, layout, batch_dim_name):
-        current = keras.distribution.distribution()
-        if isinstance(current, ModelParallel) and getattr(per_process_batch, "ndim", 0) > 0:
-            layout = _inference.batch_layout(current, per_process_batch.shape, layout)  # checks it
-        return original(per_process_batch, layout, batch_dim_name)
+    def checked(original):
+        def distribute_data_input(per_process_batch, layout, batch_dim_name):
+            current = keras.distribution.distribution()
+            if isinstance(current, ModelParallel) and getattr(per_process_batch, "ndim", 0) > 0:
+                layout = _inference.batch_layout(current, per_process_batch.shape, layout)  # checks it
+            return original(per_process_batch, layout, batch_dim_name)
 
-    distribute_data_input._kml_checked = True
-    backend_lib.distribute_data_input = distribute_data_input
+        return distribute_data_input
+
+    _compat.wrap_distribute_data_input(checked)
 
 
 def _as_rules(rules: Any) -> LayoutRules:

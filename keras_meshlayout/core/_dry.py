@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
+from .. import _compat
 from ._memory import slot_model
 from ._plan import Plan, plan_model
 
@@ -60,13 +61,11 @@ def dry_plan(
         >>> plan.memory().optimizer == 2 * plan.memory().gradients + 8
         True
     """
-    from keras.src.backend.common.stateless_scope import StatelessScope
-
     with _names_handed_back(), _deferred_variables(), distribution.scope():
         if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
             optimizer = keras.optimizers.get(optimizer)  # creates its counters: outside the scope
         slots = None
-        with StatelessScope(initialize_variables=False):
+        with _compat.stateless_scope():
             model = build()
             if isinstance(optimizer, keras.optimizers.Adafactor):
                 slots = _adafactor_variables(optimizer, model.trainable_variables)
@@ -82,10 +81,8 @@ def dry_build(build: Callable[[], keras.Model]) -> Iterator[keras.Model]:
     Inside the block the model's layers, graph and variable shapes can be read
     (`kml.auto_rules` does); nothing may run it. Names are handed back after.
     """
-    from keras.src.backend.common.stateless_scope import StatelessScope
-
     with _names_handed_back(), _deferred_variables():
-        with StatelessScope(initialize_variables=False):
+        with _compat.stateless_scope():
             model = build()
         yield model
 
@@ -114,7 +111,7 @@ def _adafactor_variables(
     model = slot_model(optimizer)  # the one description of optimizer memory (`_memory.SlotModel`)
     variables = [_AbstractVariable(v.path, v.name, tuple(v.shape), v.dtype) for v in optimizer.variables]
     for param in params:
-        if optimizer._overwrite_variable_with_gradient(param):
+        if _compat.keeps_no_slots(optimizer, param):
             continue
         # Adafactor's build order: the statistics (or placeholders) first, then the velocity.
         slots = sorted(model.slot_shapes(tuple(param.shape), param.dtype), key=lambda slot: slot[2])
@@ -132,13 +129,12 @@ def _adafactor_variables(
 @contextlib.contextmanager
 def _names_handed_back() -> Iterator[None]:
     """Undoes Keras's name counters, so the next real build reuses the names."""
-    from keras.src.backend.common import global_state
-
-    saved = collections.defaultdict(int, global_state.get_global_attribute("object_name_uids") or {})
-    try:
+    with _compat.global_attribute_kept("object_name_uids", _counters):
         yield
-    finally:
-        global_state.set_global_attribute("object_name_uids", saved)
+
+
+def _counters(uids: Any) -> collections.defaultdict:
+    return collections.defaultdict(int, uids or {})
 
 
 @contextlib.contextmanager
@@ -148,10 +144,5 @@ def _deferred_variables() -> Iterator[None]:
     Keras initialises every registered variable when a later stateless scope
     closes; those of a dry build must never be.
     """
-    from keras.src.backend.common import global_state
-
-    before: list[Any] = list(global_state.get_global_attribute("uninitialized_variables") or [])
-    try:
+    with _compat.global_attribute_kept("uninitialized_variables", lambda variables: list(variables or [])):
         yield
-    finally:
-        global_state.set_global_attribute("uninitialized_variables", before)

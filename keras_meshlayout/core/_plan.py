@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import _compat
 from ._errors import GroupedConvWarning, UnmatchedRuleWarning
 from ._format import format_axes, format_bytes, to_text
 from ._memory import MemoryEstimate, check_plan, memory_of
@@ -337,7 +338,7 @@ def _grouped_convs(model: keras.Model) -> tuple[tuple[str, str], ...]:
     grouped = (layers.DepthwiseConv1D, layers.DepthwiseConv2D, layers.SeparableConv1D, layers.SeparableConv2D)
     plain = (layers.Conv1D, layers.Conv2D, layers.Conv3D)
     found = []
-    for layer in model._flatten_layers(include_self=False):
+    for layer in _compat.sublayers(model):
         if isinstance(layer, grouped) or (isinstance(layer, plain) and getattr(layer, "groups", 1) > 1):
             path = getattr(layer, "path", None) or f"{model.name}/{layer.name}"
             if all(path != seen for seen, _ in found):
@@ -366,7 +367,7 @@ def _device_capacity(mesh: keras.distribution.DeviceMesh) -> int | None:
 def _layer_output_paths(model: keras.Model) -> list[str]:
     """The paths under which Keras asks for each layer's output layout."""
     paths = []
-    for layer in model._flatten_layers(include_self=False):
+    for layer in _compat.sublayers(model):
         path = getattr(layer, "path", None) or f"{model.name}/{layer.name}"
         if path not in paths:
             paths.append(path)
@@ -417,7 +418,7 @@ def _with_axes(
 
 
 def _actual_axes(variable: keras.Variable) -> Axes | None:
-    layout = getattr(variable, "_layout", None)
+    layout = _compat.variable_layout(variable)
     axes = getattr(layout, "axes", None)
     return None if axes is None else tuple(axes)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import keras
 
+from .. import _compat
 from ..core._errors import InvalidRuleError
 from ..core._mesh import mesh_axis_sizes
 from ..core._resolve import DEFAULT_REPLICATE_BELOW
@@ -254,14 +255,14 @@ class _Planner:
     # -- attention ----------------------------------------------------------------
 
     def plan_attention(self) -> None:
-        for layer in self.model._flatten_layers(include_self=False):
+        for layer in _compat.sublayers(self.model):
             if isinstance(layer, ATTENTION):
                 self._attention(layer)
 
     def _attention(self, layer: Any) -> None:
         """Splits an attention layer's projections over heads, read off their einsum equations."""
         projections = [
-            sub for sub in layer._flatten_layers(include_self=False) if _heads_dim(sub) is not None
+            sub for sub in _compat.sublayers(layer) if _heads_dim(sub) is not None
         ]
         query_like = [sub for sub in projections if _heads_dim(sub)[1] == "in"]
         heads = max((sub.kernel.shape[_heads_dim(sub)[0]] for sub in query_like), default=0)
@@ -601,11 +602,11 @@ class _Planner:
         some layers are built outside their parent's name scope (SmolLM's
         `o_proj/kernel`).
         """
-        for block in self.model._flatten_layers(include_self=False):
+        for block in _compat.sublayers(self.model):
             if isinstance(block, ATTENTION):
                 continue  # planned from its own structure by plan_attention
             roles: dict[str, Any] = {}
-            for child in block._flatten_layers(include_self=False, recursive=False):
+            for child in _compat.sublayers(block, recursive=False):
                 role = _HEAD_PROJECTIONS.get(child.name)
                 if role is not None and getattr(child, "kernel", None) is not None:
                     roles.setdefault(role, child)
@@ -755,7 +756,7 @@ def _head_count(block: Any, roles: dict[str, Any]) -> int | None:
 
 def _input_rank(layer: Any) -> int:
     """The rank of a built layer's input (and so of a Dense layer's output); 3 if unknown."""
-    shapes = getattr(layer, "_build_shapes_dict", None) or {}
+    shapes = _compat.build_shapes(layer)
     shape = next(iter(shapes.values()), None)
     return len(shape) if isinstance(shape, (tuple, list)) else 3
 
@@ -829,4 +830,4 @@ def _producers(layer: Any, known: dict[int, Any]) -> Iterator[Any]:
 
 def _model_outputs(model: keras.Model) -> list[Any]:
     outputs = getattr(model, "outputs", None) or []
-    return [t for t in keras.tree.flatten(outputs) if hasattr(t, "_keras_history")]
+    return [t for t in keras.tree.flatten(outputs) if _compat.made_by_a_layer(t)]

@@ -41,6 +41,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from .. import _compat
 from ..core._errors import InvalidOptionError, MemoryBudgetError
 from ..core._format import format_bytes
 from ..core._memory import parse_bytes, slot_model
@@ -353,7 +354,7 @@ class Costs:
         extra: list[float] = []
         if not layers:
             return extra
-        for layer in self.model._flatten_layers(include_self=False):
+        for layer in _compat.sublayers(self.model):
             path = getattr(layer, "path", None) or ""
             if path.rpartition("/")[0] != unit or id(layer) in layers:
                 continue  # only the key/value projections of this very attention block
@@ -605,7 +606,7 @@ def explain(unit: _Unit) -> str:
 
 def _owners(model: keras.Model) -> dict[int, Any]:
     owners = {}
-    for layer in model._flatten_layers(include_self=False):
+    for layer in _compat.sublayers(model):
         for variable in layer._trainable_variables + layer._non_trainable_variables:
             owners[id(variable)] = layer
     return owners

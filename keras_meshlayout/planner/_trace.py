@@ -18,6 +18,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from .. import _compat
+
 __all__ = ["Node", "Trace", "Use", "trace_model"]
 
 #: Operations a weight passes through unchanged on its way to being used (a cast under mixed precision).
@@ -119,7 +121,7 @@ def abstract_batch(model: keras.Model) -> Any:
     """Abstract inputs for a model when no batch is given: its input spec with a batch of 2, or `None`."""
     import jax
 
-    inputs = getattr(model, "_inputs_struct", None)
+    inputs = _compat.input_structure(model)
     if inputs is None:
         try:
             inputs = model.inputs
@@ -137,7 +139,7 @@ def abstract_batch(model: keras.Model) -> Any:
             )
         except (AttributeError, TypeError):
             return None
-    shapes = getattr(model, "_build_shapes_dict", None) or {}
+    shapes = _compat.build_shapes(model)
     if len(shapes) == 1:
         (shape,) = shapes.values()
         if isinstance(shape, (tuple, list)) and all(isinstance(d, int) or d is None for d in shape):
@@ -160,7 +162,7 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
 
-    kwargs = {"training": False} if getattr(model, "_call_has_training_arg", True) else {}
+    kwargs = {"training": False} if _compat.takes_training(model) else {}
 
     def forward(train: Any, state: Any, x: Any) -> Any:
         return model.stateless_call(train, state, x, **kwargs)[0]
@@ -326,9 +328,7 @@ def _fraction_read(jaxpr: Any) -> list[float]:
     gradient, and XLA sums only those), else 1.
     """
     try:  # JAX's own dead-code elimination: a layer computed but never used reads nothing
-        from jax._src.interpreters import partial_eval
-
-        jaxpr, used = partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+        jaxpr, used = _compat.dce_jaxpr(jaxpr)
     except (ImportError, AttributeError, TypeError):  # pragma: no cover - a JAX without it
         used = [True] * len(jaxpr.invars)
     kept = iter(jaxpr.invars)  # the pruned jaxpr keeps only the inputs it reads, in order

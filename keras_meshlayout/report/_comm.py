@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _compat
 from ..core._format import format_bytes, to_text
 from ..core._mesh import mesh_axis_sizes
 from ._hlo import Collective, parse_collectives, wire_bytes
@@ -189,7 +190,7 @@ def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = 
 
     distribution = keras.distribution.distribution()
     data = (x, y, sample_weight)
-    model._symbolic_build(data_batch=data)
+    _compat.symbolic_build(model, data)
 
     def abstract(variable: keras.Variable) -> jax.ShapeDtypeStruct:
         value = variable.value
@@ -212,7 +213,7 @@ def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = 
         return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
 
     batch = keras.tree.map_structure(abstract_input, data)
-    out_shardings = None if distribution is None else (None, model._get_state_sharding_spec())
+    out_shardings = None if distribution is None else (None, _compat.state_shardings(model))
     lowered = jax.jit(model.train_step, out_shardings=out_shardings).lower(state, batch)
     compiled = lowered.compile()
 
@@ -220,7 +221,7 @@ def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = 
     axis_sizes = {} if mesh is None else mesh_axis_sizes(mesh)
     device_count = 1 if mesh is None else int(np.prod(mesh.shape))
     collectives = parse_collectives(compiled.as_text(), device_count)
-    layer_names = {layer.name for layer in model._flatten_layers(include_self=False)}
+    layer_names = {layer.name for layer in _compat.sublayers(model)}
     transfers = tuple(
         transfer for collective in collectives for transfer in _transfers(collective, axis_sizes, layer_names)
     )

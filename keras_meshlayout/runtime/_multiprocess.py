@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import keras
 import numpy as np
 
+from .. import _compat
 from ..core._backend import backends_started, emulate_devices, require_jax_backend
 from ..core._errors import (
     DevicesAlreadyInitializedError,
@@ -323,9 +324,7 @@ def initialize(
                 initialization_timeout=_jax_timeout(watchdog.remaining()),
             )
         watchdog.stage = "collectives"
-        from keras.src.backend.jax.distribution_lib import initialize_rng
-
-        initialize_rng()  # one collective over all processes: proves they can talk
+        _compat.initialize_rng()  # one collective over all processes: proves they can talk
     finally:
         watchdog.stop()
     pace_keras_steps()
