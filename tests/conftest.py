@@ -43,6 +43,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_smaller_budgets_never_send_less",
     ),
     "test_checkpoint.py": ("test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up",),  # kills a process
+    "test_checkpoint_processes.py": ("*",),  # one launcher run of 2 processes × 4 devices
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_hub.py": (  # keras-hub backbones trained against one device; a fresh interpreter
