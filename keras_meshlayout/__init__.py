@@ -21,6 +21,7 @@ from .checkpoint._checkpoint import ResumableCheckpoint as ResumableCheckpoint
 from .checkpoint._checkpoint import load_checkpoint as load_checkpoint
 from .checkpoint._checkpoint import plan_diff as plan_diff
 from .checkpoint._checkpoint import save_checkpoint as save_checkpoint
+from .checkpoint._weights import save_weights as save_weights
 from .core._backend import emulate_devices as emulate_devices
 from .core._distribution import ModelParallel as ModelParallel
 from .core._dry import dry_build as dry_build
@@ -48,6 +49,8 @@ from .core._mesh import ProcessSplitWarning as ProcessSplitWarning
 from .core._mesh import process_layout as process_layout
 from .core._plan import Plan as Plan
 from .core._plan import plan_model as plan_model
+from .core._process_data import local_batch_size as local_batch_size
+from .core._process_data import process_slice as process_slice
 from .core._resolve import DEFAULT_REPLICATE_BELOW as DEFAULT_REPLICATE_BELOW
 from .core._resolve import Resolution as Resolution
 from .core._rules import LayoutRules as LayoutRules
@@ -67,11 +70,8 @@ from .report._pictures import plot_plan as plot_plan
 from .report._pictures import sharding_blocks as sharding_blocks
 from .report._pictures import show_mesh as show_mesh
 from .report._pictures import show_sharding as show_sharding
-from .runtime._multiprocess import ProcessInfo as ProcessInfo
-from .runtime._multiprocess import initialize as initialize
-from .runtime._multiprocess import local_batch_size as local_batch_size
-from .runtime._multiprocess import process_slice as process_slice
-from .runtime._multiprocess import save_weights as save_weights
+from .runtime._initialize import ProcessInfo as ProcessInfo
+from .runtime._initialize import initialize as initialize
 
 __version__ = importlib.metadata.version("keras_meshlayout")
 

@@ -29,7 +29,7 @@ from helpers import BATCH, MLP_RULES, assert_same_weights, build_mlp, train
 import keras_meshlayout as kml
 from keras_meshlayout import launch as launch_module
 from keras_meshlayout.runtime._launch import _environment, _first_failure, _free_port, _GlooLines, _watch
-from keras_meshlayout.runtime._multiprocess import INIT_TIMEOUT_EXIT_STATUS, cluster_config
+from keras_meshlayout.runtime._cluster import INIT_TIMEOUT_EXIT_STATUS, cluster_config
 from keras_meshlayout.runtime._worker import _exit_status
 
 TESTS = Path(__file__).resolve().parent
@@ -316,7 +316,7 @@ def test_keras_loops_longer_than_xla_cpu_in_flight_limit(tmp_path):
 def test_keras_trainer_has_what_pacing_wraps(maker, attribute):
     """kml.initialize paces these Keras trainer methods; a Keras upgrade that renames one fails here."""
     from keras_meshlayout._compat import trainer_class
-    from keras_meshlayout.runtime._multiprocess import pace_keras_steps
+    from keras_meshlayout.runtime._initialize import pace_keras_steps
 
     assert callable(getattr(trainer_class(), maker, None)), f"JAXTrainer.{maker} is gone"
     pace_keras_steps()
@@ -967,9 +967,9 @@ def test_initialize_needs_devices_to_split_evenly(monkeypatch):
     monkeypatch.setenv("KML_NUM_PROCESSES", "3")
     monkeypatch.setenv("KML_PROCESS_ID", "0")
     monkeypatch.setenv("KML_COORDINATOR", "127.0.0.1:1")
-    from keras_meshlayout.runtime import _multiprocess
+    from keras_meshlayout.runtime import _initialize
 
-    monkeypatch.setattr(_multiprocess, "backends_started", lambda: False)  # reach the device check
+    monkeypatch.setattr(_initialize, "backends_started", lambda: False)  # reach the device check
     with pytest.raises(
         kml.InvalidOptionError, match=r"emulate_devices=8 cannot be split evenly over 3 processes"
     ):

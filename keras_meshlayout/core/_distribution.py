@@ -10,11 +10,11 @@ from typing import Any
 import keras
 
 from .. import _compat
-from ..runtime._multiprocess import process_batch_block
 from ._backend import require_jax_backend
 from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
 from ._mesh import mesh_axis_sizes
 from ._plan import Plan, plan_model
+from ._process_data import process_batch_block
 from ._resolve import DEFAULT_REPLICATE_BELOW, IndivisiblePolicy, Resolution, check_policy, resolve
 from ._rules import LayoutRules
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ._multiprocess import (
+from ._cluster import (
     COORDINATOR_ENV,
     DEFAULT_INIT_TIMEOUT,
     DEVICES_PER_PROCESS_ENV,

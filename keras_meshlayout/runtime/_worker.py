@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 
-LAUNCH_DIR_ENV = "KML_LAUNCH_DIR"  # as in _multiprocess.py; this file imports nothing of ours
+LAUNCH_DIR_ENV = "KML_LAUNCH_DIR"  # as in _cluster.py; this file imports nothing of ours
 PROCESS_ID_ENV = "KML_PROCESS_ID"
 
 
