@@ -38,6 +38,10 @@ Keras's global state and distribution backend:
 - `Layer._build_shapes_dict`, `Model._inputs_struct`, `Layer._call_has_training_arg`,
   `KerasTensor._keras_history`: the shapes a layer was built with, a functional model's
   input structure, whether `call` takes `training`, and whether a tensor comes from a layer.
+- `Layer._inbound_nodes`, `KerasTensor._keras_history.operation`: the layers a layer of a
+  functional model is called on, and the layer that made a tensor.
+- `Layer._trainable_variables`, `Layer._non_trainable_variables`: the variables a layer
+  created itself (not its sub-layers').
 
 JAX:
 
@@ -243,6 +247,21 @@ def takes_training(layer: Any) -> bool:
 def made_by_a_layer(tensor: Any) -> bool:
     """Whether a symbolic tensor was produced by a Keras layer (it has a history)."""
     return hasattr(tensor, "_keras_history")
+
+
+def producing_layer(tensor: Any) -> Any:
+    """The layer (Keras operation) that produced a symbolic tensor of a functional model."""
+    return tensor._keras_history.operation
+
+
+def input_layers(layer: Any) -> list[Any]:
+    """The layers whose outputs `layer` is called on in a functional model, in call order."""
+    return [producing_layer(tensor) for node in layer._inbound_nodes for tensor in node.input_tensors]
+
+
+def own_variables(layer: Any) -> list[Any]:
+    """The variables `layer` created itself (trainable first), not those of its sub-layers."""
+    return [*layer._trainable_variables, *layer._non_trainable_variables]
 
 
 def symbolic_build(model: Any, data: Any) -> None:

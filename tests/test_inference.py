@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import keras_meshlayout as kml
-from keras_meshlayout import _compat as internals
 from keras_meshlayout.core import _inference
 
 FEATURES, CLASSES = 8, 4
@@ -387,68 +386,3 @@ def test_model_survives_an_exception(fail, error, expected, tmp_path):
     keras.distribution.set_distribution(None)
     loaded = keras.saving.load_model(tmp_path / "after.keras", custom_objects={"Switch": Switch})
     assert_close(loaded.get_weights(), want_weights, "saved after the error")
-
-
-# -- the Keras internals this relies on (keras_meshlayout/_compat.py) -----------
-
-
-def _predict_seeing(model, probe):
-    """Runs a plain-Keras predict whose callback calls `probe(model)` inside the loop."""
-    seen = []
-
-    class Probe(keras.callbacks.Callback):
-        def on_predict_batch_end(self, batch, logs=None):
-            seen.append(probe(model))
-
-    model.predict(np.zeros((4, FEATURES), "float32"), verbose=0, callbacks=[Probe()])
-    return seen[0]
-
-
-INTERNALS = [
-    (
-        "JAXTrainer methods wrapped",
-        lambda model: all(
-            getattr(keras.Model, name) is getattr(internals.trainer_class(), name)
-            and getattr(getattr(keras.Model, name), "_kml_guarded", False)
-            for name in internals.TRAINER_METHODS
-        ),
-    ),
-    (
-        "JAXTrainer._purge_model_variables wrapped",
-        lambda model: getattr(internals.trainer_class()._purge_model_variables, "_kml_guarded", False),
-    ),
-    (
-        "Variable._value is the array",
-        lambda model: all(
-            np.array_equal(np.asarray(internals.raw_value(v)), v.numpy()) for v in model.weights
-        ),
-    ),
-    (
-        "JAXTrainer purges Variable._value during a loop",
-        lambda model: _predict_seeing(
-            model, lambda m: all(internals.raw_value(v) is None for v in m.weights)
-        ),
-    ),
-    (
-        "JAXTrainer._jax_state holds the pending state",
-        lambda model: _predict_seeing(
-            model,
-            lambda m: len(internals.pending_state(m)["trainable_variables"]) == len(m.trainable_variables),
-        ),
-    ),
-    (
-        "JAXTrainer._jax_state is cleared after a loop",
-        lambda model: (
-            model.predict(np.zeros((4, FEATURES), "float32"), verbose=0) is not None
-            and internals.pending_state(model) is None
-            and internals.state_object(model) is None
-        ),
-    ),
-]
-
-
-@pytest.mark.parametrize("check", [row[1] for row in INTERNALS], ids=[row[0] for row in INTERNALS])
-def test_keras_internal_is_there(check):
-    distribution()  # installs the wrappers
-    model = compile_(sequential())  # no distribution: Keras's own behaviour
-    assert check(model)
