@@ -34,10 +34,28 @@ def key(index: int) -> str:
     return f"{index:05d}"
 
 
-def _checkpointer() -> Any:
+def _checkpointer(compress: bool = True) -> Any:
+    """Orbax's asynchronous checkpointer, each shard written whole by its first replica.
+
+    Orbax's default spreads the writing of a replicated shard over its replicas, which first
+    slices every shard on its device (a dispatched slice per shard, all before `save` returns);
+    here each shard is copied off one device as it is, and only that copy blocks the caller.
+    """
+    import jax
     import orbax.checkpoint as ocp
 
-    return ocp.StandardCheckpointer()
+    handlers = ocp.type_handlers
+    registry = handlers.create_type_handler_registry(
+        (jax.Array, handlers.ArrayHandler(use_replica_parallel=False)),
+    )
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=compress)
+    return ocp.AsyncCheckpointer(handler)
+
+
+def _save_args(values: Sequence[Any]) -> Any:
+    import orbax.checkpoint as ocp
+
+    return ocp.args.PyTreeSave({key(i): v for i, v in enumerate(values)})
 
 
 def save(directory: Path, arrays: Mapping[str, Sequence[Any]]) -> None:
@@ -49,7 +67,7 @@ def save(directory: Path, arrays: Mapping[str, Sequence[Any]]) -> None:
     try:
         for kind, values in arrays.items():
             if values:
-                checkpointer.save(directory / DIRECTORIES[kind], {key(i): v for i, v in enumerate(values)})
+                checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
                 checkpointer.wait_until_finished()
     finally:
         checkpointer.close()
@@ -62,7 +80,7 @@ def start_save(directory: Path, kind: str, values: Sequence[Any]) -> Any:
     """
     checkpointer = _checkpointer()
     try:
-        checkpointer.save(directory / DIRECTORIES[kind], {key(i): v for i, v in enumerate(values)})
+        checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
     except BaseException:
         checkpointer.close()
         raise
