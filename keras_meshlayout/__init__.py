@@ -49,6 +49,7 @@ from .core._mesh import ProcessSplitWarning as ProcessSplitWarning
 from .core._mesh import process_layout as process_layout
 from .core._plan import Plan as Plan
 from .core._plan import plan_model as plan_model
+from .core._plot import plot_plan as plot_plan
 from .core._process_data import local_batch_size as local_batch_size
 from .core._process_data import process_slice as process_slice
 from .core._resolve import DEFAULT_REPLICATE_BELOW as DEFAULT_REPLICATE_BELOW
@@ -66,7 +67,6 @@ from .report._comm import Transfer as Transfer
 from .report._comm import comm_report as comm_report
 from .report._pictures import Picture as Picture
 from .report._pictures import ShardBlock as ShardBlock
-from .report._pictures import plot_plan as plot_plan
 from .report._pictures import sharding_blocks as sharding_blocks
 from .report._pictures import show_mesh as show_mesh
 from .report._pictures import show_sharding as show_sharding

@@ -1,8 +1,14 @@
-"""The package's modules import one another without a cycle.
+"""The package's modules import one another without a cycle, and never a higher layer.
 
-Read from the source with `ast`: an import at module level (or under a module-level `if`,
-`try` or `with`, but not under `if TYPE_CHECKING:`) is an edge. Imports inside functions are
-left out on purpose: they run when called, after every module has loaded.
+Read from the source with `ast`. For cycles, an import at module level (or under a
+module-level `if`, `try` or `with`, but not under `if TYPE_CHECKING:`) is an edge; imports
+inside functions are left out there, since they run when called, after every module has
+loaded. For layers, every import counts, at load time or lazily inside a function, even
+under `if TYPE_CHECKING:`: a lower layer may never know a higher one.
+
+The layers, lowest first: `_compat` < `core` < `report` < `planner` < `runtime`, `checkpoint`
+(side by side: neither imports the other) < `cli` < the top level (`__init__`, `__main__`,
+`launch`).
 """
 
 from __future__ import annotations
@@ -32,14 +38,19 @@ def _top_level(body: list[ast.stmt]):
             yield node
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports when it loads."""
+def _everywhere(body: list[ast.stmt]):
+    yield from ast.walk(ast.Module(body=body, type_ignores=[]))
+
+
+def import_graph(lazy: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports when it loads (with `lazy`: anywhere in it)."""
     files = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = set()
-        for node in _top_level(ast.parse(path.read_text(encoding="utf-8")).body):
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        for node in (_everywhere if lazy else _top_level)(body):
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -111,3 +122,83 @@ def test_no_module_imports_the_public_surface_when_it_loads():
         name for name, edges in graph.items() if name != "keras_meshlayout" and "keras_meshlayout" in edges
     )
     assert offenders == []
+
+
+#: Layer of each top-level part of the package, lowest first; equal numbers sit side by side.
+LAYERS = {
+    "_compat": 0,
+    "core": 1,
+    "report": 2,
+    "planner": 3,
+    "runtime": 4,
+    "checkpoint": 4,
+    "cli": 5,
+    "": 6,  # the top level: __init__, __main__, launch
+}
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    parts = module.split(".")[1:]
+    part = parts[0] if parts and parts[0] in LAYERS else ""
+    return part, LAYERS[part]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a module in a higher layer, or in another part of the same layer."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        part, level = layer_of(module)
+        for target in sorted(targets):
+            target_part, target_level = layer_of(target)
+            if target_level > level or (target_level == level and target_part != part):
+                found.append(
+                    f"{module} ({part or 'top level'}) imports {target} ({target_part or 'top level'})"
+                )
+    return found
+
+
+@pytest.mark.parametrize(
+    "graph, found",
+    [
+        ({"keras_meshlayout.core._plan": {"keras_meshlayout._compat", "keras_meshlayout.core._mesh"}}, []),
+        (
+            {"keras_meshlayout.core._plan": {"keras_meshlayout.report._pictures"}},
+            ["keras_meshlayout.core._plan (core) imports keras_meshlayout.report._pictures (report)"],
+        ),
+        (
+            {"keras_meshlayout.runtime._x": {"keras_meshlayout.checkpoint._y"}},
+            ["keras_meshlayout.runtime._x (runtime) imports keras_meshlayout.checkpoint._y (checkpoint)"],
+        ),
+        (
+            {
+                "keras_meshlayout": {"keras_meshlayout.cli._main"},
+                "keras_meshlayout.launch": {"keras_meshlayout"},
+            },
+            [],
+        ),
+        (
+            {"keras_meshlayout._compat": {"keras_meshlayout.core._errors"}},
+            ["keras_meshlayout._compat (_compat) imports keras_meshlayout.core._errors (core)"],
+        ),
+    ],
+    ids=["down", "core-to-report", "side-by-side", "top-level", "compat-to-core"],
+)
+def test_upward_imports_are_found(graph, found):
+    assert upward_imports(graph) == found
+
+
+def test_the_lazy_graph_sees_imports_inside_functions():
+    graph = import_graph(lazy=True)
+    assert "keras_meshlayout.core._distribution" in graph["keras_meshlayout.core._plan"]  # TYPE_CHECKING
+    assert "keras_meshlayout.core._inference" in graph["keras_meshlayout.core._distribution"]  # in a function
+    assert "keras_meshlayout.core._inference" not in import_graph()["keras_meshlayout.core._distribution"]
+
+
+def test_every_module_has_a_layer():
+    assert {layer_of(module)[0] for module in import_graph()} == set(LAYERS)
+
+
+def test_no_module_imports_a_higher_layer():
+    """Not at load time, not lazily inside a function: lower layers never know higher ones."""
+    found = upward_imports(import_graph(lazy=True))
+    assert found == [], "upward imports (move the code down, or the import up):\n" + "\n".join(found)

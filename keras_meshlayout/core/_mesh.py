@@ -197,9 +197,7 @@ class Mesh(keras.distribution.DeviceMesh):
             raise InvalidMeshError(f"Mesh axis names must differ. {received}")
         for name, size in zip(axis_names, shape, strict=True):
             if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-                raise InvalidMeshError(
-                    f"Mesh axis {name!r} needs a positive integer size. {received}"
-                )
+                raise InvalidMeshError(f"Mesh axis {name!r} needs a positive integer size. {received}")
         grid = np.asarray(jax.devices(), dtype=object) if devices is None else to_jax_devices(devices)
         if math.prod(shape) != grid.size:
             raise InvalidMeshError(
@@ -585,3 +583,28 @@ def _infer_sizes(named: Mapping[str, int], device_count: int) -> tuple[int, ...]
             "use -1 for one axis to infer it, or pass devices= explicitly."
         )
     return tuple(int(size) for size in named.values())
+
+
+def jax_device_grid(mesh: Any) -> np.ndarray:
+    """The grid of JAX devices (a Keras `DeviceMesh` may hold names such as `"cpu:0"`)."""
+    backend = getattr(mesh, "backend_mesh", None)
+    return np.asarray((backend if backend is not None else mesh).devices)
+
+
+def device_id_grid(mesh: Any) -> np.ndarray:
+    """The grid of device ids of any mesh (ours, Keras's, or JAX's), one per mesh position."""
+    devices = jax_device_grid(mesh)
+    return np.vectorize(lambda device: int(device.id), otypes=[int])(devices).reshape(devices.shape)
+
+
+def platform_name(mesh: Any) -> str:
+    """The mesh's platform, with the device kind when it says more (`"gpu (H100)"`)."""
+    device = jax_device_grid(mesh).flat[0]
+    platform = str(getattr(device, "platform", "")) or "unknown"
+    kind = str(getattr(device, "device_kind", "") or "")
+    return platform if not kind or kind.lower() == platform.lower() else f"{platform} ({kind})"
+
+
+def mesh_text(names: Sequence[str], shape: Sequence[int]) -> str:
+    """`"data=2 × model=4"`."""
+    return " × ".join(f"{name}={size}" for name, size in zip(names, shape, strict=True))

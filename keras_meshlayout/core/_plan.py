@@ -13,6 +13,7 @@ from ._errors import GroupedConvWarning, UnmatchedRuleWarning
 from ._format import format_axes, format_bytes, to_text
 from ._memory import MemoryEstimate, check_plan, memory_of
 from ._mesh import process_layout
+from ._plot import plot_plan
 from ._resolve import Resolution
 from ._rules import Axes, Rule
 
@@ -136,8 +137,6 @@ class Plan:
         Returns:
             The path written.
         """
-        from ..report._pictures import plot_plan
-
         return plot_plan(self, path, **kw)
 
     def __getitem__(self, path: str) -> Resolution:
