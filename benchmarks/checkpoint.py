@@ -247,7 +247,7 @@ def blocking(directory: Path) -> dict:
     """In a fresh process: seconds a synchronous and a background Orbax save block the caller."""
     import numpy as np
 
-    from keras_meshlayout.checkpoint import _checkpoint
+    from keras_meshlayout.checkpoint import _save
 
     kml, keras = _start({"data": 2, "model": 4})
     keras.utils.set_random_seed(0)
@@ -260,7 +260,7 @@ def blocking(directory: Path) -> dict:
         kml.save_checkpoint(model, directory / f"sync_{i}", storage="orbax")
         sync.append(time.perf_counter() - start)
         start = time.perf_counter()
-        pending = _checkpoint._BackgroundSave(model, directory / f"async_{i}", None, None)
+        pending = _save.BackgroundSave(model, directory / f"async_{i}", None, None)
         blocked.append(time.perf_counter() - start)
         pending.wait()
         total.append(time.perf_counter() - start)

@@ -15,12 +15,12 @@ if "keras" not in __import__("sys").modules:
     # The backend is fixed at Keras's first import: choose JAX unless told otherwise.
     os.environ.setdefault("KERAS_BACKEND", "jax")
 
-from .checkpoint._checkpoint import LayoutChange as LayoutChange
-from .checkpoint._checkpoint import PlanDiff as PlanDiff
-from .checkpoint._checkpoint import ResumableCheckpoint as ResumableCheckpoint
-from .checkpoint._checkpoint import load_checkpoint as load_checkpoint
-from .checkpoint._checkpoint import plan_diff as plan_diff
-from .checkpoint._checkpoint import save_checkpoint as save_checkpoint
+from .checkpoint._load import load_checkpoint as load_checkpoint
+from .checkpoint._plan_diff import LayoutChange as LayoutChange
+from .checkpoint._plan_diff import PlanDiff as PlanDiff
+from .checkpoint._plan_diff import plan_diff as plan_diff
+from .checkpoint._resume import ResumableCheckpoint as ResumableCheckpoint
+from .checkpoint._save import save_checkpoint as save_checkpoint
 from .checkpoint._weights import save_weights as save_weights
 from .core._backend import emulate_devices as emulate_devices
 from .core._distribution import ModelParallel as ModelParallel

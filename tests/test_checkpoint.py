@@ -33,7 +33,7 @@ from helpers import assert_bit_identical, assert_laid_out_as_planned, values
 from jax.sharding import SingleDeviceSharding
 
 import keras_meshlayout as kml
-from keras_meshlayout.checkpoint import _checkpoint
+from keras_meshlayout.checkpoint import _atomic, _save
 
 RULES = [
     (r".*fc1/kernel", (None, "model")),
@@ -617,7 +617,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(
 
         model.save_weights = save_weights_then_fail
     elif point == "writing the manifest":
-        write_json = _checkpoint._write_json
+        write_json = _atomic.write_json
 
         def write_json_until_manifest(file, content):
             if file.name == "manifest.json":
@@ -625,15 +625,15 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(
                 raise failure
             write_json(file, content)
 
-        monkeypatch.setattr(_checkpoint, "_write_json", write_json_until_manifest)
+        monkeypatch.setattr(_atomic, "write_json", write_json_until_manifest)
     else:
 
         def fail(partial, target):
             raise failure
 
-        monkeypatch.setattr(_checkpoint, "_replace_directory", fail)
+        monkeypatch.setattr(_atomic, "replace_directory", fail)
     if not cleanup:
-        monkeypatch.setattr(_checkpoint.shutil, "rmtree", lambda *args, **kwargs: None)
+        monkeypatch.setattr(_save.shutil, "rmtree", lambda *args, **kwargs: None)
 
     with pytest.raises(kml.CheckpointError) as raised:
         kml.save_checkpoint(model, path)
@@ -670,7 +670,7 @@ def dead_pid() -> int:
 
 
 def hidden(path: Path, kind: str, pid: int, tag: str = "0badc0de") -> Path:
-    return path.with_name(f".{path.name}.{kind}-{_checkpoint._host()}-{pid}-{tag}")
+    return path.with_name(f".{path.name}.{kind}-{_atomic.hostname()}-{pid}-{tag}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from helpers import assert_bit_identical, assert_laid_out_as_planned, values
 from jax.sharding import SingleDeviceSharding
 
 import keras_meshlayout as kml
-from keras_meshlayout.checkpoint import _checkpoint, _orbax_store
+from keras_meshlayout.checkpoint import _atomic, _manifest, _orbax_store, _save
 
 RULES = [
     (r".*fc1/kernel", (None, "model")),
@@ -209,7 +209,7 @@ def test_orbax_checkpoint_holds_plan_manifest_and_one_copy_of_each_shard(saved, 
         "plan.json",
     ]
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format"] == _checkpoint.ORBAX_FORMAT
+    assert manifest["format"] == _manifest.ORBAX_FORMAT
     assert manifest["weights_sha256"] == _orbax_store.digest(manifest["files"])
     assert set(manifest["files"]) == set(_orbax_store.files(path)), "every file Orbax wrote is listed"
     # On data=8 every variable has 8 replicas: one copy of each is stored, as from one device.
@@ -396,7 +396,7 @@ def test_orbax_an_interrupted_save_leaves_the_previous_checkpoint_intact(
 
         monkeypatch.setattr(_orbax_store, "save", save_then_fail)
     elif point == "writing the manifest":
-        write_json = _checkpoint._write_json
+        write_json = _atomic.write_json
 
         def write_json_until_manifest(file, content):
             if file.name == "manifest.json":
@@ -404,15 +404,15 @@ def test_orbax_an_interrupted_save_leaves_the_previous_checkpoint_intact(
                 raise failure
             write_json(file, content)
 
-        monkeypatch.setattr(_checkpoint, "_write_json", write_json_until_manifest)
+        monkeypatch.setattr(_atomic, "write_json", write_json_until_manifest)
     else:
 
         def fail(partial, target):
             raise failure
 
-        monkeypatch.setattr(_checkpoint, "_replace_directory", fail)
+        monkeypatch.setattr(_atomic, "replace_directory", fail)
     if not cleanup:
-        monkeypatch.setattr(_checkpoint.shutil, "rmtree", lambda *args, **kwargs: None)
+        monkeypatch.setattr(_save.shutil, "rmtree", lambda *args, **kwargs: None)
 
     with pytest.raises(kml.CheckpointError) as raised:
         kml.save_checkpoint(model, path, storage="orbax")
@@ -436,7 +436,7 @@ def dead_pid() -> int:
 
 
 def hidden(path: Path, kind: str, pid: int) -> Path:
-    return path.with_name(f".{path.name}.{kind}-{_checkpoint._host()}-{pid}-0badc0de")
+    return path.with_name(f".{path.name}.{kind}-{_atomic.hostname()}-{pid}-0badc0de")
 
 
 #: (previous checkpoint at, new one at, new one complete, new one damaged, which one a load finds)
