@@ -449,20 +449,20 @@ print(json.dumps(results))
 
 def test_the_command_line_offers_exactly_the_registered_presets():
     """The registry is the one list: kml exports each preset function, the CLI offers each name."""
-    from keras_meshlayout.cli import _main as _cli
+    from keras_meshlayout.cli import _args, _main, _plan
     from keras_meshlayout.planner import _presets
 
     registry = _presets.PRESETS
     assert {p.rules.__name__ for p in registry.values()} == set(_presets.__all__), "register every preset"
     for preset in registry.values():
         assert getattr(kml, preset.rules.__name__) is preset.rules and preset.rules.__name__ in kml.__all__
-    assert _cli.PRESETS == tuple(p.usage for p in registry.values())
-    plan_parser = _cli._parser()._subparsers._group_actions[0].choices["plan"]
+    assert _plan.PRESETS == tuple(p.usage for p in registry.values())
+    plan_parser = _main.build_parser()._subparsers._group_actions[0].choices["plan"]
     (option,) = [a for a in plan_parser._actions if "--preset" in a.option_strings]
     for preset in registry.values():
         assert f"{preset.usage} ({preset.summary})" in option.help
-    with pytest.raises(_cli._InputError) as unknown:
-        _cli._preset("bogus", "model")
+    with pytest.raises(_args.InputError) as unknown:
+        _plan._preset("bogus", "model")
     assert str(unknown.value) == (
         f"--preset 'bogus': unknown preset. Choose one of: {', '.join(p.usage for p in registry.values())}."
     )
@@ -482,10 +482,10 @@ def test_the_command_line_offers_exactly_the_registered_presets():
     ids=["mlp-without-layers", "mlp-empty-layer", "conv-with-layers"],
 )
 def test_a_preset_spelled_wrong_says_how_to_spell_it(spec, message):
-    from keras_meshlayout.cli import _main as _cli
+    from keras_meshlayout.cli import _args, _plan
 
-    with pytest.raises(_cli._InputError) as error:
-        _cli._preset(spec, "model")
+    with pytest.raises(_args.InputError) as error:
+        _plan._preset(spec, "model")
     assert str(error.value).startswith(message), str(error.value)
 
 

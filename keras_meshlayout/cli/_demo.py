@@ -1,10 +1,40 @@
-"""The demo: a real MLP classifier trained on a 2×4 mesh, then its plan."""
+"""`keras-meshlayout demo`: a real MLP classifier trained on a 2×4 mesh, then its plan."""
 
 from __future__ import annotations
+
+import argparse
+from typing import Any
 
 import numpy as np
 
 from ..core._backend import emulate_devices
+from ._args import EXIT_OK, positive_int
+
+__all__ = ["add_parser", "run", "run_demo"]
+
+
+def add_parser(commands: Any) -> None:
+    """Adds the `demo` subcommand to `commands` (the parser's subparsers)."""
+    demo = commands.add_parser(
+        "demo",
+        help="train an MLP on a 2x4 mesh (8 emulated CPU devices without accelerators) and print its plan",
+        description="Train a 32-256-128-10 MLP on a data=2, model=4 mesh and print its plan and the "
+        "communication of one training step.",
+    )
+    demo.add_argument("--steps", type=positive_int, default=20, help="training steps per epoch (default: 20)")
+    demo.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=64,
+        help="global batch size, a multiple of 2 (default: 64)",
+    )
+    demo.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the demo with the parsed `--steps` and `--batch-size`."""
+    run_demo(steps=args.steps, batch_size=args.batch_size)
+    return EXIT_OK
 
 
 def run_demo(steps: int = 20, batch_size: int = 64, seed: int = 0) -> float:

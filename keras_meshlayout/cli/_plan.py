@@ -1,0 +1,436 @@
+"""`keras-meshlayout plan`: the plan of a model on a mesh, built without allocating weights.
+
+It prints the plan with the training-state memory per device, and exits 0 when the plan
+is valid, 1 when it fails a check, so it can gate a CI job. The model is a saved
+`.keras` file (only its config is read) or a builder `MODULE:FUNCTION`; the rules come
+from `--rules FILE`, `--preset NAME` (the preset registry) or `--auto`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import importlib.util
+import json
+import sys
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..core._errors import MemoryBudgetError, MeshLayoutError, MeshLayoutWarning, UnmatchedRuleWarning
+from ..core._mesh import mesh_axis_sizes
+from ..planner._presets import PRESETS as _PRESET_REGISTRY
+from ._args import (
+    EXIT_HELP,
+    EXIT_OK,
+    EXIT_PLAN_FAILS,
+    InputError,
+    add_emulate,
+    fraction,
+    one_line,
+    positive_int,
+)
+
+__all__ = ["PRESETS", "add_parser", "run"]
+
+#: How `--preset` spells each registered preset (the registry is `_presets.PRESETS`).
+PRESETS = tuple(preset.usage for preset in _PRESET_REGISTRY.values())
+
+RULES_FILE_HELP = """\
+rules files:
+  JSON   a list of [pattern, axes] pairs (axes: mesh-axis names or null), e.g.
+         [[".*dense_1/kernel", [null, "model"]], [".*dense_1/bias", ["model"]]]
+         or {"rules": [...]}.
+  Python a module defining RULES (a list of (pattern, axes) pairs or a
+         kml.LayoutRules), or a function rules(model, mesh) returning either.
+"""
+
+
+def add_parser(commands: Any) -> None:
+    """Adds the `plan` subcommand to `commands` (the parser's subparsers)."""
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model on a mesh without allocating its weights",
+        description="Build the model with its weights deferred, resolve every variable's layout "
+        "exactly as kml.ModelParallel would, and print the plan with the training-state memory per "
+        "device. Exits 0 when the plan is valid.",
+        epilog=RULES_FILE_HELP + "\n" + EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("--mesh", required=True, help='mesh spec: "2x4", "8" or "data=2,model=4" (-1 infers)')
+    plan.add_argument(
+        "--model",
+        required=True,
+        help="a saved model (PATH.keras: only its config is read) or a builder MODULE:FUNCTION "
+        "(or FILE.py:FUNCTION) returning a Keras model",
+    )
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--rules", metavar="FILE", help="rules from a JSON or Python file (see below)")
+    source.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="preset rules: "
+        + "; ".join(f"{preset.usage} ({preset.summary})" for preset in _PRESET_REGISTRY.values()),
+    )
+    source.add_argument("--auto", action="store_true", help="rules from kml.auto_rules")
+    plan.add_argument(
+        "--optimizer", default=None, help="plan this optimizer's state too, e.g. adam, sgd, adafactor"
+    )
+    plan.add_argument(
+        "--batch-axis", default=None, help="mesh axis the batch is split over (default: the first)"
+    )
+    plan.add_argument("--model-axis", default="model", help="tensor-parallel axis for --auto and presets")
+    plan.add_argument("--on-indivisible", choices=("replicate", "error"), default="replicate")
+    plan.add_argument("--replicate-below", type=int, default=None, help="small-matrix threshold in elements")
+    plan.add_argument(
+        "--device-memory", default=None, help='device capacity, e.g. "80GB" (default: from JAX)'
+    )
+    plan.add_argument(
+        "--max-replicated-fraction",
+        type=fraction,
+        default=0.5,
+        help="largest share of a device's state that may stay replicated though splittable (default 0.5)",
+    )
+    plan.add_argument(
+        "--strict", action="store_true", help="fail (exit 1) on warnings such as unmatched rules"
+    )
+    plan.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help='with --auto: per-device memory the plan must fit at the least traffic, e.g. "40GiB" '
+        "(needs --batch-size; prints the predicted bytes per step; replaces the replication guard)",
+    )
+    plan.add_argument(
+        "--batch-size", type=positive_int, default=None, help="global batch for --memory-budget"
+    )
+    plan.add_argument(
+        "--sequence-length",
+        type=positive_int,
+        default=None,
+        help="length for the model inputs' other unknown dimensions (token ids), with --batch-size",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_emulate(plan)
+    plan.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plans the model on the mesh and prints it; returns the exit status (0: the plan is valid)."""
+    from ..core._backend import emulate_devices
+
+    emulate_devices(args.emulate_devices)
+    from ..core._distribution import ModelParallel
+    from ..core._dry import dry_build, dry_plan
+    from ..core._mesh import Mesh
+    from ..core._resolve import DEFAULT_REPLICATE_BELOW
+    from ..planner._auto import auto_rules
+
+    mesh = Mesh.parse(args.mesh)
+    build = _load_builder(args.model)
+    _check_optimizer(args.optimizer)
+    replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
+    if args.memory_budget is not None and not args.auto:
+        raise InputError("--memory-budget chooses layouts for --auto: add --auto.")
+    if args.memory_budget is not None and args.batch_size is None:
+        raise InputError("--memory-budget needs --batch-size (and --sequence-length for token inputs).")
+    _check_batch_size(args.batch_size, mesh, args.batch_axis)
+    if args.auto:
+        with dry_build(build) as model:
+            batch = (
+                None if args.batch_size is None else _batch_spec(model, args.batch_size, args.sequence_length)
+            )
+            rules = auto_rules(
+                model,
+                mesh,
+                model_axis=args.model_axis,
+                batch_axis=args.batch_axis,
+                replicate_below=replicate_below,
+                memory_budget=args.memory_budget,
+                batch=batch,
+                optimizer=args.optimizer,
+            )
+    elif args.preset:
+        rules = _preset(args.preset, args.model_axis)
+    elif args.rules:
+        rules = _rules_file(args.rules, build, mesh)
+    else:
+        rules = None
+    distribution = ModelParallel(
+        mesh,
+        rules,
+        batch_axis=args.batch_axis,
+        on_indivisible=args.on_indivisible,
+        replicate_below=replicate_below,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MeshLayoutWarning)
+        plan = dry_plan(build, distribution, optimizer=args.optimizer)
+    # The plan lists its own warnings (unmatched rules, grouped convolutions) under its table;
+    # the others (indivisible shapes replicated) are printed after it, each once.
+    messages = list(plan.warnings)
+    messages += sorted(
+        {str(w.message) for w in caught if issubclass(w.category, MeshLayoutWarning)}
+        - set(messages)
+        - {str(w.message) for w in caught if issubclass(w.category, UnmatchedRuleWarning)}
+    )
+    failure = None
+    try:
+        # Under a memory budget the planner replicates on purpose wherever the budget allows,
+        # so the budget replaces the replication guard.
+        guard = 1.0 if args.memory_budget is not None else args.max_replicated_fraction
+        plan.check(max_replicated_fraction=guard, device_memory=args.device_memory)
+    except MemoryBudgetError as err:
+        failure = str(err)
+    if args.json:
+        data = plan.to_dict()
+        data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
+        data["warnings"] = messages
+        cost = getattr(rules, "cost", None)
+        if cost is not None:
+            data["predicted"] = {
+                "wire_bytes_per_device": cost.wire_bytes,
+                "wire_bytes_by_axis": dict(cost.wire_bytes_by_axis),
+                "state_bytes_per_device": cost.state_bytes,
+                "activation_bytes_per_device": cost.activation_bytes,
+                "budget": cost.budget,
+                "layouts": cost.layouts(),
+            }
+        data["valid"] = failure is None and not (args.strict and messages)
+        data["failure"] = failure
+        print(json.dumps(data, indent=2))
+    else:
+        from rich.console import Console
+
+        console = Console(width=max(120, Console().width))
+        console.print(plan)
+        if getattr(rules, "cost", None) is not None:
+            console.print(f"predicted: {rules.cost}", markup=False)
+        for message in messages[len(plan.warnings) :]:
+            console.print(f"warning: {message}", style="yellow", markup=False)
+    if failure is not None:
+        print(f"plan fails: {failure}", file=sys.stderr)
+        return EXIT_PLAN_FAILS
+    if args.strict and messages:
+        print(f"plan fails: {len(messages)} warning(s) with --strict", file=sys.stderr)
+        return EXIT_PLAN_FAILS
+    return EXIT_OK
+
+
+def _batch_spec(model: Any, batch_size: int, length: int | None) -> Any:
+    """Abstract inputs for `model`: `batch_size` first, `length` for any other unknown dimension."""
+    import jax
+    import keras
+
+    def spec(tensor: Any) -> Any:
+        shape = [batch_size, *tensor.shape[1:]]
+        if None in shape[1:]:
+            if length is None:
+                raise InputError(
+                    f"--batch-size: the input {tensor.name!r} has shape {tuple(tensor.shape)}; give its "
+                    "other unknown dimensions with --sequence-length."
+                )
+            shape = [length if size is None else size for size in shape]
+        return jax.ShapeDtypeStruct(tuple(shape), keras.backend.standardize_dtype(tensor.dtype))
+
+    return keras.tree.map_structure(spec, _model_inputs(model))
+
+
+def _model_inputs(model: Any) -> Any:
+    """The model's symbolic inputs in their structure (a Sequential's one input as itself)."""
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        pass
+    inputs = getattr(model, "inputs", None)
+    if inputs:
+        return inputs[0] if len(inputs) == 1 else list(inputs)
+    raise InputError(
+        f"--batch-size: the model {model.name!r} has no defined inputs to size (a subclassed model?). "
+        "Build it from keras.Input (a functional or Sequential model) to plan with --batch-size."
+    )
+
+
+def _check_batch_size(batch_size: int | None, mesh: Any, batch_axis: str | None) -> None:
+    """Refuses a `--batch-size` that training could not split over the batch axis."""
+    sizes = mesh_axis_sizes(mesh)
+    axis = mesh.axis_names[0] if batch_axis is None else batch_axis
+    if batch_size is None or axis not in sizes or batch_size % sizes[axis] == 0:
+        return  # an unknown batch axis is reported with the distribution's own message
+    raise InputError(
+        f"--batch-size {batch_size} cannot be split over batch axis {axis!r} of size {sizes[axis]}: "
+        f"use a multiple of {sizes[axis]}."
+    )
+
+
+def _check_optimizer(name: str | None) -> None:
+    """Refuses an `--optimizer` Keras does not know, before any model is built."""
+    if name is None:
+        return
+    import keras
+
+    try:
+        keras.optimizers.get(name)
+    except ValueError:
+        known = sorted(
+            n.lower()
+            for n, value in vars(keras.optimizers).items()
+            if isinstance(value, type)
+            and issubclass(value, keras.optimizers.Optimizer)
+            and _known_optimizer(n.lower())
+        )
+        raise InputError(
+            f"--optimizer {name!r}: Keras knows no optimizer by that name. Use one of: {', '.join(known)}."
+        ) from None
+
+
+def _known_optimizer(name: str) -> bool:
+    import keras
+
+    try:
+        keras.optimizers.get(name)
+    except Exception:
+        return False
+    return True
+
+
+def _load_builder(spec: str) -> Callable[[], Any]:
+    """A zero-argument function building the model named by `--model`."""
+    if spec.endswith(".keras"):
+        path = Path(spec)
+        if not path.is_file():
+            raise InputError(f"--model {spec}: no such file.")
+        try:
+            with zipfile.ZipFile(path) as archive:
+                config = json.loads(archive.read("config.json"))
+        except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as err:
+            raise InputError(f"--model {spec} is not a Keras archive with a config.json ({err}).") from None
+        if not isinstance(config, dict):
+            raise InputError(f"--model {spec}: its config.json does not describe a Keras object.")
+        # The plan needs the architecture only: compiling would create the saved optimizer's
+        # variables, which a dry build refuses (plan an optimizer's state with --optimizer).
+        config = {key: value for key, value in config.items() if key != "compile_config"}
+
+        def deserialize() -> Any:
+            import keras
+
+            # Keras consumes parts of the config it deserializes: each build gets its own copy.
+            return keras.saving.deserialize_keras_object(copy.deepcopy(config))
+
+        return _checked_builder(deserialize, f"--model {spec}", "its config")
+    module_name, sep, function = spec.rpartition(":")
+    if not sep or not module_name or not function:
+        raise InputError(
+            f"--model {spec!r}: give a saved model (PATH.keras) or a builder as MODULE:FUNCTION "
+            "or FILE.py:FUNCTION."
+        )
+    module = _import(module_name, "--model")
+    builder = getattr(module, function, None)
+    if not callable(builder):
+        raise InputError(f"--model {spec!r}: {module_name} has no function {function!r}.")
+    return _checked_builder(builder, f"--model {spec!r}", f"{function}()")
+
+
+def _checked_builder(build: Callable[[], Any], option: str, what: str) -> Callable[[], Any]:
+    """`build`, failing with one clear line when it raises or returns something that is not a model."""
+
+    def checked() -> Any:
+        import keras
+
+        try:
+            model = build()
+        except MeshLayoutError:
+            raise  # a rule or mesh problem found while building: reported as such
+        except Exception as err:
+            raise InputError(
+                f"{option}: building the model from {what} raised {type(err).__name__}: {one_line(err)} "
+                "(rerun with --traceback to see where)"
+            ) from err
+        if not isinstance(model, keras.Model):
+            raise InputError(
+                f"{option}: {what} returned {type(model).__name__} ({model!r:.60}), not a keras.Model."
+            )
+        return model
+
+    return checked
+
+
+def _import(name: str, option: str) -> Any:
+    try:
+        if name.endswith(".py"):
+            path = Path(name)
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or not path.is_file():
+                raise InputError(f"{option} {name}: no such file.")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(name)
+    except InputError:
+        raise
+    except Exception as err:  # ImportError, or whatever the module raises as it runs
+        raise InputError(
+            f"{option} {name}: cannot import it ({type(err).__name__}: {one_line(err)})."
+        ) from None
+
+
+def _preset(name: str, model_axis: str) -> Any:
+    """The rules of `--preset NAME` or `--preset NAME:LAYER,LAYER,...`, from the preset registry."""
+    kind, colon, argument = name.partition(":")
+    preset = _PRESET_REGISTRY.get(kind)
+    if preset is None:
+        raise InputError(f"--preset {name!r}: unknown preset. Choose one of: {', '.join(PRESETS)}.")
+    layers = [layer.strip() for layer in argument.split(",")] if colon else []
+    if preset.takes_layers and (not layers or not all(layers)):
+        raise InputError(
+            f"--preset {name!r}: the {kind!r} preset needs layer names in data-flow order, "
+            f"e.g. --preset {kind}:fc1,fc2 (Received: {argument!r})."
+        )
+    if not preset.takes_layers and colon:
+        raise InputError(f"--preset {name!r}: the {kind!r} preset takes no layer names; use --preset {kind}.")
+    return preset.build(layers, model_axis=model_axis)
+
+
+def _rules_file(name: str, build: Callable[[], Any], mesh: Any) -> Any:
+    path = Path(name)
+    if not path.is_file():
+        raise InputError(f"--rules {name}: no such file.")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise InputError(f"--rules {name} is not valid JSON: {err}.") from None
+        rules = data.get("rules") if isinstance(data, dict) else data
+        if not isinstance(rules, list):
+            raise InputError(
+                f"--rules {name}: expected a list of [pattern, axes] pairs or {{'rules': [...]}}."
+            )
+        return [tuple(_json_rule(entry, name)) for entry in rules]
+    if path.suffix == ".py":
+        module = _import(name, "--rules")
+        if callable(getattr(module, "rules", None)):
+            from ..core._dry import dry_build
+
+            with dry_build(build) as model:
+                try:
+                    return module.rules(model, mesh)
+                except MeshLayoutError:
+                    raise
+                except Exception as err:
+                    raise InputError(
+                        f"--rules {name}: rules(model, mesh) raised {type(err).__name__}: {one_line(err)} "
+                        "(rerun with --traceback to see where)"
+                    ) from err
+        if hasattr(module, "RULES"):
+            return module.RULES
+        raise InputError(f"--rules {name} defines neither RULES nor a function rules(model, mesh).")
+    raise InputError(f"--rules {name}: use a .json or .py file.")
+
+
+def _json_rule(entry: Any, name: str) -> tuple:
+    if not isinstance(entry, list) or len(entry) not in (2, 3) or not isinstance(entry[1], list):
+        raise InputError(f"--rules {name}: each rule must be [pattern, [axes...]]; got {entry!r}.")
+    return (entry[0], tuple(entry[1]), *entry[2:])
