@@ -318,3 +318,47 @@ def test_predicted_bytes_match_on_custom_layer_grouped_query_attention(mesh_name
     report = kml.comm_report(model, x, np.zeros(BATCH, "int32"))
     for axis, measured in report.wire_bytes_by_axis.items():
         assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
+
+
+# The search (`planner/_search.py`) reads only a `CostTable`: table-driven cases on hand-made
+# candidates, independent of any model.
+def _table(*units, reserve=0):
+    from keras_meshlayout.planner import Candidate, CostTable, UnitCosts
+
+    def unit(name, *options, proposed=0):
+        candidates = tuple(Candidate(n, {}, s, {"data": w}) for n, s, w in options)
+        return UnitCosts(name, candidates, proposed=proposed)
+
+    return CostTable(tuple(unit(*u[:-1], proposed=u[-1]) for u in units), reserve)
+
+
+SEARCH = [
+    # (budget, expected layouts, why)
+    (None, ("tensor-parallel", "replicated"), "no budget: the proposal's own layouts"),
+    (10_000, ("replicated", "replicated"), "roomy: the least traffic everywhere"),
+    (700, ("tensor-parallel", "replicated"), "the move that saves most per byte of traffic first"),
+    (350, ("tensor-parallel", "vocab-parallel"), "a move the budget no longer needs is walked back"),
+    (300, ("2-D", "vocab-parallel"), "tight: both units split as far as they go"),
+]
+
+
+@pytest.mark.parametrize(("budget", "expected", "why"), SEARCH, ids=[c[2] for c in SEARCH])
+def test_search_picks_the_least_traffic_within_the_budget(budget, expected, why):
+    from keras_meshlayout.planner import search
+
+    table = _table(
+        ("ffn", ("replicated", 800, 100.0), ("tensor-parallel", 200, 120.0), ("2-D", 100, 150.0), 1),
+        ("embed", ("replicated", 400, 10.0), ("vocab-parallel", 100, 400.0), 0),
+        reserve=50,
+    )
+    chosen = search(table, budget)
+    assert tuple(u.candidates[i].layout for u, i in zip(table.units, chosen, strict=True)) == expected
+
+
+def test_search_refuses_a_budget_below_the_smallest_plan():
+    from keras_meshlayout.planner import search
+
+    table = _table(("ffn", ("replicated", 800, 100.0), ("tensor-parallel", 200, 80.0), 1), reserve=50)
+    with pytest.raises(kml.MemoryBudgetError, match=r"smallest plan needs 250 B .*50 B of it") as error:
+        search(table, 249)
+    assert error.value.smallest_bytes == 250

@@ -331,3 +331,27 @@ def test_by_name_columns_need_a_row_partner(up, down, expected, mesh):
 def test_transformer_preset_norms_and_routers(path, note):
     rule = kml.transformer_rules().match(path)
     assert (None if rule is None else rule.note.split(":")[0]) == note
+
+
+# The planner's stages (issue 11, item 5): each module imports only earlier stages, at load time
+# and nowhere else (no import inside a function), so trace → units → costs → search → rules
+# reads one way.
+PLANNER_ORDER = ["_trace", "_units", "_layers", "_presets", "_costs", "_search", "_auto"]
+
+
+@pytest.mark.parametrize("module", PLANNER_ORDER)
+def test_planner_stages_import_only_earlier_stages(module):
+    import ast
+    from pathlib import Path
+
+    path = Path(kml.__file__).parent / "planner" / f"{module}.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    earlier = set(PLANNER_ORDER[: PLANNER_ORDER.index(module)])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            assert node.module in earlier, f"{module} imports {node.module}, a later stage or itself"
+            assert node in tree.body, f"{module} imports {node.module} inside a function (line {node.lineno})"
+        elif isinstance(node, ast.ImportFrom) and node.level == 2:  # below: the seam, core, report
+            module = node.module or ".".join(alias.name for alias in node.names)
+            assert module == "_compat" or module.startswith(("core.", "report.")), module
+    assert sorted(p.stem for p in path.parent.glob("_*.py") if p.stem != "__init__") == sorted(PLANNER_ORDER)

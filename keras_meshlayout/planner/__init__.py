@@ -4,12 +4,31 @@
    flat dataflow graph, a `Trace`, whose inputs are the model's variables.
 2. `find_units` (`_units`): the weights that split over the model axis together
    (column → row projection pairs, attention heads), as `Unit`s, read off the
-   dataflow whatever style wrote the model.
-3. Costs and search (`keras_meshlayout.planner._budget`): per unit, the layout that fits
-   a memory budget at the least traffic.
-4. Rules (`keras_meshlayout.planner._auto`): one exact rule per variable, with a note.
+   dataflow whatever style wrote the model. The rule writer (`_auto`) turns
+   them, and what it reads off Keras layers (`_layers`) and names
+   (`_presets`), into a frozen `Proposal`: per variable its tensor-parallel
+   axes, note and unit.
+3. `cost_units` (`_costs`): per unit, its candidate layouts (replicated,
+   tensor-parallel, 2-D, vocab-parallel, ...), each a `Candidate` with its
+   bytes per device (the one memory model, `core._memory.SlotModel`) and its
+   bytes on the wire per step (the ring formulas of `kml.comm_report`), in a
+   `CostTable`.
+4. `search` (`_search`): per unit, the index of the candidate at the least
+   traffic within the memory budget (the proposal's own without one), and
+   `plan_cost`, the public `kml.PlanCost`.
+5. Rules (`_auto`): the chosen candidates become one exact rule per variable,
+   each with a note that says why.
+
+Imports run one way, 1 → 5: no stage imports a later one.
 """
 
+from ._costs import Candidate as Candidate
+from ._costs import CostTable as CostTable
+from ._costs import Proposal as Proposal
+from ._costs import UnitCosts as UnitCosts
+from ._costs import cost_units as cost_units
+from ._search import plan_cost as plan_cost
+from ._search import search as search
 from ._trace import Node as Node
 from ._trace import Trace as Trace
 from ._trace import Use as Use
@@ -21,13 +40,20 @@ from ._units import find_added as find_added
 from ._units import find_units as find_units
 
 __all__ = [
+    "Candidate",
+    "CostTable",
     "Member",
     "Node",
+    "Proposal",
     "Trace",
     "Unit",
+    "UnitCosts",
     "Use",
     "abstract_batch",
+    "cost_units",
     "find_added",
     "find_units",
+    "plan_cost",
+    "search",
     "trace_model",
 ]

@@ -27,17 +27,24 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import keras
 
 from .. import _compat
-from ..core._errors import InvalidRuleError
+from ..core._errors import InvalidOptionError, InvalidRuleError
+from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
+from ..core._policy import accepts_policy
 from ..core._resolve import DEFAULT_REPLICATE_BELOW
 from ..core._rules import Axes, LayoutRules
-from ._budget import check_budget_args, within_budget
-from ._presets import transformer_rules
+from ._costs import CostTable, Proposal, cost_units
+from ._layers import features as _features
+from ._layers import heads_dim as _heads_dim
+from ._layers import labels as _labels
+from ._presets import ffn_role, transformer_rules
+from ._search import explain, plan_cost, search
 from ._trace import Trace, abstract_batch, trace_model
 from ._units import find_added, find_units
 
@@ -59,6 +66,7 @@ ELEMENTWISE = (
 ATTENTION = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
 
 
+@accepts_policy  # policy=kml.LayoutPolicy(...): planned with, carried by the rules (core/_policy.py)
 def auto_rules(
     model: keras.Model,
     mesh: keras.distribution.DeviceMesh,
@@ -156,7 +164,7 @@ def auto_rules(
     size = mesh_axis_sizes(mesh)[model_axis]
     if batch_axis is None:
         batch_axis = next((axis for axis in mesh.axis_names if axis != model_axis), None)
-    check_budget_args(memory_budget, batch)
+    _check_budget_args(memory_budget, batch)
     planner = _Planner(model, model_axis, size, replicate_below, batch_axis)
     planner.plan_attention()
     planner._plan_attention_by_name()
@@ -170,7 +178,26 @@ def auto_rules(
         planner.plan_lone(trace)
     if batch is None:
         return LayoutRules(planner.rules, suggested=True)
-    return within_budget(planner, model, mesh, memory_budget, batch, optimizer, trace)
+    if trace is None:  # pragma: no cover - a batch always traces (`_trace` raises otherwise)
+        trace = trace_model(model, batch)
+    budget = None if memory_budget is None else parse_bytes(memory_budget)
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+    table = cost_units(model, planner.proposal(), trace, mesh_axis_sizes(mesh), optimizer)
+    chosen = search(table, budget)
+    planner.apply(table, chosen)
+    rules = LayoutRules(planner.rules, suggested=True)
+    rules.cost = plan_cost(table, chosen, budget)
+    return rules
+
+
+def _check_budget_args(memory_budget: int | str | None, batch: Any) -> None:
+    if memory_budget is not None and batch is None:
+        raise InvalidOptionError(
+            "auto_rules(memory_budget=...) needs batch=: one global batch of inputs (arrays, or "
+            "anything with .shape and .dtype), to size the activations and the traffic they cause. "
+            'Fix: auto_rules(model, mesh, memory_budget="16GiB", batch=x).'
+        )
 
 
 def _trace(model: keras.Model, batch: Any) -> Trace | None:
@@ -201,8 +228,10 @@ class _Planner:
         #: attention block, a by-name scope): units split or stay whole together.
         self.units: dict[str, str] = {}
         self.index_of: dict[str, int] = {}
-        #: Dense key/value projections kept whole (by `id`): their head counts.
-        self.kv_heads: dict[int, int] = {}
+        #: Dense key/value projections kept whole (by layer path): their head counts.
+        self.kv_heads: dict[str, int] = {}
+        #: Layers whose output an `/output` rule keeps whole over the model axis (by path).
+        self.whole_outputs: set[str] = set()
         #: Units that are a final layer split over the model axis (their loss reductions cost traffic).
         self.final_units: set[str] = set()
         #: Key/value weights kept whole beside a traced attention unit's split heads: path → unit.
@@ -215,7 +244,7 @@ class _Planner:
             for producer in _producers(layer, self.consumers):
                 self.producers[id(layer)].append(producer)
                 self.consumers[id(producer)].append(layer)
-        self.outputs = {id(t._keras_history.operation) for t in _model_outputs(model)}
+        self.outputs = {id(_compat.producing_layer(t)) for t in _model_outputs(model)}
 
     # -- recording --------------------------------------------------------------
 
@@ -228,12 +257,35 @@ class _Planner:
             if unit is not None and any(axes):
                 self.units[variable.path] = unit
 
-    def kept_whole(self, layer_path: str) -> bool:
-        """Whether a `/output` rule keeps this layer's output whole over the model axis."""
-        return self._pattern(layer_path) + "/output" in {rule[0] for rule in self.rules}
+    def proposal(self) -> Proposal:
+        """The decisions so far, frozen: what the costs (`_costs`) read."""
+        return Proposal(
+            model_axis=self.axis,
+            batch_axis=self.batch_axis,
+            axes=MappingProxyType(dict(self.axes_of)),
+            notes=MappingProxyType({path: self.rules[i][2] for path, i in self.index_of.items()}),
+            units=MappingProxyType(dict(self.units)),
+            final_units=frozenset(self.final_units),
+            kv_heads=MappingProxyType(dict(self.kv_heads)),
+            whole_outputs=frozenset(self.whole_outputs),
+            whole_kv=MappingProxyType(dict(self.whole_kv)),
+        )
+
+    def apply(self, table: CostTable, chosen: Sequence[int]) -> None:
+        """Rewrites the rules of every unit to the candidate the search chose, with its note."""
+        variables = {v.path: v for v in self.model.weights}
+        for unit, index in zip(table.units, chosen, strict=True):
+            if len(unit.candidates) == 1:
+                continue
+            candidate = unit.candidates[index]
+            why = explain(unit, index)
+            for path, axes in candidate.axes.items():
+                detail = unit.notes.get(path, "")
+                note = why if candidate.layout == "replicated" or not detail else f"{why} ({detail})"
+                self.relayout(variables[path], axes, note)
 
     def relayout(self, variable: keras.Variable, axes: Axes, note: str) -> None:
-        """Replaces the decision for `variable` (the budget planner's choice)."""
+        """Replaces the decision for `variable` (the search's choice)."""
         entry = (self._pattern(variable.path), tuple(axes), note)
         if variable.path in self.index_of:
             self.rules[self.index_of[variable.path]] = entry
@@ -311,6 +363,7 @@ class _Planner:
         their optimizer slots) every step.
         """
         pattern = self._pattern(layer_path) + "/output"
+        self.whole_outputs.add(layer_path)
         if pattern not in {rule[0] for rule in self.rules}:
             note = "grouped-query attention: key/value output kept whole over the model axis"
             self.rules.append((pattern, (self.batch_axis,) + (None,) * (rank - 1), note))
@@ -581,13 +634,15 @@ class _Planner:
         no column layer prepared. So without a partner in the same scope each
         stays whole.
         """
-        rows = {_scope(v.path) for v, axes, note in matched if "row-parallel" in note and any(axes)}
-        columns = {_scope(v.path) for v, axes, note in matched if "column-parallel" in note and any(axes)}
+        roles = {id(v): ffn_role(v.path) if any(axes) else None for v, axes, _ in matched}
+        rows = {_scope(v.path) for v, _, _ in matched if roles[id(v)] == "row"}
+        columns = {_scope(v.path) for v, _, _ in matched if roles[id(v)] == "column"}
         for variable, axes, note in matched:
-            if "column-parallel" in note and any(axes) and _scope(variable.path) not in rows:
+            role = roles[id(variable)]
+            if role == "column" and _scope(variable.path) not in rows:
                 axes = (None,) * len(variable.shape)
                 note = f"{note}; no row-parallel partner beside it, so replicated"
-            elif "row-parallel" in note and any(axes) and _scope(variable.path) not in columns:
+            elif role == "row" and _scope(variable.path) not in columns:
                 axes = (None,) * len(variable.shape)
                 note = f"{note}; no column-parallel partner beside it, so replicated"
             self.decide(variable, axes, note, unit=_scope(variable.path))
@@ -685,7 +740,7 @@ class _Planner:
             )
             self._by_name_replicate(layer, note, unit)
             self._keep_output_whole(layer.path, rank=_input_rank(layer))
-            self.kv_heads[id(layer)] = count
+            self.kv_heads[layer.path] = count
         else:
             note = f"attention {layer.name}: heads split ({count} heads of {head_dim}, output features)"
             self.decide(layer.kernel, (None, self.axis), note, unit=unit)
@@ -766,53 +821,6 @@ def _scope(path: str) -> str:
     return path.rsplit("/", 2)[0] if path.count("/") >= 2 else ""
 
 
-def _heads_dim(layer: Any) -> tuple[int, str] | None:
-    """`(kernel dimension holding the heads, "in" | "out")` of an attention projection.
-
-    An `EinsumDense` projects into heads when its output has one more
-    dimension than its input (`btd,dnh->btnh`: the heads are the output's
-    second-to-last label) and out of them when its input has one more
-    (`btnh,nhd->btd`: the input's second-to-last label). `None` otherwise.
-    """
-    equation = getattr(layer, "equation", None)
-    if not isinstance(layer, keras.layers.EinsumDense) or not equation or "," not in equation:
-        return None
-    inputs, rest = equation.split(",")
-    kernel, output = rest.split("->")
-    if len(output) == len(inputs) + 1 and output[-2] in kernel:
-        return kernel.index(output[-2]), "in"
-    if len(inputs) == len(output) + 1 and inputs[-2] in kernel:
-        return kernel.index(inputs[-2]), "out"
-    return None
-
-
-def _labels(layer: Any, variable: Any) -> str:
-    """The einsum labels of an EinsumDense variable's dimensions."""
-    if variable is layer.kernel:
-        return layer.equation.split(",")[1].split("->")[0]
-    bias_axes = getattr(layer, "bias_axes", None) or ""
-    return bias_axes if len(bias_axes) == len(variable.shape) else ""
-
-
-def _features(layer: Any) -> tuple[int, int] | None:
-    """`(in, out)` features of a projection with an `(in, out)` kernel, else `None`."""
-    if isinstance(layer, keras.layers.Dense) and getattr(layer, "kernel", None) is not None:
-        if layer.kernel.shape is not None and len(layer.kernel.shape) == 2:
-            return tuple(layer.kernel.shape)
-    if isinstance(layer, keras.layers.EinsumDense) and len(layer.kernel.shape) == 2:
-        inputs, rest = layer.equation.split(",")
-        kernel, output = rest.split("->")
-        if (
-            kernel[0] in inputs
-            and kernel[0] not in output
-            and kernel[1] in output
-            and kernel[1] not in inputs
-        ):
-            if output.endswith(kernel[1]):
-                return tuple(layer.kernel.shape)
-    return None
-
-
 def _softmax(layer: Any) -> bool:
     activation = getattr(layer, "activation", None)
     return getattr(activation, "__name__", "") in ("softmax", "log_softmax")
@@ -820,12 +828,10 @@ def _softmax(layer: Any) -> bool:
 
 def _producers(layer: Any, known: dict[int, Any]) -> Iterator[Any]:
     seen = set()
-    for node in layer._inbound_nodes:
-        for tensor in node.input_tensors:
-            producer = tensor._keras_history.operation
-            if id(producer) in known and id(producer) not in seen:
-                seen.add(id(producer))
-                yield producer
+    for producer in _compat.input_layers(layer):
+        if id(producer) in known and id(producer) not in seen:
+            seen.add(id(producer))
+            yield producer
 
 
 def _model_outputs(model: keras.Model) -> list[Any]:

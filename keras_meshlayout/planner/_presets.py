@@ -100,6 +100,14 @@ FFN_ROW = (
 )
 
 
+def ffn_role(path: str) -> str | None:
+    """`"column"` or `"row"` for a variable of a feed-forward layer named as in `FFN_COLUMN`/`FFN_ROW`."""
+    for role, names in (("column", FFN_COLUMN), ("row", FFN_ROW)):
+        if re.fullmatch(rf"(?:.*/)?(?:{'|'.join(names)})/\w+", path):
+            return role
+    return None
+
+
 @_register("mlp", takes_layers=True, summary="Dense layers in data-flow order, alternating column and row")
 def mlp_rules(
     layers: Sequence[str], *, model_axis: str = "model", fsdp_axis: str | None = None

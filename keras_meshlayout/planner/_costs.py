@@ -1,34 +1,33 @@
-"""The memory-budget planner: per unit of weights, the layout that fits at the least traffic.
+"""Stage 3: costs. Per unit of weights and per candidate layout, bytes per device and on the wire.
 
-`auto_rules(model, mesh, memory_budget=..., batch=...)` starts from the
-automatic planner's units (a column → row projection pair, an attention
-block, an embedding) and gives each a few candidate layouts:
+`cost_units(model, proposal, trace, axis_sizes, optimizer)` takes the rule
+writer's tensor-parallel `Proposal` (which weights split together, and how)
+and gives every unit its candidate layouts, each a `Candidate` with its
+per-device state and the bytes each device sends per training step:
 
 - `replicated`: every device holds the unit; its gradients are all-reduced
   over the batch axis;
-- `tensor-parallel`: the planner's split over the model axis; the gradient
+- `tensor-parallel`: the proposal's split over the model axis; the gradient
   all-reduce shrinks by the model-axis size, and activations are all-reduced
   over the model axis (forward after a row-parallel projection, backward
   before each column-parallel one);
 - `2-D`: tensor-parallel, with each split kernel's largest other dimension
   also split over the batch axis; XLA all-gathers those kernels over the batch
-  axis before use, once per step;
+  axis before use, once per step (twice for large kernels, see
+  `_gathers_per_step`);
 - `vocab-parallel` (embeddings): the vocabulary split over the model axis,
-  one all-reduce of the looked-up activations forward.
+  one all-reduce of the looked-up activations forward;
+- `split, unused`: a trainable weight the step never reads, split over both axes.
 
-Costs are counted with the ring formulas of the communication report
-(`kml.comm_report`), from the shapes the model's projections see on one
-batch (traced with `jax.eval_shape`: nothing runs). Memory is per device:
-parameters, gradients and optimizer slots, plus an activation reserve (the
-outputs of every projection and embedding at their replicated size, a
-deliberately simple upper estimate that ignores attention scores and
-element-wise temporaries). The search starts from each unit's cheapest
-layout; while the total exceeds the budget it takes the move that saves the
-most memory per byte of extra traffic; then it walks back any move the
-budget no longer needs.
+Bytes on the wire are counted with the ring formulas of the communication
+report (`report._hlo.wire_bytes`, what `kml.comm_report` reads off the
+compiled HLO), from the shapes the traced projections see on one batch.
+State is counted by the one memory model, `core._memory.SlotModel`
+(parameters, gradients, optimizer slots). The activation reserve is the
+outputs of every traced projection and look-up at their replicated size, a
+deliberately simple upper estimate.
 
-This is where a memory budget is met: the costs (`Costs`), the search
-(`choose`) and the notes that explain each choice.
+Everything handed on is immutable: the `CostTable` goes to the search (`_search`).
 """
 
 from __future__ import annotations
@@ -36,144 +35,159 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import keras
 import numpy as np
 
 from .. import _compat
-from ..core._errors import InvalidOptionError, MemoryBudgetError
-from ..core._format import format_bytes
-from ..core._memory import parse_bytes, slot_model
-from ..core._mesh import mesh_axis_sizes
-from ..core._rules import Axes, LayoutRules
+from ..core._memory import slot_model
+from ..core._rules import Axes
 from ..report._hlo import wire_bytes
-from ._trace import Trace, trace_model
+from ._layers import heads_dim
+from ._layers import owners as layer_owners
+from ._trace import Trace
 
-__all__ = ["PlanCost", "UnitChoice"]
-
-
-@dataclasses.dataclass(frozen=True)
-class UnitChoice:
-    """The layout chosen for one unit of weights, and what it costs.
-
-    Attributes:
-        unit: The unit: a layer path, a projection pair or an attention block.
-        layout: `"replicated"`, `"tensor-parallel"`, `"2-D"` or `"vocab-parallel"`.
-        state_bytes: Per-device bytes of its parameters, gradients and optimizer slots.
-        wire_bytes: Bytes each device sends for it per training step.
-        note: Why, against keeping the unit replicated.
-    """
-
-    unit: str
-    layout: str
-    state_bytes: int
-    wire_bytes: float
-    note: str
+__all__ = ["Candidate", "CostTable", "Proposal", "UnitCosts", "cost_units"]
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanCost:
-    """What the planner predicts one training step of its plan costs, per device.
+class Proposal:
+    """The rule writer's tensor-parallel layouts, before any budget (stage 2 → 3).
 
     Attributes:
-        wire_bytes_by_axis: Bytes each device sends per step, by mesh axis, as
-            `kml.comm_report` counts them (ring formulas).
-        state_bytes: Parameters, gradients, optimizer slots and non-trainable
-            state held by each device.
-        activation_bytes: The activation reserve (see `kml.auto_rules`).
-        budget: The memory budget per device, or `None`.
-        choices: One `UnitChoice` per unit of weights with more than one layout.
+        model_axis: The tensor-parallel mesh axis.
+        batch_axis: The mesh axis the batch is split over, or `None`.
+        axes: Per variable path, its proposed axes (every variable the rules decide).
+        notes: Per variable path, why it has those axes.
+        units: Per split variable path, the unit it splits with (weights of
+            one unit are laid out together).
+        final_units: Units that are a final layer split over the model axis
+            (the loss reduces their split outputs).
+        kv_heads: Per Dense key/value projection kept whole (layer path), its
+            key/value head count.
+        whole_outputs: Layer paths whose output a rule keeps whole over the model axis.
+        whole_kv: Key/value weights kept whole beside a traced attention
+            unit's split query heads: weight path → unit.
     """
 
-    wire_bytes_by_axis: Mapping[str, float]
-    state_bytes: int
-    activation_bytes: int
-    budget: int | None
-    choices: tuple[UnitChoice, ...]
-
-    @property
-    def wire_bytes(self) -> float:
-        """Bytes each device sends per step, over every axis."""
-        return float(sum(self.wire_bytes_by_axis.values()))
-
-    @property
-    def memory_bytes(self) -> int:
-        """State plus the activation reserve: what the budget is compared with."""
-        return self.state_bytes + self.activation_bytes
-
-    def layouts(self) -> dict[str, int]:
-        """How many units took each layout: `{"tensor-parallel": 4, "2-D": 2}`."""
-        counts: dict[str, int] = {}
-        for choice in self.choices:
-            counts[choice.layout] = counts.get(choice.layout, 0) + 1
-        return counts
-
-    def __str__(self) -> str:
-        budget = "no budget" if self.budget is None else f"budget {format_bytes(self.budget)}"
-        layouts = ", ".join(f"{n} {name}" for name, n in sorted(self.layouts().items()))
-        return (
-            f"{format_bytes(self.wire_bytes)} sent per device per step; "
-            f"{format_bytes(self.state_bytes)} state + {format_bytes(self.activation_bytes)} "
-            f"activations per device ({budget}); units: {layouts or 'none'}"
-        )
+    model_axis: str
+    batch_axis: str | None
+    axes: Mapping[str, Axes]
+    notes: Mapping[str, str]
+    units: Mapping[str, str]
+    final_units: frozenset[str] = frozenset()
+    kv_heads: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    whole_outputs: frozenset[str] = frozenset()
+    whole_kv: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
 
-@dataclasses.dataclass
-class _Option:
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout a unit can take, and what it costs per device.
+
+    Attributes:
+        layout: `"replicated"`, `"tensor-parallel"`, `"2-D"`, `"vocab-parallel"`
+            or `"split, unused"`.
+        axes: Per variable path of the unit, its axes under this layout.
+        state: Per-device bytes of its parameters, gradients and optimizer slots.
+        wire: Bytes each device sends per step for it, by mesh axis.
+    """
+
     layout: str
-    axes: dict[str, Axes]
+    axes: Mapping[str, Axes]
     state: int
-    wire: dict[str, float]
+    wire: Mapping[str, float]
 
     @property
     def total(self) -> float:
-        return sum(self.wire.values())
+        """Bytes each device sends per step, over every axis."""
+        return float(sum(self.wire.values()))
 
 
-@dataclasses.dataclass
-class _Unit:
+@dataclasses.dataclass(frozen=True)
+class UnitCosts:
+    """A unit of weights and its candidate layouts.
+
+    Attributes:
+        name: The unit: a layer path, a projection pair or an attention block.
+        candidates: Its layouts; the first is always `replicated`.
+        notes: Per variable path, the proposal's note for its split (shown
+            beside the layout the search picks).
+        proposed: The index of the proposal's own layout (the plan without a budget).
+    """
+
     name: str
-    options: list[_Option]
-    note: dict[str, str]
-    chosen: int = 0
+    candidates: tuple[Candidate, ...]
+    notes: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    proposed: int = 0
 
 
-class Costs:
-    """Per-unit layouts, their per-device state bytes and wire bytes, for one batch."""
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Every unit's candidates and the activation reserve: what the search chooses from.
+
+    Attributes:
+        units: One `UnitCosts` per unit; the last holds everything that has one layout.
+        reserve: The activation reserve per device, in bytes.
+    """
+
+    units: tuple[UnitCosts, ...]
+    reserve: int
+
+
+def cost_units(
+    model: keras.Model,
+    proposal: Proposal,
+    trace: Trace,
+    axis_sizes: Mapping[str, int],
+    optimizer: str | keras.optimizers.Optimizer | None,
+) -> CostTable:
+    """Every unit of `proposal` with its candidate layouts, costed on `trace`'s batch."""
+    coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
+    return CostTable(tuple(coster.units()), coster.activation_reserve())
+
+
+def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping))
+
+
+def _candidate(layout: str, axes: Mapping[str, Axes], state: int, wire: Mapping[str, float]) -> Candidate:
+    return Candidate(layout, _frozen({p: tuple(a) for p, a in axes.items()}), int(state), _frozen(wire))
+
+
+class _Coster:
+    """Builds the `CostTable` of one `Proposal` (private: only `cost_units` uses it)."""
 
     def __init__(
         self,
         model: keras.Model,
-        planner: Any,
-        batch: Any,
-        *,
-        model_axis: str,
-        batch_axis: str | None,
+        proposal: Proposal,
+        trace: Trace,
         axis_sizes: Mapping[str, int],
-        optimizer: Any,
-        trace: Trace | None = None,
+        optimizer: str | keras.optimizers.Optimizer | None,
     ) -> None:
         self.model = model
-        self.planner = planner
-        self.model_axis = model_axis
-        self.batch_axis = batch_axis
-        self.m = axis_sizes[model_axis]
-        self.d = axis_sizes.get(batch_axis, 1) if batch_axis else 1
-        self.trace = trace if trace is not None else trace_model(model, batch)
-        self.used = dict(self.trace.read)
-        self.uses = self.trace.uses
+        self.proposal = proposal
+        self.model_axis = proposal.model_axis
+        self.batch_axis = proposal.batch_axis
+        self.m = axis_sizes[self.model_axis]
+        self.d = axis_sizes.get(self.batch_axis, 1) if self.batch_axis else 1
+        self.trace = trace
+        self.used = dict(trace.read)
+        self.uses = trace.uses
         self.memory = slot_model(optimizer)
-        self.tp_axes = dict(planner.axes_of)
+        self.tp_axes = proposal.axes
 
     # -- bytes ---------------------------------------------------------------------
 
-    def _grad_sync(self, variable: Any, shards: int) -> float:
+    def _grad_sync(self, variable: keras.Variable, shards: int) -> float:
         # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it.
         read = _nbytes(variable) * self.used.get(variable.path, 0.0)
         return wire_bytes("all-reduce", read / shards, self.d)
 
-    def _state(self, variable: Any, shards: int, trainable: bool) -> int:
+    def _state(self, variable: keras.Variable, shards: int, trainable: bool) -> int:
         return self.memory.state_bytes(tuple(variable.shape), str(variable.dtype), shards, trainable)
 
     def _activation(self, shape: Sequence[int], dtype: str) -> float:
@@ -208,18 +222,19 @@ class Costs:
 
     # -- units -----------------------------------------------------------------------
 
-    def units(self) -> list[_Unit]:
+    def units(self) -> list[UnitCosts]:
         """One unit per group of weights that split together; the rest as one fixed unit."""
         trainable = {id(v) for v in self.model.trainable_weights}
-        owners = _owners(self.model)
-        by_unit: dict[str, list[Any]] = {}
+        owners = layer_owners(self.model)
+        by_unit: dict[str, list[keras.Variable]] = {}
         for variable in self.model.weights:
-            unit = self.planner.units.get(variable.path)
+            unit = self.proposal.units.get(variable.path)
             if unit is not None:
                 by_unit.setdefault(unit, []).append(variable)
         in_units = {id(v) for variables in by_unit.values() for v in variables}
         units = [self._tensor_parallel_unit(name, variables, owners) for name, variables in by_unit.items()]
-        fixed_state, fixed_wire = self.memory.scalar_bytes, {}
+        fixed_state = self.memory.scalar_bytes
+        fixed_wire: dict[str, float] = {}
         for variable in self.model.weights:
             if id(variable) in in_units:
                 continue
@@ -243,28 +258,30 @@ class Costs:
                 _add(fixed_wire, self.batch_axis, max(lookups, 1) * self._grad_sync(variable, 1))
         # The loss is averaged over the batch axis: one scalar all-reduce.
         _add(fixed_wire, self.batch_axis, wire_bytes("all-reduce", 4, self.d))
-        units.append(_Unit("(everything else)", [_Option("replicated", {}, fixed_state, fixed_wire)], {}))
+        units.append(UnitCosts("(everything else)", (_candidate("replicated", {}, fixed_state, fixed_wire),)))
         return units
 
-    def _replicated(self, variables: Sequence[Any]) -> _Option:
+    def _replicated(self, variables: Sequence[keras.Variable]) -> Candidate:
         wire: dict[str, float] = {}
         for variable in variables:
             _add(wire, self.batch_axis, self._grad_sync(variable, 1))
-        return _Option(
+        return _candidate(
             "replicated",
             {v.path: (None,) * len(v.shape) for v in variables},
             sum(self._state(v, 1, v.trainable) for v in variables),
             wire,
         )
 
-    def _tensor_parallel_unit(self, name: str, variables: list[Any], owners: Mapping[int, Any]) -> _Unit:
+    def _tensor_parallel_unit(
+        self, name: str, variables: list[keras.Variable], owners: Mapping[int, keras.layers.Layer]
+    ) -> UnitCosts:
         replicated = self._replicated(variables)
         tp_wire: dict[str, float] = {}
         tp_axes: dict[str, Axes] = {}
         two_d_axes: dict[str, Axes] = {}
         tp_state = two_d_state = 0
         gathers = 0.0
-        kernels: list[Any] = []
+        kernels: list[keras.Variable] = []
         for variable in variables:
             axes = self.tp_axes[variable.path]
             shards = self.m if self.model_axis in axes else 1
@@ -283,7 +300,7 @@ class Costs:
                 two_d_state += self._state(variable, shards, variable.trainable)
             if self.side(variable.path, axes):
                 kernels.append(variable)
-        final = name in getattr(self.planner, "final_units", ())
+        final = name in self.proposal.final_units
         for kernel in kernels:
             side = self.side(kernel.path, self.tp_axes[kernel.path])
             for inputs, output, from_input, dtype in self.calls(kernel.path):
@@ -308,13 +325,16 @@ class Costs:
         for kv in self._grouped_kv(name, layers):
             _add(tp_wire, self.model_axis, kv)
         self._traced_kv(name, tp_wire)
-        options = [replicated, _Option("tensor-parallel", tp_axes, tp_state, tp_wire)]
+        options = [replicated, _candidate("tensor-parallel", tp_axes, tp_state, tp_wire)]
         if self.d > 1 and two_d_axes != tp_axes:
-            options.append(_Option("2-D", two_d_axes, two_d_state, _plus(tp_wire, self.batch_axis, gathers)))
-        notes = {path: self.planner.rules[self.planner.index_of[path]][2] for path in tp_axes}
-        return _Unit(name, options, notes)
+            two_d_wire = _plus(tp_wire, self.batch_axis, gathers)
+            options.append(_candidate("2-D", two_d_axes, two_d_state, two_d_wire))
+        notes = {path: self.proposal.notes[path] for path in tp_axes}
+        return UnitCosts(name, tuple(options), _frozen(notes), proposed=1)
 
-    def _gathers_per_step(self, layer: Any, kernel: Any, gathered: float, axes: Axes) -> int:
+    def _gathers_per_step(
+        self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, axes: Axes
+    ) -> int:
         """How often XLA all-gathers a 2-D kernel over the batch axis in one step.
 
         Measured on XLA:CPU (jaxlib 0.10) on MLPs and on the Llama, Gemma,
@@ -341,7 +361,7 @@ class Costs:
             return 2 if gathered > largest else 1
         return 2 if gathered >= largest else 1  # a Dense layer, or a custom layer's matmul
 
-    def _grouped_kv(self, unit: str, layers: Mapping[int, Any]) -> list[float]:
+    def _grouped_kv(self, unit: str, layers: Mapping[int, keras.layers.Layer]) -> list[float]:
         """The traffic of key/value projections kept whole beside split query heads.
 
         Their gradients are summed over the devices whose query heads share a
@@ -349,8 +369,6 @@ class Costs:
         all-reduce of one head's activations over those devices, and (with
         more than one key/value head) one all-gather of all of them.
         """
-        from ._auto import _heads_dim
-
         extra: list[float] = []
         if not layers:
             return extra
@@ -358,10 +376,10 @@ class Costs:
             path = getattr(layer, "path", None) or ""
             if path.rpartition("/")[0] != unit or id(layer) in layers:
                 continue  # only the key/value projections of this very attention block
-            heads = _heads_dim(layer)
-            if id(layer) in self.planner.kv_heads:  # a Dense key/value projection
-                count = self.planner.kv_heads[id(layer)]
-            elif heads is not None and heads[1] == "in" and self.planner.kept_whole(layer.path):
+            heads = heads_dim(layer)
+            if layer.path in self.proposal.kv_heads:  # a Dense key/value projection
+                count = self.proposal.kv_heads[layer.path]
+            elif heads is not None and heads[1] == "in" and layer.path in self.proposal.whole_outputs:
                 count = layer.kernel.shape[heads[0]]
             else:
                 continue
@@ -385,7 +403,7 @@ class Costs:
         the weight and its optimizer slots are all-gathered over that group;
         the activations cost as for `_grouped_kv`.
         """
-        for path, owner in getattr(self.planner, "whole_kv", {}).items():
+        for path, owner in self.proposal.whole_kv.items():
             if owner != unit:
                 continue
             count = self._kv_heads(path)
@@ -414,7 +432,7 @@ class Costs:
                     return int(shape[-2])
         return None
 
-    def _embedding_unit(self, owner: Any, variable: Any) -> _Unit | None:
+    def _embedding_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
         """A look-up table: a Keras `Embedding`, or a custom layer's weight read only by one `take`."""
         if isinstance(owner, keras.layers.Embedding):
             if variable is not owner.embeddings:
@@ -434,7 +452,7 @@ class Costs:
         wire: dict[str, float] = {}
         _add(wire, self.batch_axis, self._grad_sync(variable, self.m))
         _add(wire, self.model_axis, wire_bytes("all-reduce", self._summed(output, dtype), self.m))
-        split = _Option(
+        split = _candidate(
             "vocab-parallel",
             {variable.path: (self.model_axis, None)},
             self._state(variable, self.m, True),
@@ -443,9 +461,11 @@ class Costs:
         note = {
             variable.path: f"embedding: vocabulary split over {self.model_axis!r}, one all-reduce forward"
         }
-        return _Unit(getattr(owner, "path", variable.path), [self._replicated([variable]), split], note)
+        return UnitCosts(
+            getattr(owner, "path", variable.path), (self._replicated([variable]), split), _frozen(note)
+        )
 
-    def _idle_unit(self, variable: Any) -> _Unit | None:
+    def _idle_unit(self, variable: keras.Variable) -> UnitCosts | None:
         """A trainable weight the step never reads (an untied output embedding, say).
 
         It gets no gradient, so splitting it over both axes costs no traffic.
@@ -461,11 +481,11 @@ class Costs:
                 shards *= size
         if shards == 1:
             return None
-        split = _Option(
+        split = _candidate(
             "split, unused", {variable.path: tuple(axes)}, self._state(variable, shards, True), {}
         )
         note = {variable.path: "the training step never reads it: no gradient, so no traffic"}
-        return _Unit(variable.path, [self._replicated([variable]), split], note)
+        return UnitCosts(variable.path, (self._replicated([variable]), split), _frozen(note))
 
     def activation_reserve(self) -> int:
         total = 0.0
@@ -475,141 +495,7 @@ class Costs:
         return int(total)
 
 
-def within_budget(
-    planner: Any,
-    model: keras.Model,
-    mesh: keras.distribution.DeviceMesh,
-    memory_budget: int | str | None,
-    batch: Any,
-    optimizer: Any,
-    trace: Trace | None = None,
-) -> LayoutRules:
-    """The auto planner's rules, each unit laid out to fit `memory_budget` at the least traffic.
-
-    Without a budget every unit keeps the planner's own layout; either way the
-    rules carry `rules.cost`.
-    """
-    axis_sizes = mesh_axis_sizes(mesh)
-    budget = None if memory_budget is None else parse_bytes(memory_budget)
-    costs = Costs(
-        model,
-        planner,
-        batch,
-        model_axis=planner.axis,
-        batch_axis=planner.batch_axis,
-        axis_sizes=axis_sizes,
-        optimizer=optimizer if optimizer is not None else getattr(model, "optimizer", None),
-        trace=trace,
-    )
-    units = costs.units()
-    reserve = costs.activation_reserve()
-    if budget is None:
-        for unit in units:  # today's plan: the planner's own layout for every unit
-            unit.chosen = 1 if len(unit.options) > 1 and unit.options[1].layout == "tensor-parallel" else 0
-    else:
-        choose(units, budget, reserve)
-    owners = {v.path: v for v in model.weights}
-    choices = []
-    wire: dict[str, float] = {}
-    for unit in units:
-        option = unit.options[unit.chosen]
-        for axis, amount in option.wire.items():
-            wire[axis] = wire.get(axis, 0.0) + amount
-        if len(unit.options) == 1:
-            continue
-        why = explain(unit)
-        choices.append(UnitChoice(unit.name, option.layout, option.state, option.total, why))
-        for path, axes in option.axes.items():
-            detail = unit.note.get(path, "")
-            note = why if option.layout == "replicated" or not detail else f"{why} ({detail})"
-            planner.relayout(owners[path], axes, note)
-    rules = LayoutRules(planner.rules, suggested=True)
-    rules.cost = PlanCost(
-        wire_bytes_by_axis=wire,
-        state_bytes=sum(unit.options[unit.chosen].state for unit in units),
-        activation_bytes=reserve,
-        budget=budget,
-        choices=tuple(choices),
-    )
-    return rules
-
-
-def choose(units: list[_Unit], budget: int | None, reserve: int) -> None:
-    """Picks one option per unit: the least traffic whose memory fits `budget`."""
-    for unit in units:
-        unit.chosen = min(
-            range(len(unit.options)), key=lambda i: (unit.options[i].total, unit.options[i].state)
-        )
-    if budget is None:
-        return
-
-    def memory() -> int:
-        return reserve + sum(u.options[u.chosen].state for u in units)
-
-    while memory() > budget:
-        best, best_score = None, -math.inf
-        for unit in units:
-            current = unit.options[unit.chosen]
-            for index, option in enumerate(unit.options):
-                saved = current.state - option.state
-                if saved <= 0:
-                    continue
-                added = option.total - current.total
-                score = math.inf if added <= 0 else saved / added
-                if score > best_score or (score == best_score and saved > best[2]):
-                    best, best_score = (unit, index, saved), score
-        if best is None:
-            error = MemoryBudgetError(
-                f"auto_rules: the smallest plan needs {format_bytes(memory())} per device "
-                f"({format_bytes(reserve)} of it the activation reserve), over the memory budget of "
-                f"{format_bytes(budget)}. Fix: a larger budget, a mesh with a larger model axis, a "
-                "smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor)."
-            )
-            error.smallest_bytes = memory()  # what the smallest plan needs, for callers that search
-            raise error
-        best[0].chosen = best[1]
-    # Walk back: any unit whose cheaper-traffic option still fits takes it.
-    improved = True
-    while improved:
-        improved = False
-        for unit in sorted(units, key=lambda u: -u.options[u.chosen].total):
-            current = unit.options[unit.chosen]
-            for index, option in enumerate(unit.options):
-                if option.total < current.total and memory() - current.state + option.state <= budget:
-                    unit.chosen, current, improved = index, option, True
-
-
-def explain(unit: _Unit) -> str:
-    option, base = unit.options[unit.chosen], unit.options[0]
-    saved = base.state - option.state
-    added = option.total - base.total
-    if option.layout == "replicated":
-        if len(unit.options) == 1:
-            return "replicated"
-        cheapest = min(unit.options[1:], key=lambda o: o.state)
-        return (
-            f"replicated: the budget allows it; splitting ({cheapest.layout}) would save "
-            f"{format_bytes(base.state - cheapest.state)}/device but cost "
-            f"{format_bytes(cheapest.total - base.total)} more per step"
-        )
-    if added > 0:
-        traffic = f"costs {format_bytes(added)} more per step than replicated"
-    elif added < 0:
-        traffic = f"sends {format_bytes(-added)} less per step than replicated"
-    else:
-        traffic = "sends as much per step as replicated"
-    return f"{option.layout}: saves {format_bytes(saved)}/device, {traffic}"
-
-
 # -- helpers ----------------------------------------------------------------------------
-
-
-def _owners(model: keras.Model) -> dict[int, Any]:
-    owners = {}
-    for layer in _compat.sublayers(model):
-        for variable in layer._trainable_variables + layer._non_trainable_variables:
-            owners[id(variable)] = layer
-    return owners
 
 
 def _second_axis(axes: Axes, shape: Sequence[int], batch_axis: str | None, size: int) -> Axes:
@@ -623,7 +509,7 @@ def _second_axis(axes: Axes, shape: Sequence[int], batch_axis: str | None, size:
     return tuple(batch_axis if i == widest else a for i, a in enumerate(axes))
 
 
-def _nbytes(variable: Any) -> int:
+def _nbytes(variable: keras.Variable) -> int:
     return math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
 
 
@@ -636,12 +522,3 @@ def _plus(wire: Mapping[str, float], axis: str | None, amount: float) -> dict[st
     out = dict(wire)
     _add(out, axis, amount)
     return out
-
-
-def check_budget_args(memory_budget: Any, batch: Any) -> None:
-    if memory_budget is not None and batch is None:
-        raise InvalidOptionError(
-            "auto_rules(memory_budget=...) needs batch=: one global batch of inputs (arrays, or "
-            "anything with .shape and .dtype), to size the activations and the traffic they cause. "
-            'Fix: auto_rules(model, mesh, memory_budget="16GiB", batch=x).'
-        )

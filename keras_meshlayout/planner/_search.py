@@ -1,0 +1,185 @@
+"""Stage 4: the search. Per unit, the candidate layout at the least traffic within the budget.
+
+`search(table, budget)` reads a `CostTable` (`_costs`) and returns the index
+of the chosen candidate of every unit, nothing else: it starts from each
+unit's least-traffic candidate; while the total exceeds the budget it takes
+the move that saves the most memory per byte of extra traffic; then it walks
+back any move the budget no longer needs. Without a budget every unit keeps
+the proposal's own layout. `plan_cost` turns the choice into the public
+`kml.PlanCost` with one `kml.UnitChoice` (and its note) per unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from ..core._errors import MemoryBudgetError
+from ..core._format import format_bytes
+from ._costs import CostTable, UnitCosts
+
+__all__ = ["PlanCost", "UnitChoice", "explain", "plan_cost", "search"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitChoice:
+    """The layout chosen for one unit of weights, and what it costs.
+
+    Attributes:
+        unit: The unit: a layer path, a projection pair or an attention block.
+        layout: `"replicated"`, `"tensor-parallel"`, `"2-D"` or `"vocab-parallel"`.
+        state_bytes: Per-device bytes of its parameters, gradients and optimizer slots.
+        wire_bytes: Bytes each device sends for it per training step.
+        note: Why, against keeping the unit replicated.
+    """
+
+    unit: str
+    layout: str
+    state_bytes: int
+    wire_bytes: float
+    note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+    """What the planner predicts one training step of its plan costs, per device.
+
+    Attributes:
+        wire_bytes_by_axis: Bytes each device sends per step, by mesh axis, as
+            `kml.comm_report` counts them (ring formulas).
+        state_bytes: Parameters, gradients, optimizer slots and non-trainable
+            state held by each device.
+        activation_bytes: The activation reserve (see `kml.auto_rules`).
+        budget: The memory budget per device, or `None`.
+        choices: One `UnitChoice` per unit of weights with more than one layout.
+    """
+
+    wire_bytes_by_axis: Mapping[str, float]
+    state_bytes: int
+    activation_bytes: int
+    budget: int | None
+    choices: tuple[UnitChoice, ...]
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends per step, over every axis."""
+        return float(sum(self.wire_bytes_by_axis.values()))
+
+    @property
+    def memory_bytes(self) -> int:
+        """State plus the activation reserve: what the budget is compared with."""
+        return self.state_bytes + self.activation_bytes
+
+    def layouts(self) -> dict[str, int]:
+        """How many units took each layout: `{"tensor-parallel": 4, "2-D": 2}`."""
+        counts: dict[str, int] = {}
+        for choice in self.choices:
+            counts[choice.layout] = counts.get(choice.layout, 0) + 1
+        return counts
+
+    def __str__(self) -> str:
+        budget = "no budget" if self.budget is None else f"budget {format_bytes(self.budget)}"
+        layouts = ", ".join(f"{n} {name}" for name, n in sorted(self.layouts().items()))
+        return (
+            f"{format_bytes(self.wire_bytes)} sent per device per step; "
+            f"{format_bytes(self.state_bytes)} state + {format_bytes(self.activation_bytes)} "
+            f"activations per device ({budget}); units: {layouts or 'none'}"
+        )
+
+
+def search(table: CostTable, budget: int | None) -> tuple[int, ...]:
+    """The index of the chosen candidate of each unit of `table`.
+
+    Raises:
+        MemoryBudgetError: Even the smallest candidates do not fit `budget`;
+            `error.smallest_bytes` is what the smallest plan needs.
+    """
+    units = table.units
+    if budget is None:
+        return tuple(unit.proposed for unit in units)
+    chosen = [
+        min(range(len(u.candidates)), key=lambda i, u=u: (u.candidates[i].total, u.candidates[i].state))
+        for u in units
+    ]
+
+    def memory() -> int:
+        return table.reserve + sum(u.candidates[c].state for u, c in zip(units, chosen, strict=True))
+
+    while memory() > budget:
+        best, best_score, best_saved = None, -math.inf, 0
+        for position, unit in enumerate(units):
+            current = unit.candidates[chosen[position]]
+            for index, candidate in enumerate(unit.candidates):
+                saved = current.state - candidate.state
+                if saved <= 0:
+                    continue
+                added = candidate.total - current.total
+                score = math.inf if added <= 0 else saved / added
+                if score > best_score or (score == best_score and saved > best_saved):
+                    best, best_score, best_saved = (position, index), score, saved
+        if best is None:
+            error = MemoryBudgetError(
+                f"auto_rules: the smallest plan needs {format_bytes(memory())} per device "
+                f"({format_bytes(table.reserve)} of it the activation reserve), over the memory budget of "
+                f"{format_bytes(budget)}. Fix: a larger budget, a mesh with a larger model axis, a "
+                "smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor)."
+            )
+            error.smallest_bytes = memory()  # what the smallest plan needs, for callers that search
+            raise error
+        chosen[best[0]] = best[1]
+    # Walk back: any unit whose cheaper-traffic candidate still fits takes it.
+    improved = True
+    while improved:
+        improved = False
+        order = sorted(range(len(units)), key=lambda p: -units[p].candidates[chosen[p]].total)
+        for position in order:
+            unit = units[position]
+            current = unit.candidates[chosen[position]]
+            for index, candidate in enumerate(unit.candidates):
+                if candidate.total < current.total and memory() - current.state + candidate.state <= budget:
+                    chosen[position], current, improved = index, candidate, True
+    return tuple(chosen)
+
+
+def explain(unit: UnitCosts, index: int) -> str:
+    """Why `unit` takes its candidate `index`, against keeping it replicated."""
+    option, base = unit.candidates[index], unit.candidates[0]
+    saved = base.state - option.state
+    added = option.total - base.total
+    if option.layout == "replicated":
+        if len(unit.candidates) == 1:
+            return "replicated"
+        cheapest = min(unit.candidates[1:], key=lambda o: o.state)
+        return (
+            f"replicated: the budget allows it; splitting ({cheapest.layout}) would save "
+            f"{format_bytes(base.state - cheapest.state)}/device but cost "
+            f"{format_bytes(cheapest.total - base.total)} more per step"
+        )
+    if added > 0:
+        traffic = f"costs {format_bytes(added)} more per step than replicated"
+    elif added < 0:
+        traffic = f"sends {format_bytes(-added)} less per step than replicated"
+    else:
+        traffic = "sends as much per step as replicated"
+    return f"{option.layout}: saves {format_bytes(saved)}/device, {traffic}"
+
+
+def plan_cost(table: CostTable, chosen: tuple[int, ...], budget: int | None) -> PlanCost:
+    """The public prediction of the plan that takes candidate `chosen[i]` for unit `i`."""
+    wire: dict[str, float] = {}
+    choices = []
+    for unit, index in zip(table.units, chosen, strict=True):
+        candidate = unit.candidates[index]
+        for axis, amount in candidate.wire.items():
+            wire[axis] = wire.get(axis, 0.0) + amount
+        if len(unit.candidates) > 1:
+            why = explain(unit, index)
+            choices.append(UnitChoice(unit.name, candidate.layout, candidate.state, candidate.total, why))
+    return PlanCost(
+        wire_bytes_by_axis=wire,
+        state_bytes=sum(u.candidates[i].state for u, i in zip(table.units, chosen, strict=True)),
+        activation_bytes=table.reserve,
+        budget=budget,
+        choices=tuple(choices),
+    )
