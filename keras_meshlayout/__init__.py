@@ -50,6 +50,7 @@ from .core._mesh import process_layout as process_layout
 from .core._plan import Plan as Plan
 from .core._plan import plan_model as plan_model
 from .core._plot import plot_plan as plot_plan
+from .core._policy import LayoutPolicy as LayoutPolicy
 from .core._process_data import local_batch_size as local_batch_size
 from .core._process_data import process_slice as process_slice
 from .core._resolve import DEFAULT_REPLICATE_BELOW as DEFAULT_REPLICATE_BELOW
@@ -95,6 +96,7 @@ __all__ = [
     "InvalidMeshError",
     "InvalidOptionError",
     "InvalidRuleError",
+    "LayoutPolicy",
     "LayoutRules",
     "Mesh",
     "MemoryBudgetError",

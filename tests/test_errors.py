@@ -613,7 +613,7 @@ def test_bad_distribution(case: Case):
     "kwargs, fragments",
     [
         ({"on_indivisible": "ignore"}, ("on_indivisible must be one of ('replicate', 'error')", "'ignore'")),
-        ({"on_indivisible": None}, ("on_indivisible must be one of", "on_indivisible=None")),
+        ({"policy": "error"}, ("policy must be a kml.LayoutPolicy", "Received: policy='error'")),
         ({"replicate_below": -1}, ("non-negative integer element count", "replicate_below=-1")),
         ({"replicate_below": 1.5}, ("non-negative integer element count", "replicate_below=1.5")),
         ({"replicate_below": True}, ("non-negative integer element count", "replicate_below=True")),
@@ -621,7 +621,7 @@ def test_bad_distribution(case: Case):
     ],
     ids=[
         "on-indivisible-unknown",
-        "on-indivisible-none",
+        "policy-not-a-policy",
         "replicate-below-negative",
         "replicate-below-float",
         "replicate-below-bool",

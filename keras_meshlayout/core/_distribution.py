@@ -14,8 +14,9 @@ from ._backend import require_jax_backend
 from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
 from ._mesh import mesh_axis_sizes
 from ._plan import Plan, plan_model
+from ._policy import IndivisiblePolicy, LayoutPolicy, resolve_policy
 from ._process_data import process_batch_block
-from ._resolve import DEFAULT_REPLICATE_BELOW, IndivisiblePolicy, Resolution, check_policy, resolve
+from ._resolve import Resolution, resolve
 from ._rules import LayoutRules
 
 __all__ = ["ModelParallel"]
@@ -60,9 +61,16 @@ class ModelParallel(keras.distribution.ModelParallel):
             insertion order), or `(pattern, axes)` pairs. `None`: no rules
             (pure data parallelism).
         batch_axis: Mesh axis the batch is split over. Defaults to the first.
-        on_indivisible: `"replicate"` (default) or `"error"`.
+        on_indivisible: `"replicate"` or `"error"`; the policy's field of that
+            name, for short.
         replicate_below: Weight matrices (rank 2 or more, not biases) with
-            fewer elements stay replicated. Defaults to 4096 (16 KiB in float32); 0 disables it.
+            fewer elements stay replicated; 0 disables it. The policy's field
+            of that name, for short.
+        policy: A `kml.LayoutPolicy` (both options at once). Defaults to the
+            policy the rules carry (`rules.policy`, set by `kml.auto_rules`),
+            else `kml.LayoutPolicy()`: `"replicate"` and 4096 (16 KiB in
+            float32). `on_indivisible=`/`replicate_below=` given alone change
+            that field of it.
         auto_shard_dataset: Let Keras shard a `tf.data.Dataset` over processes
             itself. Defaults to `False` (`True`, Keras's default, when
             `layout_map=` or `device_mesh=` is given): in a multi-process run
@@ -79,6 +87,9 @@ class ModelParallel(keras.distribution.ModelParallel):
             the mesh.
         InvalidRuleError: a rule does not fit the mesh, or both `rules` and
             `layout_map` are given.
+        InvalidOptionError: `policy` is not a `kml.LayoutPolicy`, an option
+            is invalid, or `on_indivisible=`/`replicate_below=` disagrees with
+            `policy=`.
         UnsupportedBackendError: Keras does not run on JAX.
 
     Example:
@@ -106,8 +117,9 @@ class ModelParallel(keras.distribution.ModelParallel):
         | None = None,
         *,
         batch_axis: str | None = None,
-        on_indivisible: IndivisiblePolicy = "replicate",
-        replicate_below: int = DEFAULT_REPLICATE_BELOW,
+        on_indivisible: IndivisiblePolicy | None = None,
+        replicate_below: int | None = None,
+        policy: LayoutPolicy | None = None,
         auto_shard_dataset: bool | None = None,
         layout_map: LayoutRules | keras.distribution.LayoutMap | None = None,
         batch_dim_name: str | None = None,
@@ -124,7 +136,13 @@ class ModelParallel(keras.distribution.ModelParallel):
             )
         given = layout_map if layout_map is not None else rules
         mesh = _the_mesh(mesh, device_mesh, given)
-        check_policy(on_indivisible, replicate_below)
+        policy = resolve_policy(
+            "ModelParallel",
+            policy,
+            on_indivisible=on_indivisible,
+            replicate_below=replicate_below,
+            default=given.policy if isinstance(given, LayoutRules) else None,
+        )
         if batch_axis is not None and batch_dim_name is not None and batch_axis != batch_dim_name:
             raise InvalidMeshError(
                 f"batch_axis={batch_axis!r} and batch_dim_name={batch_dim_name!r} disagree; they are "
@@ -146,8 +164,9 @@ class ModelParallel(keras.distribution.ModelParallel):
             batch_dim_name=batch_axis,
             auto_shard_dataset=auto_shard_dataset,
         )
-        self._on_indivisible = on_indivisible
-        self._replicate_below = replicate_below
+        self._policy = policy
+        self._on_indivisible = policy.on_indivisible
+        self._replicate_below = policy.replicate_below
         self._axis_sizes = mesh_axis_sizes(mesh)
         #: Paths of the model variables laid out so far, for the unmatched-rule check.
         self._laid_out: list[str] = []
@@ -176,6 +195,11 @@ class ModelParallel(keras.distribution.ModelParallel):
     def batch_axis(self) -> str:
         """The mesh axis the batch is split over."""
         return self.batch_dim_name
+
+    @property
+    def policy(self) -> LayoutPolicy:
+        """The `kml.LayoutPolicy` in force: given here, else the rules', else the default."""
+        return self._policy
 
     @property
     def on_indivisible(self) -> IndivisiblePolicy:

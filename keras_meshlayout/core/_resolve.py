@@ -11,31 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from ._errors import (
     IndivisibleShapeError,
     IndivisibleShapeWarning,
-    InvalidOptionError,
     InvalidRuleError,
     RankMismatchError,
 )
+from ._policy import DEFAULT_REPLICATE_BELOW, POLICIES, IndivisiblePolicy, check_policy
 from ._rules import Axes, LayoutRules, Rule
 
-__all__ = ["Resolution", "resolve", "DEFAULT_REPLICATE_BELOW", "IndivisiblePolicy"]
-
-#: Weight matrices (rank 2 or more, biases excepted) with fewer elements than this stay
-#: replicated (16 KiB in float32): splitting them saves less memory than the collectives
-#: they add cost in latency. Vectors and biases follow their rule whatever their size:
-#: beside a column-parallel kernel a sharded bias costs nothing, a replicated one an
-#: all-gather per step.
-DEFAULT_REPLICATE_BELOW = 4096
-
-IndivisiblePolicy = Literal["replicate", "error"]
-POLICIES = ("replicate", "error")
+__all__ = [
+    "DEFAULT_REPLICATE_BELOW",
+    "POLICIES",
+    "IndivisiblePolicy",
+    "Resolution",
+    "check_policy",
+    "resolve",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,23 +240,6 @@ def is_weight_matrix(path: str, shape: Sequence[int]) -> bool:
     name check).
     """
     return len(shape) >= 2 and not path.endswith("/bias")
-
-
-def check_policy(on_indivisible: str, replicate_below: int) -> None:
-    """Validates the resolution options once, where the user passed them."""
-    if on_indivisible not in POLICIES:
-        raise InvalidOptionError(
-            f"on_indivisible must be one of {POLICIES}. Received: on_indivisible={on_indivisible!r}."
-        )
-    if (
-        isinstance(replicate_below, bool)
-        or not isinstance(replicate_below, numbers.Integral)
-        or replicate_below < 0
-    ):
-        raise InvalidOptionError(
-            "replicate_below must be a non-negative integer element count (0 shards even the "
-            f"smallest variables). Received: replicate_below={replicate_below!r}."
-        )
 
 
 def _dtype_name(dtype: Any) -> str:

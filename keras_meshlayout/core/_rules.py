@@ -16,7 +16,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import keras
 
-from ._errors import InvalidRuleError
+from ._errors import InvalidOptionError, InvalidRuleError
+from ._policy import LayoutPolicy
 
 __all__ = ["LayoutRules", "Rule", "Axes"]
 
@@ -221,8 +222,13 @@ class LayoutRules(keras.distribution.LayoutMap):
             matrices whole. Rules added later with `rules[pattern] = axes` are
             the user's own: neither optional nor suggested.
         device_mesh: Keras's name for `mesh`.
+        policy: The `kml.LayoutPolicy` these rules were made for (`on_indivisible`,
+            `replicate_below`), kept as `rules.policy`: `kml.ModelParallel` given
+            these rules applies it unless given a policy itself. `kml.auto_rules`
+            sets it. `None`: no policy of their own.
 
     Raises:
+        InvalidOptionError: `policy` is not a `kml.LayoutPolicy`.
         InvalidRuleError: a pattern is not a valid regular expression or is
             repeated, a layout entry is not a string or `None`, a mesh axis
             appears twice in one layout, an output rule holds `...` before its
@@ -250,6 +256,9 @@ class LayoutRules(keras.distribution.LayoutMap):
     #: costs (a `kml.PlanCost`); `None` for rules written by hand.
     cost = None
 
+    #: The `kml.LayoutPolicy` these rules carry (see `policy` above), or `None`.
+    policy: LayoutPolicy | None = None
+
     def __init__(
         self,
         rules: Iterable[tuple[str, Sequence[str | None]]]
@@ -260,7 +269,13 @@ class LayoutRules(keras.distribution.LayoutMap):
         optional: bool = False,
         suggested: bool = False,
         device_mesh: keras.distribution.DeviceMesh | None = None,
+        policy: LayoutPolicy | None = None,
     ) -> None:
+        if policy is not None and not isinstance(policy, LayoutPolicy):
+            raise InvalidOptionError(
+                f"LayoutRules: policy must be a kml.LayoutPolicy. Received: policy={policy!r}. "
+                "Fix: policy=kml.LayoutPolicy(replicate_below=...), or leave it out."
+            )
         if isinstance(rules, keras.distribution.DeviceMesh):  # Keras: LayoutMap(device_mesh)
             if mesh is not None or device_mesh is not None:
                 raise InvalidRuleError(
@@ -286,6 +301,7 @@ class LayoutRules(keras.distribution.LayoutMap):
                 f"axes. Received: {rules!r}."
             )
         super().__init__(mesh)
+        self.policy = policy
         self._store = _Store()
         self._made: dict[str, keras.distribution.TensorLayout] = {}
         self._made_version = -1
@@ -360,6 +376,7 @@ class LayoutRules(keras.distribution.LayoutMap):
         view = LayoutRules(mesh=mesh)
         view._store = self._store
         view.cost = self.cost
+        view.policy = self.policy
         if not any(m is mesh for m in self._store.meshes):
             self._store.meshes.append(mesh)
         return view
