@@ -28,8 +28,8 @@ from helpers import BATCH, MLP_RULES, assert_same_weights, build_mlp, train
 
 import keras_meshlayout as kml
 from keras_meshlayout import launch as launch_module
-from keras_meshlayout.runtime._launch import _environment, _first_failure, _free_port, _GlooLines, _watch
 from keras_meshlayout.runtime._cluster import INIT_TIMEOUT_EXIT_STATUS, cluster_config
+from keras_meshlayout.runtime._launch import _environment, _first_failure, _free_port, _GlooLines, _watch
 from keras_meshlayout.runtime._worker import _exit_status
 
 TESTS = Path(__file__).resolve().parent
@@ -904,7 +904,8 @@ def test_cluster_config_timeout_and_devices():
     assert cluster_config(KML, init_timeout=3).init_timeout == 3
 
 
-@pytest.mark.parametrize(
+#: (environment, arguments, start of the message): every malformed or incomplete setting.
+CLUSTER_CONFIG_ERRORS = pytest.mark.parametrize(
     "environ, arguments, message",
     [
         (
@@ -934,10 +935,30 @@ def test_cluster_config_timeout_and_devices():
         "zero-devices",
     ],
 )
+
+
+@CLUSTER_CONFIG_ERRORS
 def test_cluster_config_errors(environ, arguments, message):
     with pytest.raises(kml.InvalidOptionError) as caught:
         cluster_config(environ, **arguments)
     assert str(caught.value).startswith(message) or message in str(caught.value), str(caught.value)
+
+
+@CLUSTER_CONFIG_ERRORS
+def test_initialize_gives_the_cluster_config_errors(monkeypatch, environ, arguments, message):
+    """kml.initialize reads os.environ as cluster_config does, and fails the same way before starting."""
+    for name in list(os.environ):
+        if name.startswith(("KML_", "KERAS_DISTRIBUTION_")):
+            monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(kml.InvalidOptionError) as expected:
+        cluster_config(**arguments)
+    with pytest.raises(kml.InvalidOptionError) as caught:
+        kml.initialize(**arguments)
+    assert str(caught.value) == str(expected.value)
+    assert str(caught.value).startswith(message) or message in str(caught.value), str(caught.value)
+    assert not jax.distributed.is_initialized()
 
 
 def test_initialize_alone_is_a_no_op(monkeypatch):
@@ -997,7 +1018,8 @@ def test_launcher_environment():
     assert env["JAX_ENABLE_PREEMPTION_SERVICE"] == "false"  # so that SIGTERM stops a process
 
 
-@pytest.mark.parametrize(
+#: (launcher arguments, the one line it prints): input refused before any process starts.
+LAUNCHER_USAGE_ERRORS = pytest.mark.parametrize(
     "argv, message",
     [
         (["-n", "0", "x.py"], "-n must be at least 1. Received: 0."),
@@ -1008,8 +1030,20 @@ def test_launcher_environment():
     ],
     ids=["no-processes", "zero-timeout", "missing-script", "port-too-large", "port-negative"],
 )
+
+
+@LAUNCHER_USAGE_ERRORS
 def test_launcher_usage_errors(argv, message, capsys):
     assert launch_module.main(argv) == 2
+    assert capsys.readouterr().err == f"keras_meshlayout.launch: error: {message}\n"
+
+
+@LAUNCHER_USAGE_ERRORS
+def test_launch_subcommand_gives_the_launcher_usage_errors(argv, message, capsys):
+    """`keras-meshlayout launch ...` hands its arguments to the launcher untouched: same line, same status."""
+    from keras_meshlayout.cli._main import main
+
+    assert main(["launch", *argv]) == 2
     assert capsys.readouterr().err == f"keras_meshlayout.launch: error: {message}\n"
 
 
