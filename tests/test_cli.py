@@ -511,3 +511,18 @@ def test_every_registered_preset_plans_through_the_command_line(workdir):
         assert outcome["status"] == 0 and outcome["plan"]["valid"], (name, outcome["stderr"])
         axes = {v["path"]: v["axes"] for v in outcome["plan"]["variables"]}
         assert {path: axes.get(path) for path in expected} == expected, name
+
+
+def test_each_subcommand_lives_in_its_own_module():
+    """`keras-meshlayout --help` lists the commands in this order; each one's code is `cli/_<command>.py`."""
+    import importlib
+
+    from keras_meshlayout.cli._main import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert list(commands) == ["devices", "launch", "plan", "demo"]
+    for name, parser in commands.items():
+        module = importlib.import_module(f"keras_meshlayout.cli._{name}")
+        assert callable(module.add_parser) and callable(module.run), name
+        if name != "launch":  # `main` hands launch's arguments to the launcher before parsing
+            assert parser.get_default("run") is module.run, name
