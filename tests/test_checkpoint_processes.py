@@ -254,3 +254,96 @@ def test_restored_in_one_process_bit_for_bit(case, target, run):
     else:
         assert kernel.sharding.mesh.shape["model"] == MESHES[target]["model"]
         assert tuple(kernel.sharding.spec) == (None, "model")
+
+
+# -- loads bounded in memory (in this process) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_here(tmp_path_factory) -> dict:
+    """The MLP trained one epoch on a 2×4 tensor-parallel mesh in this process, saved with Orbax."""
+    path = tmp_path_factory.mktemp("bounded") / "ckpt"
+    keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(data=2, model=4), TP_RULES))
+    model = build()
+    model.fit(*data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    kml.save_checkpoint(model, path, storage="orbax")
+    values = [np.asarray(v.value) for v in [*model.weights, *model.optimizer.variables]]
+    keras.distribution.set_distribution(None)
+    return {"path": path, "values": values}
+
+
+@pytest.mark.parametrize("rollback", [False, True], ids=["no-rollback", "rollback"])
+@pytest.mark.parametrize("target", ["1x8", "4x2", "none"])
+def test_a_load_without_rollback_frees_each_value_before_reading_its_replacement(
+    target, rollback, saved_here, monkeypatch
+):
+    """rollback=False: one array per group, the value it replaces deleted before the group is read.
+
+    The restore limiter is set as low as it goes (one shard's read at a time): its bound on a
+    shard's read must hold, or Orbax refuses the read.
+    """
+    import orbax.checkpoint as ocp
+
+    from keras_meshlayout.checkpoint import _orbax_store
+
+    monkeypatch.setattr(_orbax_store, "GROUP_BYTES", 1)
+    monkeypatch.setattr(_orbax_store, "READ_BYTES", 1)
+    dist = None if target == "none" else kml.ModelParallel(kml.Mesh(**MESHES[target]), TP_RULES)
+    keras.distribution.set_distribution(dist)
+    model = build()
+    old = {"model.orbax": [v.value for v in model.weights]}
+    old["optimizer.orbax"] = [v.value for v in model.optimizer.variables]
+    deleted_when_read = []
+    restore = ocp.Checkpointer.restore
+
+    def restore_and_record(self, directory, *args, **kwargs):
+        for name in kwargs["args"].item:
+            deleted_when_read.append(old[Path(directory).name][int(name)].is_deleted())
+        return restore(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.Checkpointer, "restore", restore_and_record)
+    kml.load_checkpoint(model, saved_here["path"], rollback=rollback)
+    monkeypatch.undo()
+    assert_bit_identical(model, saved_here["values"])
+    assert len(deleted_when_read) == len(saved_here["values"])
+    assert deleted_when_read == [not rollback] * len(deleted_when_read)
+
+
+def chunk_aligned_reads(shape, sharding, chunks, itemsize) -> int:
+    """The most bytes Orbax reserves to read one shard: its extent widened to the stored chunks."""
+    most = 0
+    for index in sharding.devices_indices_map(shape).values():
+        size = itemsize
+        for part, n, c in zip(index, shape, chunks, strict=True):
+            start, stop = part.start or 0, n if part.stop is None else part.stop
+            size *= -(-stop // c) * c - start // c * c
+        most = max(most, size)
+    return most
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh", "spec", "chunks"),
+    [
+        ((4096, 4096), (1, 8), (None, "model"), (4096, 1024)),  # saved on 2×4, read on 1×8
+        ((4096, 4096), (4, 2), (None, "model"), (4096, 512)),  # saved on 1×8, read on 4×2
+        ((96, 40), (1, 8), ("model", None), (36, 40)),  # chunks not aligned to the shards
+        ((10, 7), (1, 8), (None, None), (3, 7)),  # replicated, chunked
+        ((10, 7), (1, 8), (None, None), None),  # no chunk shape known: the whole array
+        ((), (1, 8), (), ()),  # a scalar
+    ],
+    ids=["aligned", "finer-chunks", "misaligned", "replicated", "unknown-chunks", "scalar"],
+)
+def test_shard_read_bytes_covers_what_orbax_reserves(shape, mesh, spec, chunks):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from keras_meshlayout.checkpoint import _orbax_store
+
+    devices = np.array(jax.devices()[:8]).reshape(mesh)
+    sharding = NamedSharding(jax.sharding.Mesh(devices, ("data", "model")), PartitionSpec(*spec))
+    struct = jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+    bound = _orbax_store.shard_read_bytes(struct, chunks)
+    needed = chunk_aligned_reads(shape, sharding, chunks or shape, 4)
+    rounded = [-(-n // c) * c for n, c in zip(shape, chunks or shape, strict=True)]  # whole chunks
+    whole = 4 * int(np.prod(rounded, dtype=np.int64))
+    assert needed <= bound <= whole, (needed, bound, whole)

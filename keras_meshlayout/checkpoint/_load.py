@@ -194,4 +194,5 @@ def _load_orbax(model: keras.Model, source: Path, with_optimizer: bool, rollback
             targets,
             lambda kind, i, value: kinds[kind][i].assign(value),
             group_bytes=_orbax_store.GROUP_BYTES,
+            release=lambda kind, i: kinds[kind][i].value.delete(),  # freed before its group is read
         )

@@ -111,6 +111,59 @@ def restore(directory: Path, targets: Mapping[str, Sequence[Any]]) -> dict[str, 
 
 #: How many bytes `restore_into` reads before handing them over, by default.
 GROUP_BYTES = 64 << 20
+#: How many bytes of array data each process reads at a time (Orbax's restore limiter), or more
+#: where one shard's read needs more.
+READ_BYTES = 32 << 20
+
+
+def shard_read_bytes(struct: Any, chunk_shape: Sequence[int] | None) -> int:
+    """At most how many bytes reading one shard of `struct` (a `jax.ShapeDtypeStruct`) takes.
+
+    Orbax reserves, for each shard it reads, the bytes of the stored chunks the shard overlaps:
+    the shard's extent widened to whole chunks of `chunk_shape` (`None`: one chunk, the whole
+    array), the last chunk counted whole even where it overhangs the array. Widening each
+    dimension by one chunk more covers a shard that is not aligned to them.
+    """
+    shape = tuple(struct.shape)
+    shard = tuple(struct.sharding.shard_shape(shape))
+    chunks = tuple(chunk_shape) if chunk_shape and len(chunk_shape) == len(shape) else shape
+    extent = [
+        n if c <= 0 else min(-(-n // c) * c, -(-s // c) * c + c)
+        for n, s, c in zip(shape, shard, chunks, strict=True)
+    ]
+    return int(np.prod(extent, dtype=np.int64)) * np.dtype(struct.dtype).itemsize
+
+
+def _read_limit(directory: Path, targets: Mapping[str, Sequence[Any]]) -> int:
+    """The bytes in flight to allow while reading `targets`: `READ_BYTES`, or one shard's read more."""
+    import orbax.checkpoint as ocp
+
+    largest = 0
+    checkpointer = ocp.PyTreeCheckpointer()
+    try:
+        for kind, structs in targets.items():
+            if not structs:
+                continue
+            tree = checkpointer.metadata(directory / DIRECTORIES[kind]).item_metadata.tree
+            for i, struct in enumerate(structs):
+                storage = getattr(tree.get(key(i)), "storage", None)
+                largest = max(largest, shard_read_bytes(struct, getattr(storage, "chunk_shape", None)))
+    finally:
+        checkpointer.close()
+    return max(READ_BYTES, largest + (1 << 20))
+
+
+def _reader(limit: int) -> Any:
+    """Orbax's `PyTreeCheckpointer`, reading at most `limit` bytes at a time in each process."""
+    import orbax.checkpoint as ocp
+
+    class Reader(ocp.PyTreeCheckpointer):
+        def __init__(self) -> None:
+            # Orbax takes the limit in GB (10**9 bytes), and multiplies it back.
+            handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit / 10**9)
+            ocp.Checkpointer.__init__(self, handler)
+
+    return Reader()
 
 
 def restore_into(
@@ -118,16 +171,21 @@ def restore_into(
     targets: Mapping[str, Sequence[Any]],
     assign: Callable[[str, int, Any], None],
     group_bytes: int | None = GROUP_BYTES,
+    release: Callable[[str, int], None] | None = None,
 ) -> None:
     """Reads the arrays in groups of about `group_bytes` (`None`: all at once), and hands each over.
 
     `assign(kind, index, array)` is called for every array of a group once the whole group is
-    read, so that at most one group is held beside the variables it replaces.
+    read, so that at most one group is held beside the variables it replaces. `release(kind,
+    index)`, when given, is called for every array of a group just before the group is read,
+    for the caller to free the value it will replace: then a load holds the model and, on the
+    host, about `READ_BYTES` of reads in flight (each shard is read, put on its device and
+    dropped, a few at a time).
     """
     import jax
     import orbax.checkpoint as ocp
 
-    checkpointer = ocp.PyTreeCheckpointer()
+    checkpointer = _reader(_read_limit(directory, targets))
     try:
         for kind, structs in targets.items():
             groups: list[list[int]] = [[]]
@@ -143,6 +201,9 @@ def restore_into(
                 if not group:
                     continue
                 item = {key(i): structs[i] for i in group}
+                if release is not None:
+                    for i in group:
+                        release(kind, i)
                 args = ocp.args.PyTreeRestore(
                     item=item,
                     restore_args=ocp.checkpoint_utils.construct_restore_args(item),
