@@ -4,8 +4,9 @@ The pre-emption story: a job trains with data + tensor parallelism on a
 data=2 x model=4 mesh and saves a checkpoint; it comes back on a machine (or
 slice) where a data=1 x model=8 mesh suits better. Copy this file and adapt it:
 
-1. train on 2x4 and save with `kml.save_checkpoint`: the weights, the
-   optimizer state, the mesh and every variable's layout (plan.json), and a
+1. train on 2x4 and save with `kml.save_checkpoint`: the weights and the
+   optimizer state (stored with Orbax, each process writing only the shards
+   its devices hold), the mesh and every variable's layout (plan.json), and a
    manifest written last, so a save that is interrupted never looks complete;
 2. in the new setting, set the new distribution *first*, build and compile the
    same model, then `kml.load_checkpoint`: every variable takes the layout the

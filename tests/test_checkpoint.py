@@ -2,16 +2,18 @@
 
 A small MLP is trained a few steps with Adam on a data=2 × model=4 mesh (so the
 optimizer state is not zeros) and saved in each format users have:
-`model.save("m.keras")`, `model.save_weights("m.weights.h5")` and
-`kml.save_checkpoint`. Each is loaded under another distribution (1×8, 8×1,
-4×2, data-parallel only, none) and the other way round (saved without a
-distribution, loaded on 2×4). Every model weight and optimizer variable must
-come back equal to the bit, and every variable must be laid out exactly as the
-new distribution's plan says (read from `variable.value.sharding`).
+`model.save("m.keras")`, `model.save_weights("m.weights.h5")`,
+`kml.save_checkpoint` (Orbax, the default) and `kml.save_checkpoint(...,
+storage="h5")` (the format earlier versions wrote). Each is loaded under another
+distribution (1×8, 8×1, 4×2, data-parallel only, none) and the other way round
+(saved without a distribution, loaded on 2×4). Every model weight and optimizer
+variable must come back equal to the bit, and every variable must be laid out
+exactly as the new distribution's plan says (read from `variable.value.sharding`).
 
 Then the plan diff, the bad-input table (a clear `CheckpointError`, and the
-model's weights and optimizer state untouched), interrupted saves, and Keras's
-Orbax callback.
+model's weights and optimizer state untouched), failed loads, interrupted,
+killed and full-disk saves, each on both storages, and Keras's Orbax callback,
+whose defects our path does not have.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from helpers import assert_bit_identical, assert_laid_out_as_planned, values
 from jax.sharding import SingleDeviceSharding
 
 import keras_meshlayout as kml
-from keras_meshlayout.checkpoint import _atomic, _save
+from keras_meshlayout.checkpoint import _atomic, _orbax_store, _save
 
 RULES = [
     (r".*fc1/kernel", (None, "model")),
@@ -48,7 +50,9 @@ MESHES = {
     "data-only": "data=8",
     "none": None,
 }
-FORMATS = ("keras", "weights.h5", "kml")
+FORMATS = ("keras", "weights.h5", "kml", "kml-h5")
+#: `kml.save_checkpoint`'s storages, and the name of each one's checkpoint in `Saved.paths`.
+STORAGES = {"orbax": "kml", "h5": "kml-h5"}
 BATCH, STEPS = 32, 4
 
 
@@ -117,10 +121,12 @@ def train_and_save(mesh: str, directory: Path) -> Saved:
         "keras": directory / "m.keras",
         "weights.h5": directory / "m.weights.h5",
         "kml": directory / "ckpt",
+        "kml-h5": directory / "ckpt-h5",
     }
     model.save(paths["keras"])
     model.save_weights(paths["weights.h5"])
     kml.save_checkpoint(model, paths["kml"])
+    kml.save_checkpoint(model, paths["kml-h5"], storage="h5")
     saved = Saved(mesh, values(model), paths)
     keras.distribution.set_distribution(None)
     return saved
@@ -200,14 +206,24 @@ def test_load_checkpoint_matches_in_order_whatever_the_names(saved):
 # -- the plan travels with the checkpoint --------------------------------------------
 
 
-def test_checkpoint_holds_a_readable_plan_and_manifest(saved):
-    path = saved["2x4"].paths["kml"]
-    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.weights.h5", "plan.json"]
+#: What a checkpoint directory holds, by storage, and its manifest's format.
+LAYOUT = {
+    "orbax": (["manifest.json", "model.orbax", "optimizer.orbax", "plan.json"], 2),
+    "h5": (["manifest.json", "model.weights.h5", "plan.json"], 1),
+}
+
+
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_checkpoint_holds_a_readable_plan_and_manifest(storage, saved):
+    path = saved["2x4"].paths[STORAGES[storage]]
+    entries, fmt = LAYOUT[storage]
+    assert sorted(p.name for p in path.iterdir()) == entries
     plan = json.loads((path / "plan.json").read_text())
     assert plan["mesh"] == {"data": 2, "model": 4}
     fc1 = next(v for v in plan["variables"] if v["path"] == "mlp/fc1/kernel")
     assert (fc1["axes"], fc1["bytes_per_device"]) == ([None, "model"], 16 * 128 * 4 // 4)
     manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == fmt
     assert manifest["model"] == "mlp" and manifest["optimizer"]["class"] == "Adam"
     kinds = [v["kind"] for v in manifest["variables"]]
     assert kinds == ["model"] * 6 + ["optimizer"] * 14
@@ -280,22 +296,34 @@ def test_no_diff_without_a_distribution(saved):
 # -- bad input: a clear error, and nothing lost -----------------------------------------
 
 
-def corrupt_copy(saved: dict[str, Saved], tmp_path: Path) -> Path:
+def corrupt_copy(saved: dict[str, Saved], tmp_path: Path, storage: str = "orbax") -> Path:
     path = tmp_path / "ckpt"
-    shutil.copytree(saved["2x4"].paths["kml"], path)
+    shutil.copytree(saved["2x4"].paths[STORAGES[storage]], path)
     return path
 
 
-def truncate_weights(path: Path) -> None:
-    weights = path / "model.weights.h5"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+def storage_of(path: Path) -> str:
+    return "h5" if (path / "model.weights.h5").exists() else "orbax"
+
+
+def largest_array_file(path: Path) -> Path:
+    """The h5 weights file, or the largest data file of an Orbax checkpoint's model arrays."""
+    if storage_of(path) == "h5":
+        return path / "model.weights.h5"
+    found = [p for p in (path / "model.orbax").rglob("*") if p.is_file() and p.parent.name == "d"]
+    return max(found, key=lambda p: p.stat().st_size)
+
+
+def truncate_arrays(path: Path) -> None:
+    file = largest_array_file(path)
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
 
 def flip_a_byte(path: Path) -> None:
-    weights = path / "model.weights.h5"
-    raw = bytearray(weights.read_bytes())
+    file = largest_array_file(path)
+    raw = bytearray(file.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
-    weights.write_bytes(bytes(raw))
+    file.write_bytes(bytes(raw))
 
 
 def half_written(path: Path) -> None:
@@ -310,6 +338,10 @@ def moved_to_unfinished_partial(path: Path) -> None:
 
 def write(name: str, content: bytes) -> Callable[[Path], None]:
     return lambda path: (path / name).write_bytes(content)
+
+
+def remove(name: str) -> Callable[[Path], None]:
+    return lambda path: (path / name).unlink()
 
 
 def edit_manifest(edit: Callable[[dict], None]) -> Callable[[Path], None]:
@@ -334,11 +366,18 @@ def set_field(*keys: str | int, value: object = None, delete: bool = False) -> C
     return edit_manifest(edit)
 
 
-#: (id, how to build the model (compiled with Adam unless it compiles itself), how to damage
-#: the copied checkpoint, fragments of the message)
+def drop_a_file(manifest: dict) -> None:
+    manifest["files"].pop(next(iter(manifest["files"])))
+
+
+BOTH = tuple(STORAGES)
+
+#: (id, storages, how to build the model (compiled with Adam unless it compiles itself), how to
+#: damage the copied checkpoint, fragments of the message: a list, or a list per storage)
 BAD_INPUTS = [
     (
         "variable missing from the checkpoint",
+        BOTH,
         lambda: build_mlp(extra=True),
         None,
         [
@@ -353,6 +392,7 @@ BAD_INPUTS = [
     ),
     (
         "extra variable in the checkpoint",
+        BOTH,
         lambda: keras.Sequential(
             [keras.Input((16,)), keras.layers.Dense(128, name="fc1"), keras.layers.Dense(64, name="fc2")],
             name="mlp",
@@ -362,6 +402,7 @@ BAD_INPUTS = [
     ),
     (
         "different shape",
+        BOTH,
         lambda: build_mlp(fc1=64),
         None,
         [
@@ -372,31 +413,58 @@ BAD_INPUTS = [
     ),
     (
         "other optimizer",
+        BOTH,
         lambda: compiled(optimizer="sgd"),
         None,
         ["optimizer: checkpoint Adam, model SGD", "only in the checkpoint: optimizer: fc1_kernel_velocity"],
     ),
     (
-        "truncated weights file",
+        "truncated arrays",
+        BOTH,
         build_mlp,
-        truncate_weights,
-        ["model.weights.h5 is missing, truncated or corrupt", "Nothing was loaded; the model is unchanged."],
+        truncate_arrays,
+        {
+            "h5": ["model.weights.h5 is missing, truncated or corrupt"],
+            "orbax": [
+                "its arrays are missing, truncated or corrupt: model.orbax/",
+                "(truncated or overwritten)",
+            ],
+        },
     ),
-    ("corrupt weights file", build_mlp, flip_a_byte, ["its checksum does not match the manifest"]),
+    (
+        "corrupt arrays",
+        BOTH,
+        build_mlp,
+        flip_a_byte,
+        {
+            "h5": ["its checksum does not match the manifest"],
+            "orbax": ["does not match its checksum in the manifest (corrupt)"],
+        },
+    ),
+    (
+        "Orbax metadata missing",
+        ("orbax",),
+        build_mlp,
+        remove("model.orbax/_METADATA"),
+        ["its arrays are missing, truncated or corrupt: model.orbax/_METADATA is missing"],
+    ),
     (
         "corrupt manifest (bytes)",
+        BOTH,
         build_mlp,
         write("manifest.json", b"\x89\xff{\x00garbage"),
-        ["manifest.json is corrupt", "Nothing was loaded; the model is unchanged."],
+        ["manifest.json is corrupt"],
     ),
     (
         "corrupt manifest (cut short)",
+        BOTH,
         build_mlp,
-        write("manifest.json", b'{"format": 1, "vari'),
+        write("manifest.json", b'{"format": 2, "vari'),
         ["manifest.json is corrupt"],
     ),
     (
         "corrupt manifest (keys)",
+        BOTH,
         build_mlp,
         write("manifest.json", b"[1, 2]"),
         [
@@ -405,19 +473,29 @@ BAD_INPUTS = [
         ],
     ),
     (
+        "unknown format",
+        BOTH,
+        build_mlp,
+        set_field("format", value=3),
+        ["has format 3; this version reads formats 1 (h5) and 2 (Orbax)."],
+    ),
+    (
         "corrupt plan",
+        BOTH,
         build_mlp,
         write("plan.json", b'{"mesh": '),
         ["plan.json is missing, truncated or corrupt"],
     ),
     (
         "half-written directory",
+        BOTH,
         build_mlp,
         half_written,
-        ["has no manifest.json", "its save did not finish", "Nothing was loaded; the model is unchanged."],
+        ["has no manifest.json", "its save did not finish"],
     ),
     (
         "no directory, an unfinished save beside it",
+        BOTH,
         build_mlp,
         moved_to_unfinished_partial,
         [
@@ -429,78 +507,104 @@ BAD_INPUTS = [
     # Issue 13: a manifest with a bad schema was a raw TypeError or KeyError.
     (
         "manifest: variables is null",
+        BOTH,
         build_mlp,
         set_field("variables", value=None),
         [
             "manifest.json is corrupt: the field variables must be a list of {path, shape, dtype, kind} "
-            "entries. Received: None.",
-            "Nothing was loaded; the model is unchanged.",
+            "entries. Received: None."
         ],
     ),
     (
         "manifest: an entry without a shape",
+        BOTH,
         build_mlp,
         set_field("variables", 2, "shape", delete=True),
         ["the field variables[2].shape must be a list of non-negative integers. Received: missing."],
     ),
     (
         "manifest: a shape that is not a list",
+        BOTH,
         build_mlp,
         set_field("variables", 0, "shape", value="16x128"),
         ["the field variables[0].shape must be a list of non-negative integers. Received: '16x128'."],
     ),
     (
         "manifest: an entry that is not an object",
+        BOTH,
         build_mlp,
         set_field("variables", 1, value=7),
         ["the field variables[1] must be a {path, shape, dtype, kind} entry. Received: 7."],
     ),
     (
         "manifest: an unknown kind",
+        BOTH,
         build_mlp,
         set_field("variables", 7, "kind", value="slot"),
         ['the field variables[7].kind must be "model" or "optimizer". Received: \'slot\'.'],
     ),
     (
         "manifest: checksum is not a digest",
+        BOTH,
         build_mlp,
         set_field("weights_sha256", value=12),
         ["the field weights_sha256 must be a SHA-256 digest (64 hexadecimal digits). Received: 12."],
     ),
     (
         "manifest: bad random state",
+        BOTH,
         build_mlp,
         set_field("rng", "seed_generators", value=[{"path": "x", "state": [1, -1]}]),
         ['the field rng.seed_generators[0] must be {"path": str, "state": [two uint32]}.'],
     ),
     (
         "manifest: bad training position",
+        BOTH,
         build_mlp,
         set_field("training", value={"epoch": 1, "batch": -3}),
         ["the field training.batch must be a non-negative integer. Received: -3."],
     ),
+    (
+        "manifest: the file list is not a mapping",
+        ("orbax",),
+        build_mlp,
+        set_field("files", value=[]),
+        ["the field files must be a {name: {bytes, sha256}} mapping"],
+    ),
+    (
+        "manifest: the file list edited",
+        ("orbax",),
+        build_mlp,
+        edit_manifest(drop_a_file),
+        ['the file list in manifest.json does not match its "weights_sha256" (edited or damaged)'],
+    ),
     # Issue 13: an edited shape in the manifest was blamed on the model.
     (
         "manifest: an edited shape",
+        BOTH,
         build_mlp,
         set_field("variables", 0, "shape", value=[16, 64]),
-        [
-            "manifest.json disagrees with the arrays stored in model.weights.h5:",
-            "  variables[0] mlp/fc1/kernel: shape (16, 64) in the manifest; the weights file holds 0 "
-            "array(s) of that shape, the manifest lists 1",
-            "The manifest was edited or damaged after the save (the weights file matches its checksum), "
-            "so the model was not compared with it.",
-            "Nothing was loaded; the model is unchanged.",
-        ],
+        {
+            storage: [
+                f"manifest.json disagrees with the arrays stored in {where}:",
+                "  variables[0] mlp/fc1/kernel: shape (16, 64) in the manifest; the weights file holds 0 "
+                "array(s) of that shape, the manifest lists 1",
+                "The manifest was edited or damaged after the save (the weights file matches its "
+                "checksum), so the model was not compared with it.",
+            ]
+            for storage, where in (("h5", "model.weights.h5"), ("orbax", "model.orbax/ and optimizer.orbax/"))
+        },
     ),
 ]
+BAD_CASES = [(storage, *case[2:]) for case in BAD_INPUTS for storage in case[1]]
+BAD_IDS = [f"{storage}-{case[0]}" for case in BAD_INPUTS for storage in case[1]]
 
 
-@pytest.mark.parametrize(
-    ("build", "damage", "fragments"), [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
-)
-def test_bad_input_is_a_clear_error_and_the_model_is_untouched(build, damage, fragments, saved, tmp_path):
-    path = corrupt_copy(saved, tmp_path)
+@pytest.mark.parametrize(("storage", "build", "damage", "fragments"), BAD_CASES, ids=BAD_IDS)
+def test_bad_input_is_a_clear_error_and_the_model_is_untouched(
+    storage, build, damage, fragments, saved, tmp_path
+):
+    path = corrupt_copy(saved, tmp_path, storage)
     if damage is not None:
         damage(path)
     keras.distribution.set_distribution(distribution_for("2x4"))
@@ -516,14 +620,16 @@ def test_bad_input_is_a_clear_error_and_the_model_is_untouched(build, damage, fr
         kml.load_checkpoint(model, path)
 
     message = str(raised.value)
-    for fragment in fragments:
+    fragments = fragments[storage] if isinstance(fragments, dict) else fragments
+    ending = "Fix: check the path" if damage is moved_to_unfinished_partial else "Nothing was loaded; the"
+    for fragment in [*fragments, ending]:
         assert fragment in message, f"{fragment!r} not in:\n{message}"
     assert_untouched(model, before, shardings)
 
 
 def test_a_checkpoint_written_before_random_state_was_saved_still_loads(saved, tmp_path):
-    """Checkpoints of the previous release have no "rng" in their manifest: they load as before."""
-    path = corrupt_copy(saved, tmp_path)
+    """h5 checkpoints of an earlier release have no "rng" in their manifest: they load as before."""
+    path = corrupt_copy(saved, tmp_path, "h5")
     set_field("rng", delete=True)(path)
     keras.distribution.set_distribution(distribution_for("1x8"))
     model = compiled()
@@ -548,31 +654,53 @@ def assert_untouched(model: keras.Model, before: list[np.ndarray], shardings: li
 
 
 @pytest.mark.parametrize("rollback", [True, False], ids=["rollback", "no-rollback"])
-def test_a_load_that_fails_part_way(rollback, saved, monkeypatch):
-    """Keras assigns layer after layer and reports failures at the end; by default we put everything back."""
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_a_load_that_fails_part_way(storage, rollback, saved, monkeypatch):
+    """A variable that cannot be assigned after others were: by default everything is put back.
+
+    Keras's h5 loader assigns layer after layer and reports failures at the end; the Orbax
+    path reads every array, then assigns them in order (group by group without rollback).
+    """
     keras.distribution.set_distribution(distribution_for("2x4"))
     model = compiled()
     model.optimizer.build(model.trainable_variables)
     randomise(model)
     before = values(model)
     shardings = [v.value.sharding for v in [*model.weights, *model.optimizer.variables]]
-    fc1, head = model.get_layer("fc1"), model.get_layer("head")
-    loaded = []
+    fc1, head = model.get_layer("fc1").kernel, model.get_layer("head").kernel
+    failed, loaded = [], []
 
-    def load_and_record(store):
-        type(fc1).load_own_variables(fc1, store)
-        loaded.append(np.array_equal(np.asarray(fc1.kernel.value), saved["2x4"].values[0]))
+    def fail():
+        failed.append(head.path)
+        raise OSError("device lost")
 
-    def broken(store):
-        raise OSError("unreadable dataset")
+    if storage == "h5":  # Keras's loader hands each layer its part of the file, in no set order
+        layer = model.get_layer("fc1")
 
-    monkeypatch.setattr(fc1, "load_own_variables", load_and_record)
-    monkeypatch.setattr(head, "load_own_variables", broken)
+        def load_and_record(store):
+            type(layer).load_own_variables(layer, store)
+            loaded.append(np.array_equal(np.asarray(fc1.value), saved["2x4"].values[0]))
+
+        monkeypatch.setattr(layer, "load_own_variables", load_and_record)
+        monkeypatch.setattr(model.get_layer("head"), "load_own_variables", lambda store: fail())
+    else:  # every array is read, then assigned in order
+        assign = type(head).assign
+
+        def assign_or_fail(variable, value):
+            if variable is head and not failed:  # once: putting it back works
+                fail()
+            assign(variable, value)
+            if variable is fc1 and not failed:
+                loaded.append(np.array_equal(np.asarray(fc1.value), saved["2x4"].values[0]))
+
+        monkeypatch.setattr(type(head), "assign", assign_or_fail)
     with pytest.raises(
-        kml.CheckpointError, match=r"(?s)failed part-way \(ValueError: .*unreadable dataset"
+        kml.CheckpointError, match=r"(?s)failed part-way \((ValueError|OSError): .*device lost"
     ) as raised:
-        kml.load_checkpoint(model, saved["2x4"].paths["kml"], rollback=rollback)
-    assert loaded == [True], "fc1 was overwritten before head failed: there was something to put back"
+        kml.load_checkpoint(model, saved["2x4"].paths[STORAGES[storage]], rollback=rollback)
+    monkeypatch.undo()
+    assert failed and set(failed) == {"mlp/head/kernel"}  # (Keras's h5 loader may try a layer twice)
+    assert loaded == [True], "fc1 was overwritten by the load: there was something to put back"
     if rollback:
         assert "Every variable was put back as it was; the model is unchanged." in str(raised.value)
         assert_untouched(model, before, shardings)
@@ -580,48 +708,57 @@ def test_a_load_that_fails_part_way(rollback, saved, monkeypatch):
         assert "The model is partly loaded (rollback=False): load it again, or rebuild it." in str(
             raised.value
         )
-        assert np.array_equal(np.asarray(fc1.kernel.value), saved["2x4"].values[0])
+        assert np.array_equal(np.asarray(fc1.value), saved["2x4"].values[0])
 
 
-#: Where the save fails, and the file its error names.
+#: Where the save fails, and the file its error names, by storage.
 KILL_POINTS = {
-    "writing the weights": "model.weights.h5",
-    "writing the manifest": "manifest.json",
-    "moving into place": "ckpt",
+    "writing the arrays": {"h5": "model.weights.h5", "orbax": "model.orbax"},
+    "writing the manifest": {"h5": "manifest.json", "orbax": "manifest.json"},
+    "moving into place": {"h5": "ckpt", "orbax": "ckpt"},
 }
 
 
 @pytest.mark.parametrize("cleanup", [True, False], ids=["exception", "killed"])
 @pytest.mark.parametrize("point", list(KILL_POINTS))
+@pytest.mark.parametrize("storage", list(STORAGES))
 def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(
-    point, cleanup, saved, tmp_path, monkeypatch
+    storage, point, cleanup, saved, tmp_path, monkeypatch
 ):
     """A save that raises, or is killed (no clean-up runs), at any point never replaces the old one.
 
     Whatever it wrote sits in a hidden `.ckpt.partial-*` directory: nothing at a visible path
     looks like a checkpoint except the previous, complete one; the next load removes it.
     """
-    path = corrupt_copy(saved, tmp_path)
+    path = corrupt_copy(saved, tmp_path, storage)
     old_manifest = (path / "manifest.json").read_bytes()
     keras.distribution.set_distribution(distribution_for("2x4"))
     model = compiled()
     model.optimizer.build(model.trainable_variables)
     randomise(model)
 
-    failure = OSError("No space left on device")
-    if point == "writing the weights":
+    failure = OSError(28, "No space left on device")
+    if point == "writing the arrays" and storage == "h5":
 
         def save_weights_then_fail(filepath, *args, **kwargs):
             Path(filepath).write_bytes(b"\x89HDF\r\n\x1a\n half of the weights")
             raise failure
 
         model.save_weights = save_weights_then_fail
+    elif point == "writing the arrays":
+        save = _orbax_store.save
+
+        def save_then_fail(directory, arrays):
+            save(directory, arrays)
+            raise failure
+
+        monkeypatch.setattr(_orbax_store, "save", save_then_fail)
     elif point == "writing the manifest":
         write_json = _atomic.write_json
 
         def write_json_until_manifest(file, content):
             if file.name == "manifest.json":
-                file.write_text('{"format": 1, "vari')
+                file.write_text('{"format": 2, "vari')
                 raise failure
             write_json(file, content)
 
@@ -636,12 +773,12 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(
         monkeypatch.setattr(_save.shutil, "rmtree", lambda *args, **kwargs: None)
 
     with pytest.raises(kml.CheckpointError) as raised:
-        kml.save_checkpoint(model, path)
+        kml.save_checkpoint(model, path, storage=storage)
     monkeypatch.undo()
     message = str(raised.value)
     assert f"Saving checkpoint {path} failed while writing " in message
-    assert message.split("failed while writing ")[1].split(":")[0].endswith(KILL_POINTS[point])
-    assert f"No space left on device. The previous checkpoint at {path} is intact." in message
+    assert message.split("failed while writing ")[1].split(":")[0].endswith(KILL_POINTS[point][storage])
+    assert f"No space left on device (errno 28). The previous checkpoint at {path} is intact." in message
     assert isinstance(raised.value.__cause__, OSError)
 
     visible = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
@@ -680,12 +817,12 @@ class Window:
     previous: str | None  # "ckpt", "old" or None (this was the first save)
     new: str  # "ckpt" or "partial"
     new_complete: bool = True
-    new_damaged: bool = False  # its weights no longer match their checksum
+    new_damaged: bool = False  # its arrays no longer match the manifest
     expect: str = "new"  # which checkpoint a load then finds
 
 
 KILL_WINDOWS = {
-    "while writing the weights": Window("ckpt", "partial", new_complete=False, expect="previous"),
+    "while writing the arrays": Window("ckpt", "partial", new_complete=False, expect="previous"),
     "before the first rename": Window("ckpt", "partial", expect="previous"),
     # Issue 13: this one trained from scratch, silently.
     "between the two renames": Window("old", "partial"),
@@ -699,31 +836,34 @@ KILL_WINDOWS = {
 
 @pytest.fixture(scope="module")
 def two_saves(saved, tmp_path_factory) -> dict[str, Saved]:
-    """The 2×4 checkpoint ("previous"), and one of the same model a step further ("new")."""
+    """The 2×4 checkpoints ("previous"), and those of the same model a step further ("new")."""
     directory = tmp_path_factory.mktemp("two-saves")
     keras.distribution.set_distribution(distribution_for("2x4"))
     model = compiled()
     kml.load_checkpoint(model, saved["2x4"].paths["kml"])
     x, y = data()
     model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    kml.save_checkpoint(model, directory / "new")
-    new = Saved("2x4", values(model), {"kml": directory / "new"})
+    paths = {name: directory / name for name in STORAGES.values()}
+    for storage, name in STORAGES.items():
+        kml.save_checkpoint(model, paths[name], storage=storage)
+    new = Saved("2x4", values(model), paths)
     keras.distribution.set_distribution(None)
     return {"previous": saved["2x4"], "new": new}
 
 
 @pytest.mark.parametrize("window", list(KILL_WINDOWS))
-def test_a_save_killed_anywhere_loads_the_newest_complete_checkpoint(window, two_saves, tmp_path):
-    case, dead = KILL_WINDOWS[window], dead_pid()
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_a_save_killed_anywhere_loads_the_newest_complete_checkpoint(storage, window, two_saves, tmp_path):
+    case, dead, name = KILL_WINDOWS[window], dead_pid(), STORAGES[storage]
     path = tmp_path / "ckpt"
     places = {"ckpt": path, "old": hidden(path, "old", dead), "partial": hidden(path, "partial", dead)}
     if case.previous is not None:
-        shutil.copytree(two_saves["previous"].paths["kml"], places[case.previous])
-    shutil.copytree(two_saves["new"].paths["kml"], places[case.new])
+        shutil.copytree(two_saves["previous"].paths[name], places[case.previous])
+    shutil.copytree(two_saves["new"].paths[name], places[case.new])
     if not case.new_complete:
         (places[case.new] / "manifest.json").unlink()
     if case.new_damaged:
-        flip_a_byte(places[case.new])
+        truncate_arrays(places[case.new])
 
     keras.distribution.set_distribution(distribution_for("1x8"))
     model = compiled()
@@ -766,42 +906,50 @@ import keras_meshlayout as kml
 
 kml.emulate_devices(8)
 import keras
+from keras_meshlayout.checkpoint import _orbax_store
 
-path, point = Path(sys.argv[1]), sys.argv[2]
+path, storage, point = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(128, name="fc1")], name="mlp")
 model.compile(optimizer="adam", loss="mse")
 model.optimizer.build(model.trainable_variables)
-kml.save_checkpoint(model, path)
+kml.save_checkpoint(model, path, storage=storage)
 print("saved", flush=True)
-fsync, replace = os.fsync, os.replace
+fsync, replace, save = os.fsync, os.replace, _orbax_store.save
 
 
 def die(*args):  # the fault: SIGKILL at this point of the second save
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-if point == "after the weights are written":
-    os.fsync = lambda fd: die()  # the first fsync of a save is the weights file's
+if point == "after the arrays are written" and storage == "h5":
+    os.fsync = lambda fd: die()  # the first fsync of an h5 save is the weights file's
+elif point == "after the arrays are written":
+    _orbax_store.save = lambda *args: (save(*args), die())
 elif point == "between the two renames":
     os.replace = lambda src, dst: (replace(src, dst), die())
-kml.save_checkpoint(model, path)
+kml.save_checkpoint(model, path, storage=storage)
 """
 
 
-@pytest.mark.parametrize("point", ["after the weights are written", "between the two renames"])
-def test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up(point, tmp_path):
+@pytest.mark.parametrize("point", ["after the arrays are written", "between the two renames"])
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up(storage, point, tmp_path):
     """A real SIGKILL inside `save_checkpoint`; the next save in another process recovers and cleans."""
     script = tmp_path / "save.py"
     script.write_text(KILLED_SAVE)
     path = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
     run = subprocess.run(
-        [sys.executable, str(script), str(path), point], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), str(path), storage, point],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert run.returncode == -signal.SIGKILL and "saved" in run.stdout, run.stderr
+    assert run.returncode == -signal.SIGKILL and "saved" in run.stdout, run.stderr[-3000:]
     left = sorted(p.name.split(".")[2].split("-")[0] for p in tmp_path.iterdir() if p.name.startswith("."))
-    assert left == (["partial"] if point == "after the weights are written" else ["old", "partial"])
-    assert path.exists() == (point == "after the weights are written")
+    assert left == (["partial"] if point == "after the arrays are written" else ["old", "partial"])
+    assert path.exists() == (point == "after the arrays are written")
 
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(128, name="fc1")], name="mlp")
     kml.load_checkpoint(model, path)
@@ -810,7 +958,9 @@ def test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up(point, tmp_path):
 
 
 #: Fill a real disk (a 1 MiB tmpfs, mounted in a mount namespace of a child process) so that
-#: the second save runs out of space writing one file, then check that the first one is intact.
+#: the second save runs out of space writing the arrays (room is left for a third of them), the
+#: plan or the manifest (the disk is filled just before that file is written), then check that
+#: the first checkpoint is intact.
 FULL_DISK = """
 import json, os, sys, time
 from pathlib import Path
@@ -820,15 +970,21 @@ import keras_meshlayout as kml
 kml.emulate_devices(8)
 import keras
 import numpy as np
+from keras_meshlayout.checkpoint import _atomic
 
-disk, out = Path(sys.argv[1]), Path(sys.argv[2])
+disk, out, storage = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 keras.distribution.set_distribution(
     kml.ModelParallel(kml.Mesh(data=2, model=4), [(r".*fc1/kernel", (None, "model"))], replicate_below=0)
 )
 
 
+# Orbax's own files take a few pages each: its arrays must be larger for a third of them to matter.
+# (h5py crashes on a full disk with arrays this large: it is kept to the size it copes with.)
+UNITS = 2048 if storage == "orbax" else 128
+
+
 def build():
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(128, name="fc1")], name="mlp")
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(UNITS, name="fc1")], name="mlp")
     model.compile(optimizer="adam", loss="mse")
     model.optimizer.build(model.trainable_variables)
     return model
@@ -838,30 +994,41 @@ def state(model):
     return [np.asarray(v.value) for v in [*model.weights, *model.optimizer.variables]]
 
 
+def fill(leave):
+    stat = os.statvfs(disk)
+    with open(disk / "filler", "wb") as filler:
+        filler.write(b"0" * max(0, stat.f_bavail * stat.f_frsize - leave))
+
+
 model = build()
 path = disk / "ckpt"
-kml.save_checkpoint(model, path)
+kml.save_checkpoint(model, path, storage=storage)
 first = state(model)
-size = {p.name: p.stat().st_blocks * 512 for p in path.iterdir()}  # tmpfs allocates whole pages
-room = {
-    "model.weights.h5": size["model.weights.h5"] // 2,
-    "plan.json": size["model.weights.h5"],
-    "manifest.json": size["model.weights.h5"] + size["plan.json"],
-}
+arrays = sum(  # tmpfs allocates whole pages
+    p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file() and p.suffix != ".json"
+)
+write_json = _atomic.write_json
 results = {}
-for name, free in room.items():
+for name in ("arrays", "plan.json", "manifest.json"):
     for variable in model.weights:
         variable.assign(variable.value + 1.0)
-    disk_stat = os.statvfs(disk)
-    with open(disk / "filler", "wb") as filler:
-        filler.write(b"0" * (disk_stat.f_bavail * disk_stat.f_frsize - free))
+
+    def write_json_on_a_full_disk(file, data, name=name):
+        if file.name == name:
+            fill(0)
+        write_json(file, data)
+
+    _atomic.write_json = write_json_on_a_full_disk
+    if name == "arrays":  # (h5py crashes later on if its file fails any earlier than half-way)
+        fill(arrays // (3 if storage == "orbax" else 2))
     start = time.perf_counter()
     try:
-        kml.save_checkpoint(model, path)
+        kml.save_checkpoint(model, path, storage=storage)
         error = None
     except kml.CheckpointError as err:
         error = str(err)
     seconds = time.perf_counter() - start
+    _atomic.write_json = write_json
     (disk / "filler").unlink()
     entries = sorted(p.name for p in disk.iterdir())
     fresh = build()
@@ -875,33 +1042,43 @@ os._exit(0)
 """
 
 
-@pytest.fixture(scope="module")
-def full_disk(tmp_path_factory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("full-disk")
+@pytest.fixture(scope="module", params=list(STORAGES))
+def full_disk(request, tmp_path_factory) -> tuple[str, dict[str, dict]]:
+    storage = request.param
+    work = tmp_path_factory.mktemp(f"full-disk-{storage}")
     (work / "disk").mkdir()
     (work / "full_disk.py").write_text(FULL_DISK)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
     # unshare: a user and mount namespace, so that no root is needed and the mount dies with the child.
-    mount = 'mount -t tmpfs -o size=1m tmpfs "$0" && exec "$1" "$2" "$0" "$3"'
+    mount = 'mount -t tmpfs -o size=1m tmpfs "$0" && exec "$1" "$2" "$0" "$3" "$4"'
     script = work / "full_disk.py"
-    command = ["unshare", "-rm", "sh", "-c", mount, work / "disk", sys.executable, script, work]
+    command = ["unshare", "-rm", "sh", "-c", mount, work / "disk", sys.executable, script, work, storage]
     run = subprocess.run([str(c) for c in command], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads((work / "results.json").read_text())
+    return storage, json.loads((work / "results.json").read_text())
 
 
-@pytest.mark.parametrize("file", ["model.weights.h5", "plan.json", "manifest.json"])
+#: The file each full-disk save fails on, by storage.
+FULL_DISK_FILES = {
+    "arrays": {"h5": "/model.weights.h5", "orbax": ".orbax"},
+    "plan.json": {"h5": "/plan.json", "orbax": "/plan.json"},
+    "manifest.json": {"h5": "/manifest.json", "orbax": "/manifest.json"},
+}
+
+
+@pytest.mark.parametrize("file", list(FULL_DISK_FILES))
 def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_is_intact(file, full_disk):
-    result = full_disk[file]
+    storage, results = full_disk
+    result = results[file]
     message = result["error"]
     assert message is not None, "the disk was not full"
-    assert message.split("failed while writing ")[1].split(":")[0].endswith(f"/{file}")
+    assert message.split("failed while writing ")[1].split(":")[0].endswith(FULL_DISK_FILES[file][storage])
     assert "No space left on device" in message or "errno = 28" in message
     assert "The previous checkpoint at " in message and "/disk/ckpt is intact." in message
     assert "Fix: free space on that disk" in message
     assert result["entries"] == ["ckpt"], "what the failed save had written is removed"
     assert result["intact"], "the previous checkpoint loads bit for bit"
-    assert result["seconds"] < 5
+    assert result["seconds"] < 20, "reported at once"
 
 
 # -- Keras's Orbax callback ---------------------------------------------------------------
@@ -1026,3 +1203,41 @@ def test_orbax_restores_onto_one_device_without_a_distribution(orbax_saved):
     model = orbax_load("load_weights", saved.path, build_functional)
     assert_bit_identical(model, saved.values)
     assert_laid_out_for(model, "none")
+
+
+# Each of the three Keras defects above, on our path (`kml.save_checkpoint`/`load_checkpoint`,
+# Orbax by default, and h5): the arrays are matched to variables in order, by shape and dtype,
+# and read onto the shardings the current distribution gives, so none of them applies.
+
+
+def reloaded_sequential(saved: dict[str, Saved]) -> keras.Model:
+    """A Sequential reloaded by `load_model`: its variable paths lack the model's name."""
+    model = keras.saving.load_model(saved["2x4"].paths["keras"])
+    assert isinstance(model, keras.Sequential) and model.weights[0].path == "fc1/kernel"
+    return model
+
+
+def optimizer_named_otherwise(saved: dict[str, Saved]) -> keras.Model:
+    """Adam named automatically after another optimizer was made: 'adam_<n>', not the saved 'adam'."""
+    keras.optimizers.Adam()
+    model = orbax_compiled(build_mlp, optimizer_name=None)
+    assert model.optimizer.name.startswith("adam_")
+    return model
+
+
+KERAS_ORBAX_DEFECTS = {
+    "a reloaded Sequential": ("1x8", reloaded_sequential),
+    "an optimizer named adam_1": ("1x8", optimizer_named_otherwise),
+    "no distribution": ("none", lambda saved: compiled()),
+}
+
+
+@pytest.mark.parametrize("storage", list(STORAGES))
+@pytest.mark.parametrize("defect", list(KERAS_ORBAX_DEFECTS))
+def test_none_of_the_keras_orbax_callback_defects_applies_to_our_path(defect, storage, saved):
+    target, build = KERAS_ORBAX_DEFECTS[defect]
+    keras.distribution.set_distribution(distribution_for(target))
+    model = build(saved)
+    kml.load_checkpoint(model, saved["2x4"].paths[STORAGES[storage]])
+    assert_bit_identical(model, saved["2x4"].values)
+    assert_laid_out_for(model, target)  # with no distribution: every variable on one device

@@ -57,8 +57,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             batches (across epochs).
         delete_on_end: Delete the backup once `fit` completes (and `directory`,
             if that leaves it empty). Defaults to `True`, like `BackupAndRestore`.
-        storage: How each backup stores its arrays: `"h5"` or `"orbax"`, as
-            for `save_checkpoint` (a backup in either is resumed from).
+        storage: How each backup stores its arrays: `"orbax"` (the default,
+            every process writing its own shards) or `"h5"`, as for
+            `save_checkpoint`. A backup in either format is resumed from,
+            whichever this callback writes: a run backed up by an earlier
+            version (h5) resumes, and its next backup is written with Orbax.
         asynchronous: With `storage="orbax"`, write each backup while training
             goes on: a save blocks training only while the arrays are copied
             off the devices, and the files are written, and the backup moved
@@ -89,16 +92,18 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         save_freq: int | Literal["epoch"] = "epoch",
         *,
         delete_on_end: bool = True,
-        storage: Literal["h5", "orbax"] = "h5",
+        storage: Literal["orbax", "h5"] = "orbax",
         asynchronous: bool = False,
     ) -> None:
         super().__init__()
-        if storage not in ("h5", "orbax"):
-            raise InvalidOptionError(f'storage must be "h5" or "orbax". Received: storage={storage!r}.')
+        if storage not in ("orbax", "h5"):
+            raise InvalidOptionError(
+                f'storage must be "orbax" (the default) or "h5". Received: storage={storage!r}.'
+            )
         if asynchronous and storage != "orbax":
             raise InvalidOptionError(
-                'asynchronous=True writes backups with Orbax in the background: pass storage="orbax" too. '
-                f"Received: storage={storage!r}."
+                "asynchronous=True writes backups with Orbax in the background: leave storage at its "
+                f'default, "orbax". Received: storage={storage!r}.'
             )
         self.storage = storage
         self.asynchronous = asynchronous

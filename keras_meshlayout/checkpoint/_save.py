@@ -32,9 +32,15 @@ def save_checkpoint(
     directory: str | os.PathLike,
     *,
     distribution: ModelParallel | None = None,
-    storage: Literal["h5", "orbax"] = "h5",
+    storage: Literal["orbax", "h5"] = "orbax",
 ) -> Path:
     """Saves the weights (optimizer state included), the plan and a manifest, atomically.
+
+    The arrays are stored with Orbax (on TensorStore): every process writes
+    only the shards its devices hold, one copy of each, and `load_checkpoint`
+    reads, in every process, only the slices its devices hold under the plan
+    current then, on any mesh. Every process must call `save_checkpoint`,
+    and the directory must be on a file system they all see.
 
     Everything is written to a hidden sibling directory
     (`.NAME.partial-HOST-PID-*`) that replaces `directory` only once complete:
@@ -54,15 +60,12 @@ def save_checkpoint(
         directory: Checkpoint directory; replaced if it exists.
         distribution: The `kml.ModelParallel` whose plan to save; defaults to
             the current distribution (no plan is saved without one).
-        storage: How the arrays are stored. `"h5"`: one Keras
-            `model.weights.h5` file, every variable gathered whole (in a
-            multi-process run, by process 0). `"orbax"`: Orbax checkpoints
-            (`model.orbax/`, `optimizer.orbax/`, on TensorStore) that every
-            process writes its own shards into, one copy of each, and that a
-            load reads, in every process, only the slices its devices hold
-            under the current plan. `load_checkpoint` reads either. Every
-            process must call `save_checkpoint` with `"orbax"`, and the
-            directory must be on a file system they all see.
+        storage: How the arrays are stored. `"orbax"` (the default): Orbax
+            checkpoints, `model.orbax/` and `optimizer.orbax/`, each process
+            writing its own shards. `"h5"`: one Keras `model.weights.h5`
+            file, every variable gathered whole (in a multi-process run, by
+            process 0, which must then hold every variable whole), the
+            format earlier versions wrote. `load_checkpoint` reads either.
 
     Returns:
         The checkpoint directory.
@@ -80,13 +83,15 @@ def save_checkpoint(
         ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4096, name="d")], name="m")
         >>> path = kml.save_checkpoint(model, os.path.join(tempfile.mkdtemp(), "step_1"), distribution=dist)
         >>> sorted(p.name for p in path.iterdir())
-        ['manifest.json', 'model.weights.h5', 'plan.json']
-        >>> path = kml.save_checkpoint(model, path.with_name("step_2"), distribution=dist, storage="orbax")
-        >>> sorted(p.name for p in path.iterdir())
         ['manifest.json', 'model.orbax', 'plan.json']
+        >>> path = kml.save_checkpoint(model, path.with_name("step_2"), distribution=dist, storage="h5")
+        >>> sorted(p.name for p in path.iterdir())
+        ['manifest.json', 'model.weights.h5', 'plan.json']
     """
-    if storage not in ("h5", "orbax"):
-        raise InvalidOptionError(f'storage must be "h5" or "orbax". Received: storage={storage!r}.')
+    if storage not in ("orbax", "h5"):
+        raise InvalidOptionError(
+            f'storage must be "orbax" (the default) or "h5". Received: storage={storage!r}.'
+        )
     return save_everywhere(model, Path(directory), distribution, storage=storage)
 
 
@@ -95,7 +100,7 @@ def save_everywhere(
     target: Path,
     distribution: Any,
     training: Mapping[str, int] | None = None,
-    storage: str = "h5",
+    storage: str = "orbax",
 ) -> Path:
     """`_save_h5`, called by every process of a job: process 0 writes, the others wait for it."""
     import jax
