@@ -1241,3 +1241,28 @@ def test_none_of_the_keras_orbax_callback_defects_applies_to_our_path(defect, st
     kml.load_checkpoint(model, saved["2x4"].paths[STORAGES[storage]])
     assert_bit_identical(model, saved["2x4"].values)
     assert_laid_out_for(model, target)  # with no distribution: every variable on one device
+
+
+# -- the package's own layout -------------------------------------------------------------
+
+
+def test_checkpoint_modules_import_only_those_listed_before_them():
+    """checkpoint/__init__.py lists its modules lowest first; no module imports one listed after it.
+
+    Lazy imports inside functions count too: the order is what keeps the modules free of cycles.
+    """
+    import ast
+
+    import keras_meshlayout.checkpoint as package
+
+    folder = Path(package.__file__).parent
+    order = [line.split("`")[1] for line in package.__doc__.splitlines() if line.startswith("- `_")]
+    assert sorted(order) == sorted(p.stem for p in folder.glob("_*.py") if p.stem != "__init__")
+    for position, name in enumerate(order):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported |= {node.module} if node.module else {alias.name for alias in node.names}
+        later = sorted(imported & set(order[position:]))
+        assert not later, f"{name} imports {later}, listed at or after it in checkpoint/__init__.py"

@@ -7,7 +7,8 @@ Modules, lowest first (each imports only those above it):
 - `_manifest`: the format, the manifest and its schema, the checks of the model and files against it.
 - `_rng`: the random state (seed generators) saved in the manifest and restored on load.
 - `_atomic`: hidden sibling directories, fsync and rename, recovery of interrupted saves.
-- `_save`: `save_checkpoint` (Orbax or h5), in every process, and the background save.
+- `_save`: `save_checkpoint` (Orbax by default, or h5), in every process, and the background save.
 - `_load`: `load_checkpoint`: everything checked before anything is assigned, rollback on failure.
 - `_resume`: `ResumableCheckpoint`, the callback that backs training up and resumes it exactly.
+- `_weights`: `save_weights` in a multi-process run (every process calls it, process 0 writes).
 """
