@@ -362,3 +362,48 @@ def test_search_refuses_a_budget_below_the_smallest_plan():
     with pytest.raises(kml.MemoryBudgetError, match=r"smallest plan needs 250 B .*50 B of it") as error:
         search(table, 249)
     assert error.value.smallest_bytes == 250
+
+
+# Fully sharded (ZeRO-3/FSDP) weights, checked against the compiled step: alone (a model with no
+# unit at all: a lone projection, a norm, a small head) and mixed with 2-D units (tests/styles.py),
+# under the smallest budget, on both meshes (the batch axis larger and smaller than the model axis).
+def build_lone() -> keras.Model:
+    inputs = keras.Input((32,))
+    hidden = keras.layers.LayerNormalization(name="norm")(keras.layers.Dense(64, name="lone")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(hidden), name="lone")
+
+
+def _styles_builder(name: str):
+    import styles
+
+    return {"lone": build_lone, "block": styles.block_functional, "mlp": styles.mlp_sequential}[name]
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", ["lone", "block", "mlp"], ids=["alone", "mixed-block", "mixed-mlp"])
+def test_fully_sharded_predicted_bytes_match_the_compiled_step(name, mesh_name):
+    import styles
+
+    build_model = _styles_builder(name)
+    mesh = kml.Mesh(data=MESHES[mesh_name][0], model=MESHES[mesh_name][1])
+    rng = np.random.default_rng(0)
+    if name == "block":
+        x = rng.integers(0, styles.VOCAB, (64, styles.LENGTH)).astype("int32")
+    else:
+        x = rng.normal(size=(64, 32 if name == "lone" else styles.FEATURES)).astype("float32")
+    with pytest.raises(kml.MemoryBudgetError) as error:
+        kml.auto_rules(build_model(), mesh, replicate_below=0, memory_budget=1, batch=x, optimizer="adam")
+    budget = error.value.smallest_bytes
+    probe = build_model()
+    rules = kml.auto_rules(probe, mesh, replicate_below=0, memory_budget=budget, batch=x, optimizer="adam")
+    layouts = set(rules.cost.layouts())
+    expected = {"fully sharded"} if name == "lone" else {"fully sharded", "2-D"}
+    assert layouts == expected if name == "lone" else expected <= layouts
+    assert "split over 'data', gathered" in rules.match("head/kernel").note
+    keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
+    model = build_model()
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = kml.comm_report(model, x, rng.integers(0, 10, 64).astype("int32"))
+    assert set(report.wire_bytes_by_axis) == set(rules.cost.wire_bytes_by_axis)
+    for axis, measured in report.wire_bytes_by_axis.items():
+        assert rules.cost.wire_bytes_by_axis[axis] == pytest.approx(measured, rel=0.02), axis

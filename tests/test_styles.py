@@ -185,3 +185,50 @@ def test_the_hand_offs_are_immutable():
             setattr(value, field, None)
     with pytest.raises(TypeError):
         trace.uses["x"] = ()  # read-only mappings
+
+
+# Fully sharded (ZeRO-3/FSDP, issue 11, item 2): under the smallest budget, weights outside every
+# unit (norm scales and offsets, row biases, the small head) are split over the batch axis and
+# gathered when used; the rest takes 2-D or vocab-parallel. State per device against total ÷ 8.
+# Measured: 1.145-1.204 on the block, 1.147-1.167 on the MLP (before: 1.26-1.41). What is left
+# above the floor: the embedding (vocab-parallel over the model axis only), biases split over the
+# model axis only, 1-D weights that do not divide; 1.1 needs one dimension split over both axes.
+FLOOR_BOUND = 1.25
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize(("family", "style"), CASES, ids=CASE_IDS)
+def test_smallest_plan_near_the_fully_sharded_floor(family, style, mesh_name):
+    from keras_meshlayout.core._memory import slot_model
+
+    model = build(family, style)
+    mesh = mesh_of(mesh_name)
+    x, _ = data(family)
+    budget = smallest_budget(model, mesh, x)
+    rules = kml.auto_rules(model, mesh, replicate_below=0, memory_budget=budget, batch=x, optimizer="adam")
+    memory = slot_model("adam")
+    total = memory.scalar_bytes + sum(
+        memory.state_bytes(tuple(v.shape), str(v.dtype), 1, v.trainable) for v in model.weights
+    )
+    assert "fully sharded" in rules.cost.layouts()
+    assert rules.cost.state_bytes <= FLOOR_BOUND * total / 8, rules.cost.state_bytes / (total / 8)
+
+
+@pytest.mark.parametrize(
+    ("family", "style", "mesh_name"),
+    [("block", "functional", "2x4"), ("mlp", "subclassed", "4x2")],
+    ids=["block-functional-2x4", "mlp-subclassed-4x2"],
+)
+def test_smallest_plan_trains_like_one_device(family, style, mesh_name):
+    reference = Reference(lambda: build(family, style), data(family))
+    mesh = mesh_of(mesh_name)
+    x, _ = data(family)
+    probe = build(family, style)
+    budget = smallest_budget(probe, mesh, x)
+    rules = kml.auto_rules(probe, mesh, replicate_below=0, memory_budget=budget, batch=x, optimizer="adam")
+    assert {"fully sharded", "2-D"} <= set(rules.cost.layouts())
+    dist = kml.ModelParallel(mesh, rules, replicate_below=0)
+    model = train(FAMILIES[family][style], reference.initial, data(family), distribution=dist)
+    assert_laid_out_as_planned(model, dist.plan(model), mesh)
+    keras.distribution.set_distribution(None)
+    assert_same_weights(model, reference.trained)

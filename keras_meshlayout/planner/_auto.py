@@ -98,8 +98,10 @@ def auto_rules(
             Each unit of weights (a projection pair, an attention block, an
             embedding) then gets the layout that fits at the least traffic:
             replicated, tensor-parallel, 2-D (its largest other dimension also
-            split over `batch_axis`) or, for embeddings, vocab-parallel; the
-            note of each rule says what it saves and costs. `None` keeps the
+            split over `batch_axis`), for embeddings vocab-parallel, and for
+            weights outside every unit (norms, biases, a small head) fully
+            sharded (split over `batch_axis`, gathered when used); the note
+            of each rule says what it saves and costs. `None` keeps the
             planner's tensor-parallel layout.
         batch: One global batch of inputs (arrays, or anything with `shape`
             and `dtype`). Needed with `memory_budget`; with it, the returned
@@ -154,7 +156,7 @@ def auto_rules(
         >>> tight.rules[0].note.split(" (")[0]
         '2-D: saves 451.0 KiB/device, sends 68.8 KiB less per step than replicated'
         >>> tight.cost.wire_bytes, tight.cost.memory_bytes <= 150_000, tight.cost.layouts()
-        (64556.0, True, {'2-D': 1})
+        (64556.0, True, {'2-D': 1, 'replicated': 3})
     """
     if model_axis not in mesh.axis_names:
         raise InvalidRuleError(

@@ -17,6 +17,8 @@ per-device state and the bytes each device sends per training step:
   `_gathers_per_step`);
 - `vocab-parallel` (embeddings): the vocabulary split over the model axis,
   one all-reduce of the looked-up activations forward;
+- `fully sharded` (ZeRO-3/FSDP): a weight outside every unit (a norm's
+  scale, a small head) split over the batch axis and gathered when used;
 - `split, unused`: a trainable weight the step never reads, split over both axes.
 
 Bytes on the wire are counted with the ring formulas of the communication
@@ -88,8 +90,8 @@ class Candidate:
     """One layout a unit can take, and what it costs per device.
 
     Attributes:
-        layout: `"replicated"`, `"tensor-parallel"`, `"2-D"`, `"vocab-parallel"`
-            or `"split, unused"`.
+        layout: `"replicated"`, `"tensor-parallel"`, `"2-D"`, `"vocab-parallel"`,
+            `"fully sharded"` or `"split, unused"`.
         axes: Per variable path of the unit, its axes under this layout.
         state: Per-device bytes of its parameters, gradients and optimizer slots.
         wire: Bytes each device sends per step for it, by mesh axis.
@@ -179,6 +181,8 @@ class _Coster:
         self.uses = trace.uses
         self.memory = slot_model(optimizer)
         self.tp_axes = proposal.axes
+        #: The label `kml.comm_report` gives a collective over both axes (`"data×model"`).
+        self.both = "×".join(a for a in axis_sizes if a in (self.batch_axis, self.model_axis))
 
     # -- bytes ---------------------------------------------------------------------
 
@@ -247,6 +251,11 @@ class _Coster:
                 idle = self._idle_unit(variable)
                 if idle is not None:
                     units.append(idle)
+                    continue
+            if id(variable) in trainable and variable.path in self.used:
+                sharded = self._fully_sharded_unit(variable)
+                if sharded is not None:
+                    units.append(sharded)
                     continue
             fixed_state += self._state(variable, 1, id(variable) in trainable)
             if id(variable) in trainable:
@@ -486,6 +495,91 @@ class _Coster:
         )
         note = {variable.path: "the training step never reads it: no gradient, so no traffic"}
         return UnitCosts(variable.path, (self._replicated([variable]), split), _frozen(note))
+
+    def _fully_sharded_unit(self, variable: keras.Variable) -> UnitCosts | None:
+        """A weight outside every unit, split over the batch axis and gathered when used (ZeRO-3).
+
+        Two kinds of weight get the candidate, each with what XLA:CPU's
+        partitioner was measured to do with it (`tests/test_budget.py` holds
+        these against the compiled HLO on 2×4 and 4×2):
+
+        - a weight read only element-wise (a norm's scale or offset, 1-D):
+          all-gathered over the batch axis forward, and once more backward
+          when it multiplies (the input gradient needs it); its gradient is
+          all-reduced as if replicated;
+        - a projection kernel `x @ w` read once, split on its input features:
+          with a batch axis at least as large as the model axis, all-gathered
+          over the batch axis forward, its gradient all-reduced whole. With a
+          smaller batch axis XLA moves each device's shard to the model-axis
+          layout (a collective-permute over both axes of 1/model of the
+          kernel), then either all-gathers it over the model axis or, when
+          that sends no less, all-reduces the projection's output over the
+          model axis forward and gathers the kernel backward; its gradient is
+          all-reduced over the batch axis in batch-axis shards, then permuted
+          back.
+        """
+        shape, d, m = tuple(variable.shape), self.d, self.m
+        if d <= 1 or not shape or shape[0] % d:
+            return None
+        size = _nbytes(variable)
+        wire: dict[str, float] = {}
+        _add(wire, self.batch_axis, self._grad_sync(variable, 1))
+        uses = self.uses.get(variable.path, ())
+        if not uses and len(shape) == 1:
+            gathers = self._elementwise_gathers(variable.path)
+            if not gathers:
+                return None
+            _add(wire, self.batch_axis, gathers * wire_bytes("all-gather", size, d))
+            how = f"gathered over {self.batch_axis!r} forward" + (" and backward" if gathers > 1 else "")
+        elif (
+            len(uses) == 1
+            and uses[0].kind == "matmul"
+            and len(shape) == 2
+            and uses[0].contracted == (0,)
+            and not uses[0].batch
+        ):
+            (use,) = uses
+            if d >= m:
+                _add(wire, self.batch_axis, wire_bytes("all-gather", size, d))
+            else:
+                if shape[0] % m:
+                    return None
+                wire = {}
+                _add(wire, self.batch_axis, wire_bytes("all-reduce", size / d, d))
+                _add(wire, self.both, size / m + size / d)
+                gather = wire_bytes("all-gather", size, m)
+                reduce = wire_bytes("all-reduce", self._summed(use.output, use.dtype), m)
+                if gather < reduce:
+                    _add(wire, self.model_axis, gather)
+                else:
+                    _add(wire, self.model_axis, reduce + (0.0 if use.from_input else gather))
+            how = f"gathered over {self.batch_axis!r} before its projection"
+        else:
+            return None
+        axes = (self.batch_axis,) + (None,) * (len(shape) - 1)
+        split = _candidate("fully sharded", {variable.path: axes}, self._state(variable, d, True), wire)
+        note = {variable.path: f"split over {self.batch_axis!r}, {how}; its gradient reduced over it"}
+        return UnitCosts(variable.path, (self._replicated([variable]), split), _frozen(note))
+
+    def _elementwise_gathers(self, path: str) -> int:
+        """How often a weight read only element-wise is gathered per step: 2 if it multiplies, else 1.
+
+        0 when something other than a broadcast, reshape or cast leads it to
+        anything but an add, subtract, multiply or divide.
+        """
+        values = [v for v, name in self.trace.variables.items() if name == path]
+        multiplies = False
+        while values:
+            value = values.pop()
+            for index in self.trace.consumers.get(value, ()):
+                node = self.trace.nodes[index]
+                if node.primitive in ("broadcast_in_dim", "reshape", "convert_element_type", "squeeze"):
+                    values.extend(node.outputs)
+                elif node.primitive in ("mul", "div"):
+                    multiplies = True
+                elif node.primitive not in ("add", "add_any", "sub"):
+                    return 0
+        return 2 if multiplies else 1
 
     def activation_reserve(self) -> int:
         total = 0.0
