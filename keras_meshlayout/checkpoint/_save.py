@@ -102,7 +102,11 @@ def save_everywhere(
     training: Mapping[str, int] | None = None,
     storage: str = "orbax",
 ) -> Path:
-    """`_save_h5`, called by every process of a job: process 0 writes, the others wait for it."""
+    """Saves with `storage` ("orbax" or "h5"); every process of a job calls it.
+
+    With Orbax every process writes its own shards (`_save_orbax`); with h5 process 0 writes
+    the whole file (`_save_h5`) and the others wait for it.
+    """
     import jax
 
     if storage == "orbax":
@@ -193,7 +197,7 @@ def _save_orbax(
 ) -> Path:
     """A checkpoint whose arrays every process writes its own shards of, with Orbax; all processes call it.
 
-    The protocol is `_save_h5`'s: everything goes to one hidden sibling directory (named by
+    The protocol is `_save_h5`'s (`_atomic`): everything goes to one hidden sibling directory (named by
     process 0, for all), which process 0 moves into place once every process's shards are on
     disk (Orbax's barrier) and it has written the plan and the manifest. A failure in any
     process is raised in every process, after each of the three steps.
