@@ -163,13 +163,13 @@ def distribution(case: str) -> kml.ModelParallel:
     return kml.ModelParallel(mesh, rules, batch_axis="data", replicate_below=0, auto_shard_dataset=False)
 
 
-def build() -> keras.Model:
-    """A 16 → 64 → 8 MLP with the same initial weights in every process, compiled with Adam."""
+def build(width: int = 64) -> keras.Model:
+    """A 16 → `width` → 8 MLP with the same initial weights in every process, compiled with Adam."""
     keras.utils.set_random_seed(3)
     model = keras.Sequential(
         [
             keras.Input((16,)),
-            keras.layers.Dense(64, activation="relu", name="fc1"),
+            keras.layers.Dense(width, activation="relu", name="fc1"),
             keras.layers.Dense(8, name="fc2"),
         ],
         name="mlp",
@@ -258,18 +258,47 @@ def test_restored_in_one_process_bit_for_bit(case, target, run):
 
 # -- loads bounded in memory (in this process) -----------------------------------------------
 
+WIDE = 512  # fc1's kernel is 32 KiB: a shard read on 1×8 (8 KiB of stored chunks) outgrows the limit's margin
+
 
 @pytest.fixture(scope="module")
 def saved_here(tmp_path_factory) -> dict:
-    """The MLP trained one epoch on a 2×4 tensor-parallel mesh in this process, saved with Orbax."""
+    """A wider MLP trained one epoch on a 2×4 tensor-parallel mesh in this process, saved with Orbax."""
     path = tmp_path_factory.mktemp("bounded") / "ckpt"
     keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(data=2, model=4), TP_RULES))
-    model = build()
+    model = build(WIDE)
     model.fit(*data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     kml.save_checkpoint(model, path, storage="orbax")
     values = [np.asarray(v.value) for v in [*model.weights, *model.optimizer.variables]]
     keras.distribution.set_distribution(None)
     return {"path": path, "values": values}
+
+
+def load_recording(model, path, rollback, monkeypatch) -> dict:
+    """Loads `path` into `model`, recording what Orbax was asked to read and with which limits."""
+    import orbax.checkpoint as ocp
+
+    from keras_meshlayout.checkpoint import _orbax_store
+
+    old = {"model.orbax": [v.value for v in model.weights]}
+    old["optimizer.orbax"] = [v.value for v in model.optimizer.variables]
+    seen = {"deleted_when_read": [], "limits": []}
+    restore, reader = ocp.Checkpointer.restore, _orbax_store._reader
+
+    def restore_and_record(self, directory, *args, **kwargs):
+        for name in kwargs["args"].item:
+            seen["deleted_when_read"].append(old[Path(directory).name][int(name)].is_deleted())
+        return restore(self, directory, *args, **kwargs)
+
+    def reader_and_record(limit):
+        seen["limits"].append(limit)
+        return reader(limit)
+
+    monkeypatch.setattr(ocp.Checkpointer, "restore", restore_and_record)
+    monkeypatch.setattr(_orbax_store, "_reader", reader_and_record)
+    kml.load_checkpoint(model, path, rollback=rollback)
+    monkeypatch.undo()
+    return seen
 
 
 @pytest.mark.parametrize("rollback", [False, True], ids=["no-rollback", "rollback"])
@@ -279,61 +308,36 @@ def test_a_load_without_rollback_frees_each_value_before_reading_its_replacement
 ):
     """rollback=False: one array per group, the value it replaces deleted before the group is read.
 
-    The restore limiter is set as low as it goes (one shard's read at a time): its bound on a
-    shard's read must hold, or Orbax refuses the read.
+    The restore limiter is set as low as it goes (one shard's read at a time, plus 4 KiB): the
+    bound on a shard's read (8 to 32 KiB of stored chunks here) must hold, or Orbax refuses it.
     """
-    import orbax.checkpoint as ocp
-
     from keras_meshlayout.checkpoint import _orbax_store
 
     monkeypatch.setattr(_orbax_store, "GROUP_BYTES", 1)
     monkeypatch.setattr(_orbax_store, "READ_BYTES", 1)
     dist = None if target == "none" else kml.ModelParallel(kml.Mesh(**MESHES[target]), TP_RULES)
     keras.distribution.set_distribution(dist)
-    model = build()
-    old = {"model.orbax": [v.value for v in model.weights]}
-    old["optimizer.orbax"] = [v.value for v in model.optimizer.variables]
-    deleted_when_read = []
-    restore = ocp.Checkpointer.restore
-
-    def restore_and_record(self, directory, *args, **kwargs):
-        for name in kwargs["args"].item:
-            deleted_when_read.append(old[Path(directory).name][int(name)].is_deleted())
-        return restore(self, directory, *args, **kwargs)
-
-    monkeypatch.setattr(ocp.Checkpointer, "restore", restore_and_record)
-    kml.load_checkpoint(model, saved_here["path"], rollback=rollback)
-    monkeypatch.undo()
+    model = build(WIDE)
+    seen = load_recording(model, saved_here["path"], rollback, monkeypatch)
     assert_bit_identical(model, saved_here["values"])
-    assert len(deleted_when_read) == len(saved_here["values"])
-    assert deleted_when_read == [not rollback] * len(deleted_when_read)
-
-
-def chunk_aligned_reads(shape, sharding, chunks, itemsize) -> int:
-    """The most bytes Orbax reserves to read one shard: its extent widened to the stored chunks."""
-    most = 0
-    for index in sharding.devices_indices_map(shape).values():
-        size = itemsize
-        for part, n, c in zip(index, shape, chunks, strict=True):
-            start, stop = part.start or 0, n if part.stop is None else part.stop
-            size *= -(-stop // c) * c - start // c * c
-        most = max(most, size)
-    return most
+    assert len(seen["deleted_when_read"]) == len(saved_here["values"])
+    assert seen["deleted_when_read"] == [not rollback] * len(saved_here["values"])
+    assert len(seen["limits"]) == 1 and seen["limits"][0] < 64 << 10, "one reader, limited"
 
 
 @pytest.mark.parametrize(
-    ("shape", "mesh", "spec", "chunks"),
+    ("shape", "mesh", "spec", "chunks", "expected"),
     [
-        ((4096, 4096), (1, 8), (None, "model"), (4096, 1024)),  # saved on 2×4, read on 1×8
-        ((4096, 4096), (4, 2), (None, "model"), (4096, 512)),  # saved on 1×8, read on 4×2
-        ((96, 40), (1, 8), ("model", None), (36, 40)),  # chunks not aligned to the shards
-        ((10, 7), (1, 8), (None, None), (3, 7)),  # replicated, chunked
-        ((10, 7), (1, 8), (None, None), None),  # no chunk shape known: the whole array
-        ((), (1, 8), (), ()),  # a scalar
+        ((4096, 4096), (1, 8), (None, "model"), (4096, 1024), 4096 * 1024),  # saved on 2×4, read on 1×8
+        ((4096, 4096), (4, 2), (None, "model"), (4096, 512), 4096 * 2048),  # saved on 1×8, read on 4×2
+        ((96, 40), (1, 8), ("model", None), (30, 40), 60 * 40),  # rows 24..36 lie in 2 chunks
+        ((10, 7), (1, 8), (None, None), (3, 7), 12 * 7),  # the last chunk overhangs the array
+        ((10, 7), (1, 8), (None, None), None, 10 * 7),  # no chunk shape known: the whole array
+        ((), (1, 8), (), (), 1),  # a scalar
     ],
-    ids=["aligned", "finer-chunks", "misaligned", "replicated", "unknown-chunks", "scalar"],
+    ids=["aligned", "finer-chunks", "misaligned", "overhang", "unknown-chunks", "scalar"],
 )
-def test_shard_read_bytes_covers_what_orbax_reserves(shape, mesh, spec, chunks):
+def test_shard_read_bytes_is_the_stored_chunks_a_shard_overlaps(shape, mesh, spec, chunks, expected):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -342,8 +346,4 @@ def test_shard_read_bytes_covers_what_orbax_reserves(shape, mesh, spec, chunks):
     devices = np.array(jax.devices()[:8]).reshape(mesh)
     sharding = NamedSharding(jax.sharding.Mesh(devices, ("data", "model")), PartitionSpec(*spec))
     struct = jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
-    bound = _orbax_store.shard_read_bytes(struct, chunks)
-    needed = chunk_aligned_reads(shape, sharding, chunks or shape, 4)
-    rounded = [-(-n // c) * c for n, c in zip(shape, chunks or shape, strict=True)]  # whole chunks
-    whole = 4 * int(np.prod(rounded, dtype=np.int64))
-    assert needed <= bound <= whole, (needed, bound, whole)
+    assert _orbax_store.shard_read_bytes(struct, chunks) == 4 * expected

@@ -113,25 +113,26 @@ def restore(directory: Path, targets: Mapping[str, Sequence[Any]]) -> dict[str, 
 GROUP_BYTES = 64 << 20
 #: How many bytes of array data each process reads at a time (Orbax's restore limiter), or more
 #: where one shard's read needs more.
-READ_BYTES = 32 << 20
+READ_BYTES = 16 << 20
 
 
 def shard_read_bytes(struct: Any, chunk_shape: Sequence[int] | None) -> int:
-    """At most how many bytes reading one shard of `struct` (a `jax.ShapeDtypeStruct`) takes.
+    """The most bytes reading one of this process's shards of `struct` (a `jax.ShapeDtypeStruct`) takes.
 
     Orbax reserves, for each shard it reads, the bytes of the stored chunks the shard overlaps:
     the shard's extent widened to whole chunks of `chunk_shape` (`None`: one chunk, the whole
-    array), the last chunk counted whole even where it overhangs the array. Widening each
-    dimension by one chunk more covers a shard that is not aligned to them.
+    array), the last chunk counted whole even where it overhangs the array.
     """
     shape = tuple(struct.shape)
-    shard = tuple(struct.sharding.shard_shape(shape))
     chunks = tuple(chunk_shape) if chunk_shape and len(chunk_shape) == len(shape) else shape
-    extent = [
-        n if c <= 0 else min(-(-n // c) * c, -(-s // c) * c + c)
-        for n, s, c in zip(shape, shard, chunks, strict=True)
-    ]
-    return int(np.prod(extent, dtype=np.int64)) * np.dtype(struct.dtype).itemsize
+    most = 0
+    for index in struct.sharding.addressable_devices_indices_map(shape).values():
+        size = np.dtype(struct.dtype).itemsize
+        for part, n, c in zip(index, shape, chunks, strict=True):
+            start, stop = part.start or 0, n if part.stop is None else part.stop
+            size *= stop - start if c <= 0 else -(-stop // c) * c - start // c * c
+        most = max(most, size)
+    return most
 
 
 def _read_limit(directory: Path, targets: Mapping[str, Sequence[Any]]) -> int:
@@ -150,11 +151,15 @@ def _read_limit(directory: Path, targets: Mapping[str, Sequence[Any]]) -> int:
                 largest = max(largest, shard_read_bytes(struct, getattr(storage, "chunk_shape", None)))
     finally:
         checkpointer.close()
-    return max(READ_BYTES, largest + (1 << 20))
+    return max(READ_BYTES, largest + 4096)  # Orbax needs more than the request; 4 KiB above rounding
 
 
 def _reader(limit: int) -> Any:
-    """Orbax's `PyTreeCheckpointer`, reading at most `limit` bytes at a time in each process."""
+    """Orbax's `PyTreeCheckpointer`, reading at most `limit` bytes at a time in each process.
+
+    Orbax refuses (`ValueError`) a shard whose read needs `limit` bytes or more: `_read_limit`
+    computes the limit from the chunks stored, as Orbax does.
+    """
     import orbax.checkpoint as ocp
 
     class Reader(ocp.PyTreeCheckpointer):
