@@ -215,6 +215,13 @@ def test_resumable_checkpoint_records_where_it_stopped(reference, tmp_path):
     manifest = json.loads((backup / "latest" / "manifest.json").read_text())
     # Backups after steps 3, 6, 9 and 12: the last one is epoch 2 (index 1), 4 batches in.
     assert manifest["training"] == {"epoch": 1, "batch": 4}
+    assert manifest["format"] == 2, "backups are stored with Orbax by default"
+    assert sorted(p.name for p in (backup / "latest").iterdir()) == [
+        "manifest.json",
+        "model.orbax",
+        "optimizer.orbax",
+        "plan.json",
+    ]
     plan = json.loads((backup / "latest" / "plan.json").read_text())
     assert plan["mesh"] == {"data": 2, "model": 4}
 
