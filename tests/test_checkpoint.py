@@ -1132,9 +1132,6 @@ def orbax_train_and_save(build: Callable[[], keras.Model], directory: Path) -> O
 
 @pytest.fixture(scope="module")
 def orbax_saved(tmp_path_factory) -> dict[str, OrbaxSaved]:
-    pytest.importorskip(
-        "orbax.checkpoint", reason='install the orbax extra: pip install ".[orbax]" from the repository root'
-    )
     return {
         "functional": orbax_train_and_save(build_functional, tmp_path_factory.mktemp("orbax") / "functional"),
         "sequential": orbax_train_and_save(build_mlp, tmp_path_factory.mktemp("orbax") / "sequential"),
