@@ -306,7 +306,8 @@ def load_recording(model, path, rollback, monkeypatch) -> dict:
 def test_a_load_without_rollback_frees_each_value_before_reading_its_replacement(
     target, rollback, saved_here, monkeypatch
 ):
-    """rollback=False: one array per group, the value it replaces deleted before the group is read.
+    """rollback=False: one array per group, the value it replaces deleted before the group is read,
+    the reads in flight limited.
 
     The restore limiter is set as low as it goes (one shard's read at a time, plus 4 KiB): the
     bound on a shard's read (8 to 32 KiB of stored chunks here) must hold, or Orbax refuses it.
@@ -322,7 +323,10 @@ def test_a_load_without_rollback_frees_each_value_before_reading_its_replacement
     assert_bit_identical(model, saved_here["values"])
     assert len(seen["deleted_when_read"]) == len(saved_here["values"])
     assert seen["deleted_when_read"] == [not rollback] * len(saved_here["values"])
-    assert len(seen["limits"]) == 1 and seen["limits"][0] < 64 << 10, "one reader, limited"
+    if rollback:  # the whole model is read before anything is assigned: as fast as Orbax reads
+        assert seen["limits"] == [None]
+    else:
+        assert len(seen["limits"]) == 1 and seen["limits"][0] < 64 << 10, "one reader, limited"
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def restore(directory: Path, targets: Mapping[str, Sequence[Any]]) -> dict[str, 
     def keep(kind: str, index: int, value: Any) -> None:
         restored[kind][index] = value
 
-    restore_into(directory, targets, keep, group_bytes=None)
+    restore_into(directory, targets, keep, group_bytes=None, limited=False)
     return restored
 
 
@@ -154,8 +154,8 @@ def _read_limit(directory: Path, targets: Mapping[str, Sequence[Any]]) -> int:
     return max(READ_BYTES, largest + 4096)  # Orbax needs more than the request; 4 KiB above rounding
 
 
-def _reader(limit: int) -> Any:
-    """Orbax's `PyTreeCheckpointer`, reading at most `limit` bytes at a time in each process.
+def _reader(limit: int | None) -> Any:
+    """Orbax's `PyTreeCheckpointer`, reading at most `limit` bytes at a time in each process (`None`: 96 GB).
 
     Orbax refuses (`ValueError`) a shard whose read needs `limit` bytes or more: `_read_limit`
     computes the limit from the chunks stored, as Orbax does.
@@ -165,7 +165,8 @@ def _reader(limit: int) -> Any:
     class Reader(ocp.PyTreeCheckpointer):
         def __init__(self) -> None:
             # Orbax takes the limit in GB (10**9 bytes), and multiplies it back.
-            handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit / 10**9)
+            gb = None if limit is None else limit / 10**9
+            handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=gb)
             ocp.Checkpointer.__init__(self, handler)
 
     return Reader()
@@ -177,6 +178,7 @@ def restore_into(
     assign: Callable[[str, int, Any], None],
     group_bytes: int | None = GROUP_BYTES,
     release: Callable[[str, int], None] | None = None,
+    limited: bool = True,
 ) -> None:
     """Reads the arrays in groups of about `group_bytes` (`None`: all at once), and hands each over.
 
@@ -185,12 +187,12 @@ def restore_into(
     index)`, when given, is called for every array of a group just before the group is read,
     for the caller to free the value it will replace: then a load holds the model and, on the
     host, about `READ_BYTES` of reads in flight (each shard is read, put on its device and
-    dropped, a few at a time).
+    dropped, a few at a time). Not `limited`: as many reads at once as Orbax likes (faster).
     """
     import jax
     import orbax.checkpoint as ocp
 
-    checkpointer = _reader(_read_limit(directory, targets))
+    checkpointer = _reader(_read_limit(directory, targets) if limited else None)
     try:
         for kind, structs in targets.items():
             groups: list[list[int]] = [[]]
