@@ -1,4 +1,4 @@
-"""Peak memory while loading a sharded checkpoint, per format, against the model's size.
+"""Peak memory while loading a sharded checkpoint, per format and per process, and how long saves block.
 
 An MLP of 5 Dense layers 4096 → 4096 (84 M float32 parameters, 320 MiB) is
 built on a data=2 × model=4 mesh, every kernel split over "model", and saved
@@ -17,6 +17,10 @@ loaded model occupies exactly its own size across the 8 devices):
 - `kml orbax`: the same, from a checkpoint saved with `storage="orbax"`
   (each process reads only the slices its devices hold; here one process
   holds all 8 devices, so it reads the whole model);
+- `kml orbax, 2 processes`: the Orbax checkpoint loaded in 2 processes × 4
+  devices (the launcher, on loopback) on data=1 × model=8 split across them:
+  each process holds, and reads, half of every kernel; measured in each process
+  against the bytes its devices hold;
 - `build only`: the model built, nothing loaded (the floor of the other rows).
 
 The save of each format is timed too (in the process that builds the model on
@@ -27,13 +31,16 @@ so the resident set counts the loaded model itself as well as any host copies
 made while loading. On accelerators the model lives in device memory and only
 the host copies stay on the host.
 
-Columns, each a ratio to the model's size:
+Columns, each a ratio to the bytes the process's devices hold (the whole
+model in one process, half of it in each of 2):
 
-- `peak / model`: peak resident memory while loading (building included where
+- `peak / held`: peak resident memory while loading (building included where
   the format builds the model) minus the resident memory of the process before
-  the model existed (JAX and Keras started, nothing built). 1.0 is the floor:
-  the model itself;
-- `extra / model`: that peak minus the resident memory once loading is over:
+  the model existed (JAX, Keras, h5py and Orbax imported: a fixed cost of the
+  libraries, about 26 MiB for Orbax and TensorStore, not of the load; nothing
+  built). 1.0 is the floor: the model itself. Building the model leaves about
+  35 MiB more resident (compiled initialisers), which every row counts;
+- `extra / held`: that peak minus the resident memory once loading is over:
   what the load needed on top of the loaded model.
 
 Peaks are read from the kernel's high-water mark (`VmHWM`), reset with
@@ -43,7 +50,7 @@ is not allowed, `ru_maxrss` (the lifetime peak) is used and the table says so.
 The children run with `MALLOC_MMAP_THRESHOLD_=131072`, so that freed blocks go
 back to the system and the memory "once loading is over" is what is live.
 
-    python benchmarks/checkpoint.py                  # about a minute and a half on 2 cores
+    python benchmarks/checkpoint.py                  # about five minutes on 2 cores
     python benchmarks/checkpoint.py --repeat 1       # one process per format (peaks vary ±0.3)
     python benchmarks/checkpoint.py --json out.json  # also write the numbers
 
@@ -57,10 +64,12 @@ failed load must leave the model in memory as it was):
 
     python benchmarks/checkpoint.py --faults         # about a minute on 2 cores
 
-`--blocking` instead times how long a save blocks training: a synchronous Orbax
-save of the model (and its Adam state) against the part of a background save
-(`ResumableCheckpoint(storage="orbax", asynchronous=True)`) that runs before
-training goes on (copying the arrays off the devices), three of each:
+The run ends by timing how long a save blocks training (`--blocking` does only
+that): the end-of-epoch save of `kml.ResumableCheckpoint(storage="orbax")` on
+2×4, of the model and its Adam state (960 MiB), with `asynchronous=False`
+against `True`, from the call until training would go on; three of each. The
+background save blocks only while each shard is copied off its device (one
+copy of each, from its first replica); Orbax then writes the files in a thread.
 
     python benchmarks/checkpoint.py --blocking
 """
@@ -139,6 +148,11 @@ def _start(mesh: dict):
     import keras
 
     jax.numpy.zeros(8).block_until_ready()
+    # The libraries a load may use are imported before the baseline is read: their code is a
+    # fixed cost of the process (about 26 MiB for Orbax and TensorStore), not of the load.
+    import h5py  # noqa: F401
+    import orbax.checkpoint  # noqa: F401
+
     keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(**mesh), RULES, batch_axis="data"))
     return kml, keras
 
@@ -151,7 +165,7 @@ def save(directory: Path) -> dict:
     saves = {
         "keras": lambda: model.save(directory / "m.keras"),
         "weights.h5": lambda: model.save_weights(directory / "m.weights.h5"),
-        "kml": lambda: kml.save_checkpoint(model, directory / "ckpt"),
+        "kml": lambda: kml.save_checkpoint(model, directory / "ckpt", storage="h5"),  # Orbax: the default
         "kml orbax": lambda: kml.save_checkpoint(model, directory / "ckpt_orbax", storage="orbax"),
     }
     seconds = {}
@@ -243,27 +257,115 @@ def load_build_only(directory: Path) -> dict:
     }
 
 
-def blocking(directory: Path) -> dict:
-    """In a fresh process: seconds a synchronous and a background Orbax save block the caller."""
-    import numpy as np
+#: Loads measured in each of 2 processes × 4 devices, on data=1 × model=8 split across them.
+PROCESS_FORMATS = {
+    "kml orbax, 2 processes": 'each process: kml.load_checkpoint(model, dir), storage="orbax"',
+    "kml orbax, 2 processes, no rollback": "the same, rollback=False",
+}
 
-    from keras_meshlayout.checkpoint import _save
+
+def held_bytes(model) -> int:
+    """The bytes of the model's variables this process's devices hold (one copy of each slice)."""
+    total = 0
+    for variable in model.weights:
+        shards = variable.value.addressable_shards
+        slices = {tuple((i.start, i.stop) for i in shard.index): shard.data.nbytes for shard in shards}
+        total += sum(slices.values())
+    return int(total)
+
+
+def load_in_process(fmt: str, directory: Path) -> dict:
+    """In one of 2 launched processes: loads the Orbax checkpoint, measured like `load`."""
+    import keras_meshlayout as kml
+
+    kml.initialize(emulate_devices=8)
+    import warnings
+
+    import h5py  # noqa: F401
+    import jax
+    import keras
+    import orbax.checkpoint  # noqa: F401
+
+    jax.numpy.zeros(8).block_until_ready()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kml.ProcessSplitWarning)  # model spans the processes: intended
+        mesh = kml.Mesh(data=1, model=8, allow_split_across_processes=True)
+    keras.distribution.set_distribution(kml.ModelParallel(mesh, RULES, batch_axis="data"))
+    gc.collect()
+    before = _status("VmRSS")
+    model = build_mlp()
+    gc.collect()
+    resettable = _reset_peak()
+    start = time.perf_counter()
+    kml.load_checkpoint(model, directory / "ckpt_orbax", rollback="no rollback" not in fmt)
+    seconds = time.perf_counter() - start
+    peak = _peak(resettable)
+    gc.collect()
+    after = _status("VmRSS")
+    held = held_bytes(model)
+    assert held < model_bytes(), "each process holds only its part of the model"
+    return {
+        "format": fmt,
+        "how": PROCESS_FORMATS[fmt],
+        "process": jax.process_index(),
+        "held_bytes": held,
+        "seconds": round(seconds, 2),
+        "rss_before_bytes": before,
+        "rss_after_bytes": after,
+        "peak_rss_bytes": peak,
+        "peak_over_model": round((peak - before) / held, 3),
+        "extra_over_model": round((peak - after) / held, 3),
+        "peak_is_lifetime": not resettable,
+    }
+
+
+def run_processes(fmt: str, directory: Path) -> list[dict]:
+    """Runs `load_in_process` in 2 processes × 4 devices (the launcher, on loopback); both results."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    command = [sys.executable, "-m", "keras_meshlayout.launch", "-n", "2", "--devices-per-process", "4"]
+    command += ["--timeout", "280", __file__, "--child", "processes", str(directory), fmt]
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    if out.returncode != 0:
+        raise SystemExit(f"the 2-process load failed (exit status {out.returncode}):\n{out.stderr[-4000:]}")
+    found = [line.split("RESULT ", 1)[1] for line in out.stdout.splitlines() if "RESULT " in line]
+    return sorted((json.loads(line) for line in found), key=lambda r: r["process"])
+
+
+def blocking(directory: Path) -> dict:
+    """In a fresh process: seconds a synchronous and a background Orbax backup block training.
+
+    Each is `kml.ResumableCheckpoint(storage="orbax")`'s save at the end of an epoch, timed
+    from the call to its return (when training would go on), with `asynchronous=False` and
+    `True`; the background one is then waited for (`on_train_end`), which gives its total.
+    """
+    import numpy as np
 
     kml, keras = _start({"data": 2, "model": 4})
     keras.utils.set_random_seed(0)
     model = build_mlp()
     model.compile(optimizer="adam", loss="mse")
     model.optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(0)
+    for variable in model.optimizer.variables:  # Adam's moments as after training, not zeros
+        if len(variable.shape):
+            variable.assign(rng.standard_normal(variable.shape, dtype=np.float32))
     sync, blocked, total = [], [], []
     for i in range(3):
-        start = time.perf_counter()
-        kml.save_checkpoint(model, directory / f"sync_{i}", storage="orbax")
-        sync.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        pending = _save.BackgroundSave(model, directory / f"async_{i}", None, None)
-        blocked.append(time.perf_counter() - start)
-        pending.wait()
-        total.append(time.perf_counter() - start)
+        for asynchronous, times in ((False, sync), (True, blocked)):
+            backup = kml.ResumableCheckpoint(
+                directory / f"{'async' if asynchronous else 'sync'}_{i}",
+                storage="orbax",
+                asynchronous=asynchronous,
+                delete_on_end=False,
+            )
+            backup.set_model(model)
+            start = time.perf_counter()
+            backup.on_epoch_end(0)
+            times.append(time.perf_counter() - start)
+            backup.on_train_end()
+            if asynchronous:
+                total.append(time.perf_counter() - start)
     state = sum(int(np.prod(v.shape)) * 4 for v in [*model.weights, *model.optimizer.variables])
     return {
         "state_bytes": state,
@@ -271,6 +373,8 @@ def blocking(directory: Path) -> dict:
         "async_blocking_seconds": blocked,
         "async_total_seconds": total,
         "blocked_over_sync": round(min(blocked) / min(sync), 3),
+        "save_mb_per_s_sync": round(state / 1e6 / min(sync), 1),
+        "save_mb_per_s_async_total": round(state / 1e6 / min(total), 1),
     }
 
 
@@ -461,6 +565,9 @@ def main() -> None:
             print(json.dumps(faults(directory)), flush=True)
             # h5py crashes at interpreter exit once one of its writes has failed for a full disk.
             os._exit(0)
+        if step == "processes":
+            print("RESULT " + json.dumps(load_in_process(args.child[2], directory)), flush=True)
+            return
         if step == "blocking":
             result = blocking(directory)
         elif step == "save":
@@ -482,13 +589,7 @@ def main() -> None:
     if args.blocking:
         with tempfile.TemporaryDirectory(prefix="kml-bench-") as tmp:
             result = run_child("blocking", tmp)
-        console.print(
-            f"Saving {result['state_bytes'] / 2**20:.0f} MiB of training state (model and Adam) with Orbax: "
-            f"synchronous {min(result['sync_seconds']):.2f} s; in the background, training blocked "
-            f"{min(result['async_blocking_seconds']):.2f} s (done after "
-            f"{min(result['async_total_seconds']):.2f} s): blocked / synchronous = "
-            f"{result['blocked_over_sync']:.2f} (best of 3 each)"
-        )
+        print_blocking(console, result)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
@@ -499,6 +600,9 @@ def main() -> None:
         saved = run_child("save", tmp)
         files, save_seconds = saved["bytes"], saved["save_seconds"]
         runs = {fmt: [run_child(fmt, tmp) for _ in range(args.repeat)] for fmt in FORMATS}
+        for fmt in PROCESS_FORMATS:  # each run gives one result per process
+            runs[fmt] = [r for _ in range(args.repeat) for r in run_processes(fmt, Path(tmp))]
+        blocked = run_child("blocking", tmp)
         total = time.perf_counter() - start
     # The worst of the runs: what a machine must have room for. JAX frees buffers asynchronously,
     # so peaks vary by about ±0.3 model sizes from run to run on a busy machine.
@@ -516,8 +620,8 @@ def main() -> None:
         "(fresh process each)",
         title_justify="left",
     )
-    columns = ("format", "how", "file", "save s", "save MB/s", "load s", "load MB/s", "peak / model")
-    for column in (*columns, "extra / model"):
+    columns = ("format", "how", "file", "save s", "save MB/s", "load s", "load MB/s", "peak / held")
+    for column in (*columns, "extra / held"):
         table.add_column(column, justify="left" if column in ("format", "how") else "right")
     for r in results:
         saved_in = r["save_seconds"]
@@ -528,21 +632,36 @@ def main() -> None:
             "-" if saved_in is None else f"{saved_in:.2f}",
             "-" if saved_in is None else f"{size / 1e6 / saved_in:.0f}",
             f"{r['seconds']:.2f}",
-            "-" if r["format"] == "build only" else f"{size / 1e6 / r['seconds']:.0f}",
+            "-" if r["format"] == "build only" else f"{r.get('held_bytes', size) / 1e6 / r['seconds']:.0f}",
             f"{r['peak_over_model']:.2f}" + (" *" if r["peak_is_lifetime"] else ""),
             f"{r['extra_over_model']:.2f}",
         )
     console.print(table)
     console.print(
-        "peak / model: peak resident memory while loading, less the process before the model existed; "
-        "extra / model: that peak less the memory once loaded. Emulated CPU devices: the loaded model "
-        f"itself is resident (1.00 = just the model). Worst of {args.repeat} runs each; {total:.0f} s in all."
+        "peak / held: peak resident memory of a process while loading, less that process before the "
+        "model existed (JAX, Keras, h5py and Orbax imported), over the bytes its devices hold (the whole "
+        "model in one process, about half in each of 2); extra / held: that peak less the memory once "
+        "loaded. Emulated CPU devices: the loaded model itself is resident (1.00 = just the model; "
+        "load MB/s: the bytes a process holds over its seconds). "
+        f"Worst of {args.repeat} runs each (each process of a 2-process run counted); {total:.0f} s in all."
     )
+    print_blocking(console, blocked)
     if any(r["peak_is_lifetime"] for r in results):
         console.print("* peak over the process's lifetime (resetting the peak mark is not allowed here)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model_bytes": size, "results": results}, f, indent=2)
+            json.dump({"model_bytes": size, "results": results, "blocking": blocked}, f, indent=2)
+
+
+def print_blocking(console, result: dict) -> None:
+    console.print(
+        f"Backing up {result['state_bytes'] / 2**20:.0f} MiB of training state (model and Adam) with "
+        f'ResumableCheckpoint(storage="orbax") on 2×4: synchronous {min(result["sync_seconds"]):.2f} s '
+        f"({result['save_mb_per_s_sync']:.0f} MB/s); asynchronous=True blocks training "
+        f"{min(result['async_blocking_seconds']):.3f} s "
+        f"(written after {min(result['async_total_seconds']):.2f} s): "
+        f"blocked / synchronous = {result['blocked_over_sync']:.3f} (best of 3 each)"
+    )
 
 
 def print_faults(console, json_path: str | None) -> None:
