@@ -282,7 +282,7 @@ class _Planner:
             candidate = unit.candidates[index]
             why = explain(unit, index)
             for path, axes in candidate.axes.items():
-                detail = unit.notes.get(path, "")
+                detail = candidate.notes.get(path) or unit.notes.get(path, "")
                 note = why if candidate.layout == "replicated" or not detail else f"{why} ({detail})"
                 self.relayout(variables[path], axes, note)
 

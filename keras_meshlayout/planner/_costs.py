@@ -95,12 +95,15 @@ class Candidate:
         axes: Per variable path of the unit, its axes under this layout.
         state: Per-device bytes of its parameters, gradients and optimizer slots.
         wire: Bytes each device sends per step for it, by mesh axis.
+        notes: Per variable path, how this layout splits it, where that differs
+            from the unit's own note.
     """
 
     layout: str
     axes: Mapping[str, Axes]
     state: int
     wire: Mapping[str, float]
+    notes: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def total(self) -> float:
@@ -155,8 +158,15 @@ def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(mapping))
 
 
-def _candidate(layout: str, axes: Mapping[str, Axes], state: int, wire: Mapping[str, float]) -> Candidate:
-    return Candidate(layout, _frozen({p: tuple(a) for p, a in axes.items()}), int(state), _frozen(wire))
+def _candidate(
+    layout: str,
+    axes: Mapping[str, Axes],
+    state: int,
+    wire: Mapping[str, float],
+    notes: Mapping[str, str] | None = None,
+) -> Candidate:
+    frozen_axes = _frozen({p: tuple(a) for p, a in axes.items()})
+    return Candidate(layout, frozen_axes, int(state), _frozen(wire), _frozen(notes or {}))
 
 
 class _Coster:
@@ -470,9 +480,41 @@ class _Coster:
         note = {
             variable.path: f"embedding: vocabulary split over {self.model_axis!r}, one all-reduce forward"
         }
-        return UnitCosts(
-            getattr(owner, "path", variable.path), (self._replicated([variable]), split), _frozen(note)
-        )
+        candidates = [self._replicated([variable]), split]
+        sharded = self._sharded_table(variable, wire, self._activation(output, dtype))
+        if sharded is not None:
+            candidates.append(sharded)
+        return UnitCosts(getattr(owner, "path", variable.path), tuple(candidates), _frozen(note))
+
+    def _sharded_table(
+        self, variable: keras.Variable, vocab_wire: Mapping[str, float], looked_up: float
+    ) -> Candidate | None:
+        """A look-up table split over the batch axis on its vocabulary (fully sharded).
+
+        Offered only with a batch axis larger than the model axis, where it
+        holds less than vocab-parallel, and only while one model-axis block
+        of the table is no larger than the looked-up activations on a device
+        (`looked_up`): there XLA:CPU was measured to move each device's rows
+        to the vocab-parallel layout (a collective-permute of its shard over
+        both axes, then an all-gather over the batch-axis devices that hold
+        one model-axis block), look up vocab-parallel, and move the gradient
+        back the same way (a second permute). A larger table makes XLA move
+        the activations instead, which no formula here predicts.
+        `tests/test_budget.py` holds this against the compiled HLO on 4×2.
+        """
+        d, m, rows = self.d, self.m, variable.shape[0]
+        size = _nbytes(variable)
+        if d <= m or d % m or rows % d or size / m > looked_up:
+            return None
+        wire = dict(vocab_wire)
+        _add(wire, self.batch_axis, wire_bytes("all-gather", size / m, d // m))
+        _add(wire, self.both, 2 * size / d)
+        note = {
+            variable.path: f"embedding: vocabulary split over {self.batch_axis!r}, moved to a split over "
+            f"{self.model_axis!r} for the look-up"
+        }
+        axes = {variable.path: (self.batch_axis, None)}
+        return _candidate("fully sharded", axes, self._state(variable, d, True), wire, note)
 
     def _idle_unit(self, variable: keras.Variable) -> UnitCosts | None:
         """A trainable weight the step never reads (an untied output embedding, say).
