@@ -53,9 +53,12 @@ back to the system and the memory "once loading is over" is what is live.
     python benchmarks/checkpoint.py                  # about five minutes on 2 cores
     python benchmarks/checkpoint.py --repeat 1       # one process per format (peaks vary ±0.3)
     python benchmarks/checkpoint.py --json out.json  # also write the numbers
+    python benchmarks/checkpoint.py --width 8192 --only "kml orbax, 2 processes, no rollback"
+                                                     # one load, of a 1.25 GiB MLP
 
-`--faults` instead injects every fault into saves and loads of the same model, on a
-tmpfs mounted in a mount namespace of its own (`unshare -rm`: no root needed):
+`--faults` instead injects every fault into saves and loads of the same model, in
+the h5 format (`storage="h5"`; the Orbax format's faults are tested in
+tests/test_checkpoint.py), on a tmpfs mounted in a mount namespace of its own (`unshare -rm`: no root needed):
 SIGKILL at three points of a save (in a separate process), a disk full while
 writing each of the three files, a damaged manifest, a truncated or flipped
 weights file. It reports, for each, what reported it and how fast, and what was
@@ -87,7 +90,8 @@ import tempfile
 import time
 from pathlib import Path
 
-LAYERS, WIDTH = 5, 4096
+LAYERS = 5
+WIDTH = int(os.environ.get("BENCH_WIDTH", "4096"))  # `--width`, passed on to the child processes
 FORMATS = {
     "keras": "keras.saving.load_model(m.keras)",
     "keras, load_weights": "model.load_weights(m.keras)",
@@ -410,7 +414,7 @@ def kill_during_save(point: str, directory: Path) -> None:
     else:
         first = point == "SIGKILL between the two renames"
         os.replace = lambda src, dst: (replace(src, dst), first == (".old-" in str(dst)) and die())
-    kml.save_checkpoint(model, directory / "ckpt")
+    kml.save_checkpoint(model, directory / "ckpt", storage="h5")
     raise SystemExit("not killed")
 
 
@@ -426,7 +430,7 @@ def faults(directory: Path) -> dict:
     keras.utils.set_random_seed(0)
     model = build_mlp()
     start = time.perf_counter()
-    kml.save_checkpoint(model, ckpt)
+    kml.save_checkpoint(model, ckpt, storage="h5")  # the fault table is the h5 format's
     save_seconds = time.perf_counter() - start
     saved = {"previous": _values(model)}
     keras.utils.set_random_seed(1)
@@ -459,7 +463,7 @@ def faults(directory: Path) -> dict:
         assert run.returncode == -9, run.stderr[-2000:]
         seconds, outcome, lost = load(expect)
         rows.append({"fault": point, "reported": "next load: " + outcome, "seconds": seconds, "lost": lost})
-        kml.save_checkpoint(model, ckpt)  # the previous checkpoint again, for the next fault
+        kml.save_checkpoint(model, ckpt, storage="h5")  # the previous checkpoint again, for the next fault
 
     size = {p.name: p.stat().st_blocks * 512 for p in ckpt.iterdir()}
     room = {
@@ -476,7 +480,7 @@ def faults(directory: Path) -> dict:
             filler.write(b"0" * ((stat.f_bavail * stat.f_frsize - free) % (1 << 20)))
         start = time.perf_counter()
         try:
-            kml.save_checkpoint(other, ckpt)
+            kml.save_checkpoint(other, ckpt, storage="h5")
             reported = "not reported: the save succeeded"
         except kml.CheckpointError as err:
             reported = "the save: CheckpointError naming " + name
@@ -540,11 +544,17 @@ def run_child(*args: str) -> dict:
 
 
 def main() -> None:
+    global WIDTH
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--repeat", type=int, default=2, help="fresh processes per format (default: 2)")
+    parser.add_argument("--width", type=int, default=WIDTH, help="the MLP's width (default: 4096, 320 MiB)")
+    parser.add_argument(
+        "--only",
+        help="the loads to measure, separated by ';' (default: every format and the 2-process ones)",
+    )
     parser.add_argument(
         "--faults",
         action="store_true",
@@ -557,6 +567,8 @@ def main() -> None:
     )
     parser.add_argument("--child", nargs="+", metavar="STEP DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    WIDTH = args.width
+    os.environ["BENCH_WIDTH"] = str(args.width)  # for the child processes
     if args.child:
         step, directory = args.child[0], Path(args.child[1])
         if step == "kill":
@@ -599,10 +611,11 @@ def main() -> None:
         start = time.perf_counter()
         saved = run_child("save", tmp)
         files, save_seconds = saved["bytes"], saved["save_seconds"]
-        runs = {fmt: [run_child(fmt, tmp) for _ in range(args.repeat)] for fmt in FORMATS}
-        for fmt in PROCESS_FORMATS:  # each run gives one result per process
+        chosen = [*FORMATS, *PROCESS_FORMATS] if args.only is None else args.only.split(";")
+        runs = {fmt: [run_child(fmt, tmp) for _ in range(args.repeat)] for fmt in FORMATS if fmt in chosen}
+        for fmt in (f for f in PROCESS_FORMATS if f in chosen):  # each run gives one result per process
             runs[fmt] = [r for _ in range(args.repeat) for r in run_processes(fmt, Path(tmp))]
-        blocked = run_child("blocking", tmp)
+        blocked = run_child("blocking", tmp) if args.only is None else None
         total = time.perf_counter() - start
     # The worst of the runs: what a machine must have room for. JAX frees buffers asynchronously,
     # so peaks vary by about ±0.3 model sizes from run to run on a busy machine.
@@ -645,7 +658,8 @@ def main() -> None:
         "load MB/s: the bytes a process holds over its seconds). "
         f"Worst of {args.repeat} runs each (each process of a 2-process run counted); {total:.0f} s in all."
     )
-    print_blocking(console, blocked)
+    if blocked is not None:
+        print_blocking(console, blocked)
     if any(r["peak_is_lifetime"] for r in results):
         console.print("* peak over the process's lifetime (resetting the peak mark is not allowed here)")
     if args.json:
