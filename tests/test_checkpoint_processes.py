@@ -351,3 +351,35 @@ def test_shard_read_bytes_is_the_stored_chunks_a_shard_overlaps(shape, mesh, spe
     sharding = NamedSharding(jax.sharding.Mesh(devices, ("data", "model")), PartitionSpec(*spec))
     struct = jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
     assert _orbax_store.shard_read_bytes(struct, chunks) == 4 * expected
+
+
+# -- a background save while training goes on (in this process) -------------------------------
+
+
+def test_a_background_save_holds_the_values_of_its_step_while_training_goes_on(tmp_path):
+    """The backup after step 3 is written while step 4 trains (and donates the old buffers): it
+    holds step 3's values bit for bit, each shard copied off one device (replicas over `data`)."""
+    keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(data=2, model=4), TP_RULES))
+    model = build(WIDE)
+    recorded = {}
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:  # after step 3, when the backup below starts
+                recorded["values"] = [
+                    np.asarray(v.value) for v in [*model.weights, *model.optimizer.variables]
+                ]
+
+    backup = kml.ResumableCheckpoint(
+        tmp_path, save_freq=3, storage="orbax", asynchronous=True, delete_on_end=False
+    )
+    model.fit(*data(), batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[backup, Record()])
+    final = [np.asarray(v.value) for v in model.weights]
+    assert any(not np.array_equal(a, b) for a, b in zip(final, recorded["values"], strict=False)), (
+        "step 4 moved"
+    )
+    manifest = json.loads((tmp_path / "latest" / "manifest.json").read_text())
+    assert manifest["training"] == {"epoch": 0, "batch": 3}
+    fresh = build(WIDE)
+    kml.load_checkpoint(fresh, tmp_path / "latest")
+    assert_bit_identical(fresh, recorded["values"])
