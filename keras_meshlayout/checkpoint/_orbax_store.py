@@ -10,6 +10,13 @@ process reads only the slices its devices hold under the current plan.
 Every array lives in one Orbax checkpoint per kind of variable,
 `model.orbax/` and `optimizer.orbax/`, as a flat dictionary keyed by the
 variable's position (`"00000"`, ...), the way Keras matches variables on load.
+
+What a save blocks: only the copy of each shard off its device (one copy, from
+its first replica; Orbax's replica-parallel writing would first slice every
+shard on its device), then Orbax writes in a thread of its own. What a load
+holds: with `release`, the model and, per process, one shard's read or
+`READ_BYTES` (Orbax's restore limiter), each value freed before its replacement
+is read.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ def key(index: int) -> str:
     return f"{index:05d}"
 
 
-def _checkpointer(compress: bool = True) -> Any:
+def _checkpointer() -> Any:
     """Orbax's asynchronous checkpointer, each shard written whole by its first replica.
 
     Orbax's default spreads the writing of a replicated shard over its replicas, which first
@@ -48,7 +55,7 @@ def _checkpointer(compress: bool = True) -> Any:
     registry = handlers.create_type_handler_registry(
         (jax.Array, handlers.ArrayHandler(use_replica_parallel=False)),
     )
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=compress)
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
     return ocp.AsyncCheckpointer(handler)
 
 
