@@ -1,8 +1,8 @@
 """Resolving one variable's layout from its path and shape.
 
-This is where a rule meets a real shape: the rank check, the small-variable
-threshold and the divisibility check (and the `on_indivisible` policy) all live
-here, as pure functions of the path, shape, dtype, rules and mesh axis sizes.
+The first matching rule meets the variable's real shape here: the checks of rank, axis
+names and divisibility (`_shape_checks`), and the small-matrix threshold, applied in order as
+pure functions of the path, shape, dtype, rules and mesh axis sizes.
 `kml.ModelParallel` calls `resolve` for every variable Keras creates, and the
 plan calls the same function, so the two cannot disagree.
 """
@@ -11,18 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._errors import (
-    IndivisibleShapeError,
-    IndivisibleShapeWarning,
-    InvalidRuleError,
-    RankMismatchError,
-)
 from ._policy import DEFAULT_REPLICATE_BELOW, POLICIES, IndivisiblePolicy, check_policy
 from ._rules import Axes, LayoutRules, Rule
+from ._shape_checks import check_axis_names, checked_rank, divisible_axes, is_weight_matrix
 
 __all__ = [
     "DEFAULT_REPLICATE_BELOW",
@@ -164,25 +158,8 @@ def resolve(
     if rule is None:
         return Resolution(path, shape, dtype_name, None, None, replicated, nbytes=nbytes, source="default")
 
-    requested = rule.expand(len(shape))
-    if requested is None:
-        rank = f"at least {len(rule.axes) - 1}" if Ellipsis in rule.axes else str(len(rule.axes))
-        raise RankMismatchError(
-            f"Variable {path!r} has shape {shape} (rank {len(shape)}), but the first rule "
-            f"matching it, {rule.describe()}, gives a layout of rank {rank}. A layout "
-            f"needs one entry per dimension. Fix: give this rule {_entries(len(shape))}, or make "
-            f"its pattern more specific (e.g. end it in '/kernel' or '/bias') and add a rule "
-            f"of rank {len(shape)} for {path!r}. (Keras's own ModelParallel would hand this "
-            "layout to JAX unchecked, and JAX would refuse it when placing the variable, "
-            "without naming it.)"
-        )
-    for axis in requested:
-        if axis is not None and axis not in axis_sizes:
-            raise InvalidRuleError(
-                f"Layout {rule.describe()}, matching variable {path!r}, names mesh axis "
-                f"{axis!r}, but the mesh has axes {tuple(axis_sizes)}. Fix: use one of those "
-                "or None."
-            )
+    requested = checked_rank(path, shape, rule)
+    check_axis_names(path, rule, requested, axis_sizes)
     if all(axis is None for axis in requested):
         return Resolution(path, shape, dtype_name, rule, requested, requested, nbytes=nbytes)
 
@@ -196,50 +173,10 @@ def resolve(
             f"small: {size} elements < replicate_below={replicate_below}, split anyway: a rule of "
             "your own (replicate_below keeps only preset and planner rules' small matrices whole)"
         )
-
-    final: list[str | None] = list(requested)
-    for dim, axis in enumerate(requested):
-        if axis is None or shape[dim] % axis_sizes[axis] == 0:
-            continue
-        if on_indivisible == "error":
-            raise IndivisibleShapeError(
-                f"Variable {path!r} has shape {shape}; {rule.describe()} splits dimension {dim} "
-                f"(size {shape[dim]}) over mesh axis {axis!r} of size {axis_sizes[axis]}, and "
-                f"{shape[dim]} is not a multiple of {axis_sizes[axis]}. Fix: choose a mesh whose "
-                f"{axis!r} axis divides {shape[dim]}, change the layer size, put None on "
-                f"dimension {dim} in this rule, or pass on_indivisible='replicate' to replicate "
-                "that dimension instead. (Plain Keras would hand the layout to JAX, which fails "
-                "with an IndivisibleError naming no variable.)"
-            )
-        final[dim] = None
-        reasons.append(
-            f"dimension {dim} (size {shape[dim]}) does not divide by mesh axis {axis!r} "
-            f"(size {axis_sizes[axis]})"
-        )
-        if warn:
-            warnings.warn(
-                f"Variable {path!r} (shape {shape}) is replicated on dimension {dim}: size "
-                f"{shape[dim]} does not divide by mesh axis {axis!r} of size {axis_sizes[axis]} "
-                f"({rule.describe()}). It costs {axis_sizes[axis]}x the memory it would take "
-                "sharded. Pass on_indivisible='error' to make this an error. (Plain Keras would "
-                "fail here in JAX with an IndivisibleError naming no variable.)",
-                IndivisibleShapeWarning,
-                stacklevel=3,
-            )
-    axes = tuple(final)
+    axes, indivisible = divisible_axes(path, shape, rule, requested, axis_sizes, on_indivisible, warn=warn)
+    reasons += indivisible
     shards = math.prod(axis_sizes[a] for a in axes if a is not None)
     return Resolution(path, shape, dtype_name, rule, requested, axes, tuple(reasons), shards, nbytes)
-
-
-def is_weight_matrix(path: str, shape: Sequence[int]) -> bool:
-    """Whether `replicate_below` applies: rank 2 or more, and not a bias.
-
-    Biases and other vectors follow their rule whatever their size: beside a
-    split kernel a split bias is free, and a replicated one costs an all-gather
-    every step (attention biases are `(heads, head_dim)` matrices, hence the
-    name check).
-    """
-    return len(shape) >= 2 and not path.endswith("/bias")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -252,7 +189,3 @@ def _itemsize(dtype_name: str) -> int:
     import jax.numpy as jnp  # knows bfloat16 and the float8 types; starts no backend
 
     return jnp.dtype(dtype_name).itemsize
-
-
-def _entries(count: int) -> str:
-    return "1 entry" if count == 1 else f"{count} entries"
