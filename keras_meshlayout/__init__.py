@@ -58,11 +58,11 @@ from .core._resolve import Resolution as Resolution
 from .core._rules import LayoutRules as LayoutRules
 from .core._rules import Rule as Rule
 from .planner._auto import auto_rules as auto_rules
-from .planner._search import PlanCost as PlanCost
-from .planner._search import UnitChoice as UnitChoice
 from .planner._presets import conv_rules as conv_rules
 from .planner._presets import mlp_rules as mlp_rules
 from .planner._presets import transformer_rules as transformer_rules
+from .planner._search import PlanCost as PlanCost
+from .planner._search import UnitChoice as UnitChoice
 from .report._comm import CommReport as CommReport
 from .report._comm import Transfer as Transfer
 from .report._comm import comm_report as comm_report

@@ -188,3 +188,31 @@ def test_rules_keep_their_policy_when_bound_and_reject_another_type():
     assert kml.LayoutRules().policy is None
     with pytest.raises(kml.InvalidOptionError, match=r"LayoutRules: policy must be a kml.LayoutPolicy"):
         kml.LayoutRules(policy=0)
+
+
+PRESETS = [
+    ("mlp", lambda **kw: kml.mlp_rules(["up"], **kw)),
+    ("transformer", lambda **kw: kml.transformer_rules(**kw)),
+    ("conv", lambda **kw: kml.conv_rules(**kw)),
+]
+
+
+@pytest.mark.parametrize("make", [make for _, make in PRESETS], ids=[name for name, _ in PRESETS])
+def test_presets_take_a_policy_and_carry_it(make):
+    assert make().policy == P()
+    assert make(policy=P("error", 0)).policy == P("error", 0)
+    with pytest.raises(kml.InvalidOptionError, match=r"_rules\(\): policy must be a kml.LayoutPolicy"):
+        make(policy="error")
+
+
+def test_a_preset_policy_set_once_is_honoured_by_model_parallel():
+    """mlp_rules(policy=replicate_below=0) splits a 8×16 kernel the default threshold keeps whole."""
+    mesh = kml.Mesh(**MESH)
+
+    def build():
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up")], name="mlp")
+
+    with kml.ModelParallel(mesh, kml.mlp_rules(["up"])).scope():
+        assert tuple(build().get_layer("up").kernel.value.sharding.spec) == (None, None)
+    with kml.ModelParallel(mesh, kml.mlp_rules(["up"], policy=P(replicate_below=0))).scope():
+        assert tuple(build().get_layer("up").kernel.value.sharding.spec) == (None, "model")

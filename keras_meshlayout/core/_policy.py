@@ -11,15 +11,12 @@ disagrees with `policy=` in the same call is an error.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import numbers
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 from ._errors import InvalidOptionError
 
-__all__ = ["DEFAULT_REPLICATE_BELOW", "IndivisiblePolicy", "LayoutPolicy", "accepts_policy", "resolve_policy"]
+__all__ = ["DEFAULT_REPLICATE_BELOW", "IndivisiblePolicy", "LayoutPolicy", "resolve_policy"]
 
 #: Weight matrices (rank 2 or more, biases excepted) with fewer elements than this stay
 #: replicated (16 KiB in float32): splitting them saves less memory than the collectives
@@ -128,42 +125,3 @@ def resolve_policy(
             )
     base = policy if policy is not None else default if default is not None else LayoutPolicy()
     return dataclasses.replace(base, **given)
-
-
-_Make = TypeVar("_Make", bound=Callable[..., Any])
-
-
-def accepts_policy(make_rules: _Make) -> _Make:
-    """Adds a keyword-only `policy=` to a function that returns `LayoutRules`.
-
-    The returned rules carry the policy (`rules.policy`), so `kml.ModelParallel`
-    applies it. A function that takes `replicate_below` (the planner) gets the
-    policy's value, and a `replicate_below=` given with a different `policy=`
-    is an error.
-    """
-    signature = inspect.signature(make_rules)
-    plans_with_threshold = "replicate_below" in signature.parameters
-
-    @functools.wraps(make_rules)
-    def with_policy(*args: Any, policy: LayoutPolicy | None = None, **kwargs: Any) -> Any:
-        chosen = resolve_policy(
-            f"{make_rules.__name__}()",
-            policy,
-            replicate_below=kwargs.get("replicate_below") if plans_with_threshold else None,
-        )
-        if plans_with_threshold:
-            kwargs["replicate_below"] = chosen.replicate_below
-        rules = make_rules(*args, **kwargs)
-        rules.policy = chosen
-        return rules
-
-    parameters = list(signature.parameters.values())
-    at = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
-    parameters.insert(
-        at,
-        inspect.Parameter(
-            "policy", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="LayoutPolicy | None"
-        ),
-    )
-    with_policy.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
-    return with_policy  # type: ignore[return-value]

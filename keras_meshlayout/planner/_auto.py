@@ -36,8 +36,7 @@ from .. import _compat
 from ..core._errors import InvalidOptionError, InvalidRuleError
 from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
-from ..core._policy import accepts_policy
-from ..core._resolve import DEFAULT_REPLICATE_BELOW
+from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import Axes, LayoutRules
 from ._costs import CostTable, Proposal, cost_units
 from ._layers import features as _features
@@ -66,17 +65,17 @@ ELEMENTWISE = (
 ATTENTION = (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
 
 
-@accepts_policy  # policy=kml.LayoutPolicy(...): planned with, carried by the rules (core/_policy.py)
 def auto_rules(
     model: keras.Model,
     mesh: keras.distribution.DeviceMesh,
     *,
     model_axis: str = "model",
     batch_axis: str | None = None,
-    replicate_below: int = DEFAULT_REPLICATE_BELOW,
+    replicate_below: int | None = None,
     memory_budget: int | str | None = None,
     batch: Any = None,
     optimizer: str | keras.optimizers.Optimizer | None = None,
+    policy: LayoutPolicy | None = None,
 ) -> LayoutRules:
     """Derives layout rules for a built model on a mesh, explaining each decision.
 
@@ -92,7 +91,8 @@ def auto_rules(
         batch_axis: The mesh axis the batch is split over (for the layer-output
             rules of grouped-query attention). Defaults to the first other axis.
         replicate_below: Projections whose kernels have fewer elements stay
-            replicated (as in `kml.ModelParallel`; pass the same value to both).
+            replicated; defaults to the policy's (`kml.DEFAULT_REPLICATE_BELOW`).
+            The returned rules carry it, so `kml.ModelParallel` applies it too.
         memory_budget: Per-device memory (bytes or `"16GiB"`) that parameters,
             gradients, optimizer slots and the activation reserve must fit.
             Each unit of weights (a projection pair, an attention block, an
@@ -110,6 +110,9 @@ def auto_rules(
             holds.
         optimizer: The optimizer whose slots count towards the budget;
             defaults to the model's own once compiled.
+        policy: A `kml.LayoutPolicy` (`on_indivisible`, `replicate_below`):
+            planned with and carried by the returned rules (`rules.policy`),
+            so `kml.ModelParallel` applies it without being told again.
 
     Returns:
         The rules, bound to nothing: hand them to `kml.ModelParallel(mesh, rules)`.
@@ -167,7 +170,8 @@ def auto_rules(
     if batch_axis is None:
         batch_axis = next((axis for axis in mesh.axis_names if axis != model_axis), None)
     _check_budget_args(memory_budget, batch)
-    planner = _Planner(model, model_axis, size, replicate_below, batch_axis)
+    chosen_policy = resolve_policy("auto_rules()", policy, replicate_below=replicate_below)
+    planner = _Planner(model, model_axis, size, chosen_policy.replicate_below, batch_axis)
     planner.plan_attention()
     planner._plan_attention_by_name()
     trace = _trace(model, batch)
@@ -179,7 +183,7 @@ def auto_rules(
     if trace is not None:
         planner.plan_lone(trace)
     if batch is None:
-        return LayoutRules(planner.rules, suggested=True)
+        return LayoutRules(planner.rules, suggested=True, policy=chosen_policy)
     if trace is None:  # pragma: no cover - a batch always traces (`_trace` raises otherwise)
         trace = trace_model(model, batch)
     budget = None if memory_budget is None else parse_bytes(memory_budget)
@@ -188,7 +192,7 @@ def auto_rules(
     table = cost_units(model, planner.proposal(), trace, mesh_axis_sizes(mesh), optimizer)
     chosen = search(table, budget)
     planner.apply(table, chosen)
-    rules = LayoutRules(planner.rules, suggested=True)
+    rules = LayoutRules(planner.rules, suggested=True, policy=chosen_policy)
     rules.cost = plan_cost(table, chosen, budget)
     return rules
 

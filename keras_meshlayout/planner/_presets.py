@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
 
 __all__ = ["conv_rules", "mlp_rules", "transformer_rules"]
@@ -110,7 +111,11 @@ def ffn_role(path: str) -> str | None:
 
 @_register("mlp", takes_layers=True, summary="Dense layers in data-flow order, alternating column and row")
 def mlp_rules(
-    layers: Sequence[str], *, model_axis: str = "model", fsdp_axis: str | None = None
+    layers: Sequence[str],
+    *,
+    model_axis: str = "model",
+    fsdp_axis: str | None = None,
+    policy: LayoutPolicy | None = None,
 ) -> LayoutRules:
     """Megatron-style rules for a stack of Dense layers, alternating column and row.
 
@@ -123,6 +128,8 @@ def mlp_rules(
         layers: Layer names (or regexes matching them), in data-flow order.
         model_axis: The tensor-parallel mesh axis.
         fsdp_axis: Optional second axis for the other weight dimension.
+        policy: A `kml.LayoutPolicy` for these rules (`rules.policy`), applied by
+            `kml.ModelParallel`; `None`: the default policy.
 
     Returns:
         The rules.
@@ -149,7 +156,7 @@ def mlp_rules(
             rules.append(
                 (scope + "/bias", (None,), "bias of a row-parallel layer: added after the all-reduce")
             )
-    return LayoutRules(rules, optional=True, suggested=True)
+    return LayoutRules(rules, optional=True, suggested=True, policy=resolve_policy("mlp_rules()", policy))
 
 
 @_register("transformer", summary="attention heads and feed-forward pairs split, Megatron-style")
@@ -158,6 +165,7 @@ def transformer_rules(
     model_axis: str = "model",
     fsdp_axis: str | None = None,
     embeddings: EmbeddingLayout = "replicated",
+    policy: LayoutPolicy | None = None,
 ) -> LayoutRules:
     """Megatron-style rules for transformer blocks written with Keras layers.
 
@@ -189,6 +197,8 @@ def transformer_rules(
         model_axis: The tensor-parallel mesh axis.
         fsdp_axis: Optional second axis for the other weight dimension.
         embeddings: How to lay out token embeddings.
+        policy: A `kml.LayoutPolicy` for these rules (`rules.policy`), applied by
+            `kml.ModelParallel`; `None`: the default policy.
 
     Returns:
         The rules.
@@ -249,6 +259,7 @@ def transformer_rules(
         ],
         optional=True,
         suggested=True,
+        policy=resolve_policy("transformer_rules()", policy),
     )
 
 
@@ -258,6 +269,7 @@ def conv_rules(
     *,
     model_axis: str = "model",
     fsdp_axis: str | None = None,
+    policy: LayoutPolicy | None = None,
 ) -> LayoutRules:
     """Rules for convolutional nets: output channels split, everything else replicated.
 
@@ -272,6 +284,8 @@ def conv_rules(
         convs: Regex matching convolution layer names.
         model_axis: The mesh axis that splits output channels.
         fsdp_axis: Optional second axis for the input channels.
+        policy: A `kml.LayoutPolicy` for these rules (`rules.policy`), applied by
+            `kml.ModelParallel`; `None`: the default policy.
 
     Returns:
         The rules.
@@ -290,6 +304,7 @@ def conv_rules(
         ],
         optional=True,
         suggested=True,
+        policy=resolve_policy("conv_rules()", policy),
     )
 
 
