@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -167,3 +168,55 @@ def test_storage_must_be_known(tmp_path):
         kml.save_checkpoint(model, tmp_path / "ckpt", storage="zarr")
     with pytest.raises(kml.InvalidOptionError, match="storage must be"):
         kml.ResumableCheckpoint(tmp_path, storage="zarr")
+
+
+def stored_chunks(path: Path) -> list[tuple[int, ...]]:
+    """The chunk shape Orbax stored each model array in, in the model's order."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    try:
+        tree = checkpointer.metadata(path / _orbax_store.DIRECTORIES["model"]).item_metadata.tree
+    finally:
+        checkpointer.close()
+    return [tuple(tree[_orbax_store.key(i)].storage.chunk_shape) for i in range(len(tree))]
+
+
+# The model's arrays on 2×4 (fc1 kernel split over "model" on its columns, fc2 kernel on its rows,
+# the rest whole), each stored in chunks of at most 1 KiB, split along its sharded axis first.
+SMALL_CHUNKS = [(16, 16), (32,), (4, 64), (64,), (32, 8), (8,)]
+
+
+@pytest.mark.parametrize(
+    ("chunk_bytes", "chunks", "fc2_read"),
+    [(1024, SMALL_CHUNKS, 1), (None, None, 2)],
+    ids=["1KiB-chunks", "default-chunks"],
+)
+def test_orbax_stores_small_chunks_so_a_load_on_another_mesh_reads_only_its_shards(
+    chunk_bytes, chunks, fc2_read, saved, tmp_path, monkeypatch
+):
+    """Each saved shard is stored in chunks of at most CHUNK_BYTES along its sharded axes, so a
+    shard laid out otherwise on load (fc2's rows split 8 ways, saved 4 ways) reads only itself;
+    stored as whole shards (the tiny model's shards are under the default 2 MiB), it reads twice
+    its bytes. The read limit is the largest such read, or READ_BYTES."""
+    path = saved["2x4"].path
+    if chunk_bytes is not None:
+        monkeypatch.setattr(_orbax_store, "CHUNK_BYTES", chunk_bytes)
+        keras.distribution.set_distribution(distribution_for("2x4"))
+        model = compiled()
+        kml.load_checkpoint(model, path)
+        path = tmp_path / "small-chunks"
+        kml.save_checkpoint(model, path)
+        assert stored_chunks(path) == chunks
+        assert all(np.prod(c) * 4 <= chunk_bytes for c in stored_chunks(path))
+    keras.distribution.set_distribution(distribution_for("1x8"))
+    model = compiled()
+    structs = [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.value.sharding) for v in model.weights]
+    reads = [_orbax_store.shard_read_bytes(s, c) for s, c in zip(structs, stored_chunks(path), strict=True)]
+    held = [int(np.prod(s.sharding.shard_shape(s.shape))) * 4 for s in structs]
+    assert reads[2] == fc2_read * held[2], "fc2/kernel: rows 16 per device, saved 32 per shard"
+    limit = _orbax_store._read_limit(path, {"model": structs})
+    assert limit == max(_orbax_store.READ_BYTES, max(reads) + 4096)
+    kml.load_checkpoint(model, path, rollback=False)
+    assert_bit_identical(model, saved["2x4"].values)
+    assert_laid_out_for(model)

@@ -13,9 +13,10 @@ variable's position (`"00000"`, ...), the way Keras matches variables on load.
 
 What a save blocks: only the copy of each shard off its device (one copy, from
 its first replica; Orbax's replica-parallel writing would first slice every
-shard on its device), then Orbax writes in a thread of its own. What a load
-holds: with `release`, the model and, per process, one shard's read or
-`READ_BYTES` (Orbax's restore limiter), each value freed before its replacement
+shard on its device), then Orbax writes in a thread of its own; each shard is
+stored in chunks of at most `CHUNK_BYTES`. What a load holds: with `release`,
+the model and, per process, one shard's read or `READ_BYTES` (Orbax's restore
+limiter) with its copy from the file, each value freed before its replacement
 is read.
 """
 
@@ -59,10 +60,19 @@ def _checkpointer() -> Any:
     return ocp.AsyncCheckpointer(handler)
 
 
+#: The most bytes of one stored chunk: Orbax splits each saved shard into chunks of at most this
+#: size, along its sharded axes first. A load reads whole chunks, so a shard laid out otherwise than
+#: it was saved reads at most a chunk's width more than itself on each side (not a whole saved shard).
+CHUNK_BYTES = 2 << 20
+
+
 def _save_args(values: Sequence[Any]) -> Any:
     import orbax.checkpoint as ocp
 
-    return ocp.args.PyTreeSave({key(i): v for i, v in enumerate(values)})
+    chunked = ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES)
+    return ocp.args.PyTreeSave(
+        {key(i): v for i, v in enumerate(values)}, save_args={key(i): chunked for i in range(len(values))}
+    )
 
 
 def save(directory: Path, arrays: Mapping[str, Sequence[Any]]) -> None:
@@ -118,9 +128,9 @@ def restore(directory: Path, targets: Mapping[str, Sequence[Any]]) -> dict[str, 
 
 #: How many bytes `restore_into` reads before handing them over, by default.
 GROUP_BYTES = 64 << 20
-#: How many bytes of array data each process reads at a time (Orbax's restore limiter), or more
-#: where one shard's read needs more.
-READ_BYTES = 16 << 20
+#: How many bytes of array data each process reads at a time (Orbax's restore limiter): shards
+#: smaller than this are read several at a time, a larger one alone (the limit is then its read).
+READ_BYTES = 4 << 20
 
 
 def shard_read_bytes(struct: Any, chunk_shape: Sequence[int] | None) -> int:
