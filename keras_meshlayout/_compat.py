@@ -42,6 +42,9 @@ Keras's global state and distribution backend:
   functional model is called on, and the layer that made a tensor.
 - `Layer._trainable_variables`, `Layer._non_trainable_variables`: the variables a layer
   created itself (not its sub-layers').
+- `TensorLayout._device_mesh`: set directly for a layout that splits one dimension over
+  several mesh axes (an entry `("data", "model")`), which JAX's `PartitionSpec` takes but
+  Keras 3.15's `TensorLayout` check of axis names refuses.
 
 JAX:
 
@@ -217,6 +220,30 @@ def initialize_rng() -> None:
 def variable_layout(variable: Any) -> Any:
     """The layout Keras set on a variable itself (an optimizer slot: its parameter's), or `None`."""
     return getattr(variable, "_layout", None)
+
+
+def tensor_layout(axes: tuple[Any, ...], mesh: Any) -> Any:
+    """A `keras.distribution.TensorLayout` on `mesh`, whose entries may be tuples of axis names.
+
+    Keras checks each entry against the mesh's axis names, so `("data", "model")` fails
+    there although JAX's `PartitionSpec` takes it; such a layout is made without a mesh
+    and given it after. The caller has checked the names.
+    """
+    import keras
+
+    if mesh is None or not any(isinstance(entry, tuple) for entry in axes):
+        return keras.distribution.TensorLayout(axes, mesh)
+    layout = keras.distribution.TensorLayout(axes, None)
+    layout._device_mesh = mesh
+    return layout
+
+
+def give_layout_mesh(layout: Any, mesh: Any) -> None:
+    """Sets the mesh of a `TensorLayout` made without one, as Keras's `LayoutMap` does."""
+    if any(isinstance(entry, tuple) for entry in layout.axes):
+        layout._device_mesh = mesh
+    else:
+        layout.device_mesh = mesh
 
 
 def keeps_no_slots(optimizer: Any, variable: Any) -> bool:

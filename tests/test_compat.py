@@ -195,6 +195,13 @@ def _variable_layout():
     assert tuple(layout.axes) == (None, "model"), f"the slot's layout is {layout}"
 
 
+def _tensor_layout_mesh():
+    mesh = keras.distribution.DeviceMesh((2, 4), ("data", "model"), jax.devices())
+    layout = _compat.tensor_layout((("data", "model"), None), mesh)
+    assert layout.device_mesh is mesh, f"the layout's mesh is {layout.device_mesh}"
+    assert layout.backend_layout.spec == jax.sharding.PartitionSpec(("data", "model"), None)
+
+
 def _overwrite_with_gradient():
     optimizer = keras.optimizers.SGD()
     plain = keras.Variable(np.zeros(2, "float32"))
@@ -322,6 +329,7 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
     ("keras.src.backend.jax.distribution_lib.initialize_rng", "the first collective", _initialize_rng),
     ("Variable._layout", "an optimizer slot's layout", _variable_layout),
     ("Optimizer._overwrite_variable_with_gradient", "parameters without slots", _overwrite_with_gradient),
+    ("TensorLayout._device_mesh", "a layout with a multi-axis entry", _tensor_layout_mesh),
     ("Layer._flatten_layers", "every sub-layer", _flatten_layers),
     ("Layer._build_shapes_dict", "the shapes a layer was built with", _build_shapes),
     ("Model._inputs_struct", "a functional model's input structure", _inputs_struct),

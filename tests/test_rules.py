@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -284,3 +285,161 @@ def test_an_earlier_regex_beats_an_escaped_literal_but_not_an_exact_key():
     )
     assert rules.match("d/kernel").index == 0  # first match: the regex comes first
     assert rules.match("net/d/kernel").index == 2  # a key equal to the path wins, as in Keras
+
+
+# -- one dimension split over several mesh axes (issue 11, item 2) ------------------------
+
+MESH_2X4 = {"data": 2, "model": 4}
+
+
+@pytest.mark.parametrize(
+    "axes, shape, sizes, expected, shards",
+    [
+        ((("data", "model"), None), (16, 3), MESH_2X4, (("data", "model"), None), 8),
+        ((None, ("model", "data")), (3, 8), MESH_2X4, (None, ("model", "data")), 8),
+        ((("model",), "data"), (4, 2), MESH_2X4, (("model",), "data"), 8),
+        ((("data", "model"),), (24,), MESH_2X4, (("data", "model"),), 8),
+        ((..., ("data", "model")), (2, 2, 8), MESH_2X4, (None, None, ("data", "model")), 8),
+        ([["data", "model"], None], (8, 8), MESH_2X4, (("data", "model"), None), 8),
+        ((("data", "model"), None), (12, 3), MESH_2X4, (None, None), 1),
+        ((("data", "model"), None), (16, 3), {"data": 4, "model": 2}, (("data", "model"), None), 8),
+        ((("data", "model"), None), (4, 3), {"data": 4, "model": 1}, (("data", "model"), None), 4),
+    ],
+    ids=[
+        "both-axes",
+        "minor-first",
+        "one-axis-tuple",
+        "vector",
+        "ellipsis",
+        "lists-from-json",
+        "12-not-by-8-replicated",
+        "4x2",
+        "size-1-axis",
+    ],
+)
+def test_a_dimension_splits_over_the_product_of_its_axes(axes, shape, sizes, expected, shards):
+    from keras_meshlayout.core._resolve import resolve
+
+    rules = kml.LayoutRules([(r".*", axes)])
+    resolution = resolve("d/kernel", shape, "float32", rules, sizes, replicate_below=0, warn=False)
+    assert (resolution.axes, resolution.shards) == (expected, shards)
+    assert resolution.bytes_per_device == 4 * int(np.prod(shape)) // shards
+
+
+@pytest.mark.parametrize(
+    "axes, mesh, message",
+    [
+        (
+            (("data", "data"), None),
+            None,
+            "Layout rule #0 '.*kernel' uses mesh axis 'data' more than once in axes (('data', 'data'), "
+            "None). A mesh axis can split only one dimension of a tensor, once. Fix: keep 'data' in "
+            "one entry only and put None (or the other axes) elsewhere.",
+        ),
+        (
+            (("data", "model"), "model"),
+            None,
+            "Layout rule #0 '.*kernel' uses mesh axis 'model' more than once in axes (('data', "
+            "'model'), 'model').",
+        ),
+        (
+            ((), None),
+            None,
+            "Layout rule #0 '.*kernel' has entry () in axes ((), None); an entry that splits one "
+            "dimension over several mesh axes must be a non-empty tuple of mesh-axis names, e.g. "
+            "('data', 'model').",
+        ),
+        (
+            (("data", 2), None),
+            None,
+            "Layout rule #0 '.*kernel' has entry ('data', 2) in axes (('data', 2), None);",
+        ),
+        (
+            (("data", "pipe"), None),
+            kml.Mesh(data=2, model=4),
+            "Layout rule #0 '.*kernel' -> (('data', 'pipe'), None) names mesh axis 'pipe', but the "
+            "mesh has axes ('data', 'model') (shape (2, 4)).",
+        ),
+    ],
+    ids=["same-axis-twice-in-an-entry", "same-axis-in-two-entries", "empty", "not-a-name", "unknown-axis"],
+)
+def test_bad_multi_axis_entries_are_refused(axes, mesh, message):
+    with pytest.raises(kml.InvalidRuleError) as raised:
+        kml.LayoutRules([(r".*kernel", axes)], mesh=mesh)
+    assert str(raised.value).startswith(message), str(raised.value)
+
+
+def test_indivisible_multi_axis_entry_names_every_axis_and_size():
+    distribution = kml.ModelParallel(
+        kml.Mesh(data=2, model=4), [(r".*", (("data", "model"), None))], on_indivisible="error"
+    )
+    with pytest.raises(kml.IndivisibleShapeError) as raised:
+        distribution.resolve("d/kernel", (12, 3))
+    assert str(raised.value).startswith(
+        "Variable 'd/kernel' has shape (12, 3); rule #0 '.*' -> (('data', 'model'), None) splits "
+        "dimension 0 (size 12) over mesh axes 'data' (size 2) x 'model' (size 4) = 8, and 12 is not "
+        "a multiple of 8. Fix: choose a mesh whose 'data' x 'model' axes (their product) divides 12,"
+    ), str(raised.value)
+    replicate = kml.ModelParallel(kml.Mesh(data=2, model=4), [(r".*", (("data", "model"), None))])
+    with pytest.warns(kml.IndivisibleShapeWarning, match=r"'data' \(size 2\) x 'model' \(size 4\) = 8 "):
+        assert replicate.resolve("d/kernel", (12, 3)).axes == (None, None)
+
+
+def test_multi_axis_layouts_format_and_round_trip_through_json():
+    import json
+
+    from keras_meshlayout.checkpoint import _plan_diff
+    from keras_meshlayout.core._format import format_axes
+    from keras_meshlayout.core._resolve import axes_from_json
+
+    assert format_axes((("data", "model"), None)) == "(('data','model'), None)"
+    distribution = kml.ModelParallel(
+        kml.Mesh(data=2, model=4), [(r".*", (("data", "model"), None))], replicate_below=0
+    )
+    entry = distribution.resolve("d/kernel", (16, 8)).to_dict()
+    loaded = json.loads(json.dumps(entry))
+    assert loaded["axes"] == loaded["requested"] == [["data", "model"], None]
+    assert axes_from_json(loaded["axes"]) == (("data", "model"), None)
+    assert loaded["shards"] == 8 and loaded["bytes_per_device"] == 16 * 8 * 4 // 8
+    assert _plan_diff._format_axes(loaded["axes"], {"data": 2, "model": 4}) == "((data=2,model=4), None)"
+
+
+def test_tensor_layouts_with_a_multi_axis_entry_reach_jax():
+    mesh = kml.Mesh(data=2, model=4)
+    rules = kml.LayoutRules(mesh)
+    rules["d/kernel"] = keras.distribution.TensorLayout((("data", "model"), None))
+    rules["d/bias"] = (("model", "data"),)
+    assert rules["d/kernel"].backend_layout.spec == jax.sharding.PartitionSpec(("data", "model"), None)
+    assert rules["d/bias"].backend_layout.spec == jax.sharding.PartitionSpec(("model", "data"))
+
+
+def test_fit_with_a_kernel_split_over_both_axes_matches_one_device():
+    """A (256, 128) kernel in 8 row blocks on 2x4, its momentum too, trains as on one device."""
+    from helpers import Reference, assert_laid_out_as_planned, assert_same_weights, build_mlp, train
+
+    rng = np.random.default_rng(0)
+    data = (rng.normal(size=(128, 32)).astype("float32"), rng.integers(0, 10, size=(128,)))
+    reference = Reference(build_mlp, data)
+    mesh = kml.Mesh(data=2, model=4)
+    rules = [
+        (r".*hidden_1/kernel", (None, ("model", "data"))),
+        (r".*hidden_1/bias", (("model", "data"),)),
+        (r".*hidden_2/kernel", (("data", "model"), None)),
+    ]
+    distribution = kml.ModelParallel(mesh, rules, batch_axis="data")
+    model = train(build_mlp, reference.initial, data, distribution)
+    assert_same_weights(model, reference.trained)
+    plan = distribution.plan(model)
+    assert_laid_out_as_planned(model, plan, mesh)
+    kernel = plan["mlp/hidden_2/kernel"]
+    assert (kernel.axes, kernel.shards, kernel.bytes_per_device) == (
+        (("data", "model"), None),
+        8,
+        256 * 128 * 4 // 8,
+    )
+    spec = model.get_layer("hidden_2").kernel.value.sharding.spec
+    assert spec == jax.sharding.PartitionSpec(("data", "model"), None)
+    shard_shapes = {s.data.shape for s in model.get_layer("hidden_2").kernel.value.addressable_shards}
+    assert shard_shapes == {(32, 128)}
+    momentum = next(e for e in plan if e.path.endswith("/mlp_hidden_2_kernel_momentum"))
+    assert (momentum.axes, momentum.shards) == ((("data", "model"), None), 8)

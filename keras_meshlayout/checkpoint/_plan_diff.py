@@ -146,7 +146,14 @@ def plan_diff(before: Plan | Mapping[str, Any], after: Plan | Mapping[str, Any])
 def _format_axes(axes: Sequence[Any], sizes: Mapping[str, int] | None) -> str:
     """`(None, 'model')` with sizes `{'model': 4}` → `(None, model=4)`."""
     inner = ", ".join(
-        "None" if a is None else f"{a}={sizes[a]}" if sizes and a in sizes else str(a) for a in axes
+        "None"
+        if a is None
+        else "(" + ",".join(_format_axes((name,), sizes)[1:-2] for name in a) + ")"
+        if isinstance(a, (tuple, list))
+        else f"{a}={sizes[a]}"
+        if sizes and a in sizes
+        else str(a)
+        for a in axes
     )
     return f"({inner},)" if len(axes) == 1 else f"({inner})"
 

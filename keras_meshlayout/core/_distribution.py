@@ -278,7 +278,7 @@ class ModelParallel(keras.distribution.ModelParallel):
             return keras.distribution.TensorLayout((None,) * len(variable.shape), self.device_mesh)
         resolution = self.resolve(variable.path, variable.shape, variable.dtype)
         self._laid_out.append(variable.path)
-        return keras.distribution.TensorLayout(resolution.axes, self.device_mesh)
+        return _compat.tensor_layout(resolution.axes, self.device_mesh)
 
     def get_tensor_layout(self, path: str) -> keras.distribution.TensorLayout | None:
         return self.rules[path]

@@ -16,9 +16,21 @@ def to_text(renderable: Any, width: int = 160) -> str:
 
 
 def format_axes(axes: tuple) -> str:
-    """`(None, 'model')` → `(None, model)`; `(256, 128)` → `(256, 128)`."""
-    inner = ", ".join("None" if a is None else str(a) for a in axes)
+    """`(None, 'model')` → `(None, model)`; `(256, 128)` → `(256, 128)`.
+
+    A dimension split over several mesh axes shows them as a tuple:
+    `(('data', 'model'), None)` → `(('data','model'), None)`.
+    """
+    inner = ", ".join(_entry(a) for a in axes)
     return f"({inner},)" if len(axes) == 1 else f"({inner})"
+
+
+def _entry(entry: Any) -> str:
+    if entry is None:
+        return "None"
+    if isinstance(entry, (tuple, list)):
+        return "(" + ",".join(repr(str(axis)) for axis in entry) + ")"
+    return str(entry)
 
 
 def format_bytes(count: float) -> str:

@@ -14,8 +14,8 @@ from ._format import format_axes, format_bytes, to_text
 from ._memory import MemoryEstimate, check_plan, memory_of
 from ._mesh import process_layout
 from ._plot import plot_plan
-from ._resolve import Resolution
-from ._rules import Axes, Rule
+from ._resolve import Resolution, axes_to_json
+from ._rules import Axes, Rule, shards_of
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -165,13 +165,14 @@ class Plan:
             },
             "memory_per_device": self.memory().to_dict(),
             "unmatched_rules": [
-                {"index": r.index, "pattern": r.pattern, "axes": list(r.axes)} for r in self.unmatched_rules
+                {"index": r.index, "pattern": r.pattern, "axes": axes_to_json(r.axes)}
+                for r in self.unmatched_rules
             ],
             "outputs": [
                 {
                     "index": rule.index,
                     "pattern": rule.pattern,
-                    "axes": list(rule.axes),
+                    "axes": axes_to_json(rule.axes),
                     "layers": list(layers),
                 }
                 for rule, layers in self.outputs
@@ -409,10 +410,7 @@ def _slot_entry(distribution: ModelParallel, variable: keras.Variable, parent: k
 def _with_axes(
     resolution: Resolution, axes: Axes, *, source: str, reason: str, axis_sizes: Mapping[str, int]
 ) -> Resolution:
-    shards = 1
-    for axis in axes:
-        if axis is not None:
-            shards *= axis_sizes[axis]
+    shards = shards_of(axes, axis_sizes)
     return dataclasses.replace(resolution, axes=axes, shards=shards, source=source, reasons=(reason,))
 
 

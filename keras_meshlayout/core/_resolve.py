@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._policy import DEFAULT_REPLICATE_BELOW, POLICIES, IndivisiblePolicy, check_policy
-from ._rules import Axes, LayoutRules, Rule
+from ._rules import Axes, LayoutRules, Rule, shards_of
 from ._shape_checks import check_axis_names, checked_rank, divisible_axes, is_weight_matrix
 
 __all__ = [
@@ -23,6 +23,8 @@ __all__ = [
     "POLICIES",
     "IndivisiblePolicy",
     "Resolution",
+    "axes_from_json",
+    "axes_to_json",
     "check_policy",
     "resolve",
 ]
@@ -80,8 +82,8 @@ class Resolution:
             "rule": None
             if self.rule is None
             else {"index": self.rule.index, "pattern": self.rule.pattern, "note": self.rule.note},
-            "requested": None if self.requested is None else list(self.requested),
-            "axes": list(self.axes),
+            "requested": None if self.requested is None else axes_to_json(self.requested),
+            "axes": axes_to_json(self.axes),
             "reasons": list(self.reasons),
             "source": self.source,
             "role": self.role,
@@ -89,6 +91,22 @@ class Resolution:
             "bytes": self.nbytes,
             "bytes_per_device": self.bytes_per_device,
         }
+
+
+def axes_to_json(axes: Sequence[Any]) -> list[Any]:
+    """A layout as JSON data: a multi-axis entry `('data', 'model')` becomes a list.
+
+    Example:
+        >>> from keras_meshlayout.core._resolve import axes_to_json
+        >>> axes_to_json((("data", "model"), None))
+        [['data', 'model'], None]
+    """
+    return [list(entry) if isinstance(entry, tuple) else entry for entry in axes]
+
+
+def axes_from_json(axes: Sequence[Any]) -> Axes:
+    """The inverse of `axes_to_json`: lists back to tuples."""
+    return tuple(tuple(entry) if isinstance(entry, list) else entry for entry in axes)
 
 
 def resolve(
@@ -175,7 +193,7 @@ def resolve(
         )
     axes, indivisible = divisible_axes(path, shape, rule, requested, axis_sizes, on_indivisible, warn=warn)
     reasons += indivisible
-    shards = math.prod(axis_sizes[a] for a in axes if a is not None)
+    shards = shards_of(axes, axis_sizes)
     return Resolution(path, shape, dtype_name, rule, requested, axes, tuple(reasons), shards, nbytes)
 
 

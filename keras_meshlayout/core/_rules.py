@@ -16,14 +16,54 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import keras
 
+from .. import _compat
 from ._errors import InvalidOptionError, InvalidRuleError
 from ._policy import LayoutPolicy
 
-__all__ = ["LayoutRules", "Rule", "Axes"]
+__all__ = ["LayoutRules", "Rule", "Axes", "entry_axes", "entry_size", "shards_of"]
 
-#: One entry per tensor dimension: a mesh-axis name, or `None` to replicate. A rule
-#: may also hold one `...`, standing for as many `None`s as the variable's rank needs.
-Axes = tuple[str | None, ...]
+#: One entry per tensor dimension: a mesh-axis name, a tuple of distinct mesh-axis names
+#: (the dimension is split over all of them, major to minor, as in JAX's `PartitionSpec`),
+#: or `None` to replicate. A rule may also hold one `...`, standing for as many `None`s as
+#: the variable's rank needs.
+Axes = tuple[str | tuple[str, ...] | None, ...]
+
+
+def entry_axes(entry: object) -> tuple[str, ...]:
+    """The mesh-axis names one layout entry splits over: `None` → `()`, `'model'` → `('model',)`.
+
+    Example:
+        >>> from keras_meshlayout.core._rules import entry_axes
+        >>> entry_axes(None), entry_axes("model"), entry_axes(("data", "model"))
+        ((), ('model',), ('data', 'model'))
+    """
+    if entry is None or entry is Ellipsis:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)  # type: ignore[arg-type]
+
+
+def entry_size(entry: object, axis_sizes: Mapping[str, int]) -> int:
+    """How many pieces one layout entry splits its dimension into: the product of its axis sizes.
+
+    Example:
+        >>> from keras_meshlayout.core._rules import entry_size
+        >>> entry_size(("data", "model"), {"data": 2, "model": 4}), entry_size(None, {})
+        (8, 1)
+    """
+    return math.prod(axis_sizes[axis] for axis in entry_axes(entry))
+
+
+def shards_of(axes: Sequence[object], axis_sizes: Mapping[str, int]) -> int:
+    """How many pieces a layout splits a tensor into (1: replicated)."""
+    return math.prod(entry_size(entry, axis_sizes) for entry in axes)
+
+
+def named_axes(axes: Sequence[object]) -> list[str]:
+    """Every mesh-axis name a layout uses, in order, tuples flattened."""
+    return [axis for entry in axes for axis in entry_axes(entry)]
+
 
 #: Keras asks for the layout of a layer's output under `<layer path>/output`.
 OUTPUT_SUFFIX = "/output"
@@ -189,7 +229,9 @@ class LayoutRules(keras.distribution.LayoutMap):
     the Keras version, except that a pattern equal to the path itself (an
     exact key, as Keras's `LayoutMap` calls it) wins wherever it stands. Each
     layout has one entry per tensor dimension: the name of the mesh axis that
-    dimension is split over, or `None` to keep it whole. Variables that no
+    dimension is split over, a tuple of distinct axis names to split it over
+    all of them (`("data", "model")`: 8 pieces on a 2×4 mesh, as JAX's
+    `PartitionSpec` writes it), or `None` to keep it whole. Variables that no
     rule matches are replicated.
 
     Rules whose pattern ends in `/output` lay out layer outputs (Keras asks for
@@ -230,8 +272,8 @@ class LayoutRules(keras.distribution.LayoutMap):
     Raises:
         InvalidOptionError: `policy` is not a `kml.LayoutPolicy`.
         InvalidRuleError: a pattern is not a valid regular expression or is
-            repeated, a layout entry is not a string or `None`, a mesh axis
-            appears twice in one layout, an output rule holds `...` before its
+            repeated, a layout entry is not a string, a tuple of strings or
+            `None`, a mesh axis appears twice in one layout, an output rule holds `...` before its
             end, a `TensorLayout` carries another mesh, or (with `mesh`) an
             axis is unknown.
 
@@ -433,7 +475,7 @@ class LayoutRules(keras.distribution.LayoutMap):
             if mesh is not None:
                 _check_axes_in_mesh(rule, mesh)
             axes = tuple(axis for axis in rule.axes if axis is not Ellipsis)
-            layout = self._made[rule.pattern] = keras.distribution.TensorLayout(axes, mesh)
+            layout = self._made[rule.pattern] = _compat.tensor_layout(axes, mesh)
         return layout
 
     def __setitem__(self, pattern: str, axes: Sequence[str | None] | keras.distribution.TensorLayout) -> None:
@@ -457,7 +499,7 @@ class LayoutRules(keras.distribution.LayoutMap):
             _check_axes_in_mesh(rule, mesh)
             _check_given_mesh(rule, given, mesh)
         if given is not None and given.device_mesh is None and self._device_mesh is not None:
-            given.device_mesh = self._device_mesh  # as Keras's LayoutMap does
+            _compat.give_layout_mesh(given, self._device_mesh)  # as Keras's LayoutMap does
         store.rules.append(rule)
         if given is not None:
             store.given[rule.pattern] = given
@@ -569,7 +611,7 @@ def _literal_group(pattern: str, i: int) -> tuple[int, list[str] | None]:
 
 def _check_axes_in_mesh(rule: Rule, mesh: keras.distribution.DeviceMesh) -> None:
     known = tuple(mesh.axis_names)
-    unknown = [axis for axis in rule.axes if isinstance(axis, str) and axis not in known]
+    unknown = [axis for axis in named_axes(rule.axes) if axis not in known]
     if unknown:
         raise InvalidRuleError(
             f"Layout {rule.describe()} names mesh axis {unknown[0]!r}, but the mesh "
@@ -626,12 +668,21 @@ def _make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule], 
             f"None per tensor dimension, e.g. (None, 'model'): the layout should be a TensorLayout "
             f"or such a tuple. Received: axes={axes!r}."
         )
-    axes = tuple(axes)
+    axes = tuple(tuple(axis) if isinstance(axis, list) else axis for axis in axes)
     for axis in axes:
+        if isinstance(axis, tuple):
+            if not axis or not all(isinstance(name, str) for name in axis):
+                raise InvalidRuleError(
+                    f"Layout rule #{index} {pattern!r} has entry {axis!r} in axes {axes!r}; an entry "
+                    "that splits one dimension over several mesh axes must be a non-empty tuple of "
+                    "mesh-axis names, e.g. ('data', 'model')."
+                )
+            continue
         if axis is not None and axis is not Ellipsis and not isinstance(axis, str):
             raise InvalidRuleError(
                 f"Layout rule #{index} {pattern!r} has entry {axis!r} in axes {axes!r}; each "
-                "entry must be a mesh-axis name (a string), None, or a single '...'."
+                "entry must be a mesh-axis name (a string), None, a tuple of mesh-axis names (split "
+                "over all of them), or a single '...'."
             )
     if axes.count(Ellipsis) > 1:
         raise InvalidRuleError(
@@ -651,13 +702,21 @@ def _make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule], 
         raise InvalidRuleError(
             f"Layout rule #{index} {pattern!r}: the note must be a string. Received: {note!r}."
         )
-    named = [axis for axis in axes if isinstance(axis, str)]
-    for axis in named:
-        if named.count(axis) > 1:
+    single = [axis for axis in axes if isinstance(axis, str)]
+    for axis in single:
+        if single.count(axis) > 1:
             raise InvalidRuleError(
                 f"Layout rule #{index} {pattern!r} uses mesh axis {axis!r} on more than one "
                 f"dimension in axes {axes!r}. A mesh axis can split only one dimension of a "
                 f"tensor. Fix: keep {axis!r} on one dimension and put None on the others."
+            )
+    named = named_axes(axes)
+    for axis in named:
+        if named.count(axis) > 1:
+            raise InvalidRuleError(
+                f"Layout rule #{index} {pattern!r} uses mesh axis {axis!r} more than once in axes "
+                f"{axes!r}. A mesh axis can split only one dimension of a tensor, once. Fix: keep "
+                f"{axis!r} in one entry only and put None (or the other axes) elsewhere."
             )
     literals = literal_strings(pattern)
     if literals is not None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from ._errors import IndivisibleShapeError, IndivisibleShapeWarning, InvalidRuleError, RankMismatchError
 from ._policy import IndivisiblePolicy
-from ._rules import Axes, Rule
+from ._rules import Axes, Rule, entry_axes, entry_size
 
 
 def checked_rank(path: str, shape: tuple[int, ...], rule: Rule) -> Axes:
@@ -45,8 +45,8 @@ def checked_rank(path: str, shape: tuple[int, ...], rule: Rule) -> Axes:
 
 def check_axis_names(path: str, rule: Rule, requested: Axes, axis_sizes: Mapping[str, int]) -> None:
     """Raises `InvalidRuleError` when the layout names an axis the mesh does not have."""
-    for axis in requested:
-        if axis is not None and axis not in axis_sizes:
+    for axis in (name for entry in requested for name in entry_axes(entry)):
+        if axis not in axis_sizes:
             raise InvalidRuleError(
                 f"Layout {rule.describe()}, matching variable {path!r}, names mesh axis "
                 f"{axis!r}, but the mesh has axes {tuple(axis_sizes)}. Fix: use one of those "
@@ -92,37 +92,56 @@ def divisible_axes(
         ...                "replicate", warn=False)
         ((None, None), ["dimension 1 (size 10) does not divide by mesh axis 'model' (size 4)"])
     """
-    final: list[str | None] = list(requested)
+    final: list[str | tuple[str, ...] | None] = list(requested)
     reasons: list[str] = []
     for dim, axis in enumerate(requested):
-        if axis is None or shape[dim] % axis_sizes[axis] == 0:
+        pieces = entry_size(axis, axis_sizes)
+        if axis is None or shape[dim] % pieces == 0:
             continue
+        over, over_of = _describe_entry(axis, axis_sizes), _describe_entry(axis, axis_sizes, of=True)
+        fewer = "" if len(entry_axes(axis)) == 1 else " (or fewer axes)"
         if on_indivisible == "error":
             raise IndivisibleShapeError(
                 f"Variable {path!r} has shape {shape}; {rule.describe()} splits dimension {dim} "
-                f"(size {shape[dim]}) over mesh axis {axis!r} of size {axis_sizes[axis]}, and "
-                f"{shape[dim]} is not a multiple of {axis_sizes[axis]}. Fix: choose a mesh whose "
-                f"{axis!r} axis divides {shape[dim]}, change the layer size, put None on "
-                f"dimension {dim} in this rule, or pass on_indivisible='replicate' to replicate "
-                "that dimension instead. (Plain Keras would hand the layout to JAX, which fails "
-                "with an IndivisibleError naming no variable.)"
+                f"(size {shape[dim]}) over {over_of}, and {shape[dim]} is not a multiple of {pieces}. "
+                f"Fix: choose a mesh whose {_names(axis)} divides {shape[dim]}, change the layer "
+                f"size, put None{fewer} on dimension {dim} in this rule, or pass "
+                "on_indivisible='replicate' to replicate that dimension instead. (Plain Keras would "
+                "hand the layout to JAX, which fails with an IndivisibleError naming no variable.)"
             )
         final[dim] = None
-        reasons.append(
-            f"dimension {dim} (size {shape[dim]}) does not divide by mesh axis {axis!r} "
-            f"(size {axis_sizes[axis]})"
-        )
+        reasons.append(f"dimension {dim} (size {shape[dim]}) does not divide by {over}")
         if warn:
             warnings.warn(
                 f"Variable {path!r} (shape {shape}) is replicated on dimension {dim}: size "
-                f"{shape[dim]} does not divide by mesh axis {axis!r} of size {axis_sizes[axis]} "
-                f"({rule.describe()}). It costs {axis_sizes[axis]}x the memory it would take "
-                "sharded. Pass on_indivisible='error' to make this an error. (Plain Keras would "
-                "fail here in JAX with an IndivisibleError naming no variable.)",
+                f"{shape[dim]} does not divide by {over_of} ({rule.describe()}). It costs {pieces}x "
+                "the memory it would take sharded. Pass on_indivisible='error' to make this an "
+                "error. (Plain Keras would fail here in JAX with an IndivisibleError naming no "
+                "variable.)",
                 IndivisibleShapeWarning,
                 stacklevel=4,
             )
     return tuple(final), reasons
+
+
+def _describe_entry(entry: str | tuple[str, ...], axis_sizes: Mapping[str, int], of: bool = False) -> str:
+    """`mesh axis 'model' (size 4)` (`of`: `... of size 4`), or several axes and their product.
+
+    Several: `mesh axes 'data' (size 2) x 'model' (size 4) = 8`.
+    """
+    names = entry_axes(entry)
+    if len(names) == 1:
+        size = axis_sizes[names[0]]
+        return f"mesh axis {names[0]!r} of size {size}" if of else f"mesh axis {names[0]!r} (size {size})"
+    parts = " x ".join(f"{name!r} (size {axis_sizes[name]})" for name in names)
+    return f"mesh axes {parts} = {entry_size(entry, axis_sizes)}"
+
+
+def _names(entry: str | tuple[str, ...]) -> str:
+    names = entry_axes(entry)
+    if len(names) == 1:
+        return f"{names[0]!r} axis"
+    return " x ".join(repr(name) for name in names) + " axes (their product)"
 
 
 def _entries(count: int) -> str:
