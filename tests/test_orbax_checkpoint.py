@@ -197,7 +197,7 @@ def test_orbax_stores_small_chunks_so_a_load_on_another_mesh_reads_only_its_shar
 ):
     """Each saved shard is stored in chunks of at most CHUNK_BYTES along its sharded axes, so a
     shard laid out otherwise on load (fc2's rows split 8 ways, saved 4 ways) reads only itself;
-    stored as whole shards (the tiny model's shards are under the default 2 MiB), it reads twice
+    stored as whole shards (the tiny model's shards are under the default 1 MiB), it reads twice
     its bytes. The read limit is the largest such read, or READ_BYTES."""
     path = saved["2x4"].path
     if chunk_bytes is not None:

@@ -63,7 +63,7 @@ def _checkpointer() -> Any:
 #: The most bytes of one stored chunk: Orbax splits each saved shard into chunks of at most this
 #: size, along its sharded axes first. A load reads whole chunks, so a shard laid out otherwise than
 #: it was saved reads at most a chunk's width more than itself on each side (not a whole saved shard).
-CHUNK_BYTES = 2 << 20
+CHUNK_BYTES = 1 << 20
 
 
 def _save_args(values: Sequence[Any]) -> Any:
