@@ -367,6 +367,8 @@ def test_search_refuses_a_budget_below_the_smallest_plan():
 # Fully sharded (ZeRO-3/FSDP) weights, checked against the compiled step: alone (a model with no
 # unit at all: a lone projection, a norm, a small head) and mixed with 2-D units (tests/styles.py),
 # under the smallest budget, on both meshes (the batch axis larger and smaller than the model axis).
+# Under the smallest budget every such weight whose first dimension divides by 8 is split over
+# both axes at once, (("data", "model"), ...): gathered over "data×model" where it is read.
 def build_lone() -> keras.Model:
     inputs = keras.Input((32,))
     hidden = keras.layers.LayerNormalization(name="norm")(keras.layers.Dense(64, name="lone")(inputs))
@@ -399,7 +401,10 @@ def test_fully_sharded_predicted_bytes_match_the_compiled_step(name, mesh_name):
     layouts = set(rules.cost.layouts())
     expected = {"fully sharded"} if name == "lone" else {"fully sharded", "2-D"}
     assert layouts == expected if name == "lone" else expected <= layouts
-    assert "split over 'data', gathered" in rules.match("head/kernel").note
+    # The head's kernel divides by 2 x 4 = 8 on its input features: split over both axes at once.
+    head = rules.match("head/kernel")
+    assert head.axes == (("data", "model"), None), head
+    assert "split 8 ways over 'data' and 'model', gathered over both before its projection" in head.note
     keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
     model = build_model()
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
