@@ -443,3 +443,34 @@ def test_fit_with_a_kernel_split_over_both_axes_matches_one_device():
     assert shard_shapes == {(32, 128)}
     momentum = next(e for e in plan if e.path.endswith("/mlp_hidden_2_kernel_momentum"))
     assert (momentum.axes, momentum.shards) == ((("data", "model"), None), 8)
+
+
+@pytest.mark.parametrize("storage", ["orbax", "h5"])
+def test_checkpoints_keep_multi_axis_layouts(storage, tmp_path):
+    """The manifest's plan holds ('data', 'model') as a JSON list; loading elsewhere reads it back."""
+    from helpers import build_mlp
+
+    rules = [(r".*hidden_2/kernel", (("data", "model"), None)), (r".*hidden_1/bias", (("model", "data"),))]
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), rules)
+    keras.distribution.set_distribution(distribution)
+    model = build_mlp()
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((16, 32), "float32"), np.ones((16, 10), "float32"), batch_size=16, verbose=0)
+    saved = [np.asarray(w) for w in model.get_weights()]
+    path = kml.save_checkpoint(model, tmp_path / "ckpt", storage=storage)
+    for target, changed in (
+        (kml.ModelParallel(kml.Mesh(data=4, model=2), rules), 0),
+        (kml.ModelParallel(kml.Mesh(data=8)), 6),
+    ):
+        keras.distribution.set_distribution(target)
+        restored = build_mlp()
+        restored.compile(optimizer="adam", loss="mse")
+        diff = kml.load_checkpoint(restored, path)
+        for want, got in zip(saved, restored.get_weights(), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        assert len(diff.changes) == changed
+        if changed:
+            kernel = next(c for c in diff.changes if c.path == "mlp/hidden_2/kernel")
+            assert (kernel.before, kernel.after) == ((("data", "model"), None), (None, None))
+            assert "((data=2,model=4), None)" in str(diff)
+    keras.distribution.set_distribution(None)

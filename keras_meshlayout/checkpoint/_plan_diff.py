@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core._format import format_bytes, to_text
 from ..core._plan import Plan
+from ..core._resolve import axes_from_json
 
 if TYPE_CHECKING:
     import rich.console
@@ -132,8 +133,8 @@ def plan_diff(before: Plan | Mapping[str, Any], after: Plan | Mapping[str, Any])
         LayoutChange(
             v["path"],
             tuple(v["shape"]),
-            tuple(was["axes"]),
-            tuple(v["axes"]),
+            axes_from_json(was["axes"]),
+            axes_from_json(v["axes"]),
             was["bytes_per_device"],
             v["bytes_per_device"],
         )
