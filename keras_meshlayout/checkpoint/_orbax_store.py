@@ -17,7 +17,7 @@ shard on its device), then Orbax writes in a thread of its own; each shard is
 stored in chunks of at most `CHUNK_BYTES`. What a load holds: with `release`,
 the model and, per process, one shard's read or `READ_BYTES` (Orbax's restore
 limiter) with its copy from the file, each value freed before its replacement
-is read.
+is read and each group on its devices before the next is read.
 """
 
 from __future__ import annotations
@@ -239,6 +239,10 @@ def restore_into(
                     if not isinstance(value, jax.Array) or value.sharding != structs[i].sharding:
                         raise ValueError(f"Orbax restored {key(i)} as {type(value).__name__}, not as asked")
                     assign(kind, i, value)
+                # Each group done before the next is read: otherwise reads outpace the copies onto
+                # the devices and their host buffers pile up (1.25 GiB MLP on 1x8: 0.37x the model
+                # in flight, 0.05x with this wait, as fast).
+                jax.block_until_ready([tree[key(i)] for i in group])
     finally:
         checkpointer.close()
 
