@@ -407,6 +407,8 @@ def test_fully_sharded_predicted_bytes_match_the_compiled_step(name, mesh_name):
     assert "split 8 ways over 'data' and 'model', gathered over both before its projection" in head.note
     if name == "mlp":  # a column bias beside its 2-D kernel: over both axes, model-major
         assert rules.match("sequential/up1/bias").axes == (("model", "data"),)
+    if name == "block":  # a small table: its vocabulary over both axes, model-major
+        assert rules.match("embed/embeddings").axes == (("model", "data"), None)
     keras.distribution.set_distribution(kml.ModelParallel(mesh, rules, replicate_below=0))
     model = build_model()
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

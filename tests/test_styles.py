@@ -108,7 +108,6 @@ def test_parameters_per_device_near_the_tensor_parallel_ideal(family, style, mes
     assert per_device <= 1.5 * total / size, (per_device, total / size)
 
 
-
 @pytest.mark.parametrize(("family", "style"), CASES, ids=CASE_IDS)
 def test_each_style_trains_sharded_like_one_device(family, style):
     builder = FAMILIES[family][style]
@@ -189,14 +188,14 @@ def test_the_hand_offs_are_immutable():
 
 # Fully sharded (ZeRO-3/FSDP, issue 11, item 2): under the smallest budget, weights outside every
 # unit (norm scales and offsets, row biases, the small head's kernel) are split over the batch and
-# model axes together, (("data", "model"), ...), and gathered over both when used; on 4×2 the
-# embedding is split over the batch axis; the rest takes 2-D, column biases split over
+# model axes together, (("data", "model"), ...), and gathered over both when used; the embedding's
+# vocabulary over (("model", "data"), None); the rest takes 2-D, column biases split over
 # (("model", "data"),) beside their kernels. State per device against total ÷ 8, measured: the
-# block 1.059 (2×4) and 1.061 (4×2), the MLP 1.008 and 1.017, in every style (before one
+# block 1.002 (2×4) and 1.004 (4×2), the MLP 1.008 and 1.017, in every style (before one
 # dimension could take several axes: 1.145/1.090 and 1.167/1.147; before fully sharded:
-# 1.26-1.41). What is left above the floor: the embedding (vocab-parallel over the model axis on
-# 2×4, over the batch axis on 4×2) and the head's 10-element bias, which divides by neither 8 nor 4.
-FLOOR_BOUND = 1.1
+# 1.26-1.41). What is left above the floor: the head's 10-element bias, which divides by neither
+# 8 nor 4, and the scalars (Adam's step counter). The issue asks for 1.1; the bound is tighter.
+FLOOR_BOUND = 1.05
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
