@@ -103,9 +103,9 @@ FORMATS = {
     "keras": "keras.saving.load_model(m.keras)",
     "keras, load_weights": "model.load_weights(m.keras)",
     "weights.h5": "model.load_weights(m.weights.h5)",
-    "kml": "kml.load_checkpoint(model, dir)",
-    "kml, no rollback": "kml.load_checkpoint(model, dir, rollback=False)",
-    "kml orbax": 'kml.load_checkpoint(model, dir), saved with storage="orbax"',
+    "kml": 'kml.load_checkpoint(model, dir), saved with storage="h5"',
+    "kml, no rollback": "the same (h5), rollback=False",
+    "kml orbax": "kml.load_checkpoint(model, dir), Orbax (the default)",
     "kml orbax, no rollback": "the same, rollback=False",
     "build only": "model built, nothing loaded",
 }
@@ -296,7 +296,7 @@ def load_build_only(directory: Path) -> dict:
 
 #: Loads measured in each of 2 processes × 4 devices, on data=1 × model=8 split across them.
 PROCESS_FORMATS = {
-    "kml orbax, 2 processes": 'each process: kml.load_checkpoint(model, dir), storage="orbax"',
+    "kml orbax, 2 processes": "each process of 2: kml.load_checkpoint(model, dir), Orbax",
     "kml orbax, 2 processes, no rollback": "the same, rollback=False",
 }
 

@@ -119,17 +119,26 @@ def dry_plan_table(data: list) -> str:
 
 def checkpoint_table(data: dict) -> str:
     """The checkpoint benchmark: peak and extra host memory while loading, over the model's size."""
+    model = data["model_bytes"]
+
+    def rate(seconds: float | None) -> str:
+        return "" if not seconds else f"{model / seconds / 1e6:.0f}"
+
     rows = [
         [
             f"`{r['how']}`",
             f"{r['peak_over_model']:.2f}",
+            f"{r['peak_over_model_cold']:.2f}" if "peak_over_model_cold" in r else "",
             f"{r['extra_over_model']:.2f}",
-            f"{r['seconds']:.1f} s",
+            rate(r["seconds"]) if r.get("file_bytes") else "",
+            rate(r.get("save_seconds")),
         ]
         for r in data["results"]
     ]
     return _table(
-        ["format", "peak / model", "extra beyond the model / model", "seconds"], rows, right={1, 2, 3}
+        ["format", "peak / held", "counting XLA's start-up", "extra / held", "load MB/s", "save MB/s"],
+        rows,
+        right={1, 2, 3, 4, 5},
     )
 
 
