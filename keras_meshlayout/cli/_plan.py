@@ -126,13 +126,14 @@ def run(args: argparse.Namespace) -> int:
     from ..core._distribution import ModelParallel
     from ..core._dry import dry_build, dry_plan
     from ..core._mesh import Mesh
-    from ..core._resolve import DEFAULT_REPLICATE_BELOW
+    from ..core._policy import DEFAULT_REPLICATE_BELOW, LayoutPolicy
     from ..planner._auto import auto_rules
 
     mesh = Mesh.parse(args.mesh)
     build = _load_builder(args.model)
     _check_optimizer(args.optimizer)
     replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
+    policy = LayoutPolicy(on_indivisible=args.on_indivisible, replicate_below=replicate_below)
     if args.memory_budget is not None and not args.auto:
         raise InputError("--memory-budget chooses layouts for --auto: add --auto.")
     if args.memory_budget is not None and args.batch_size is None:
@@ -148,10 +149,10 @@ def run(args: argparse.Namespace) -> int:
                 mesh,
                 model_axis=args.model_axis,
                 batch_axis=args.batch_axis,
-                replicate_below=replicate_below,
                 memory_budget=args.memory_budget,
                 batch=batch,
                 optimizer=args.optimizer,
+                policy=policy,
             )
     elif args.preset:
         rules = _preset(args.preset, args.model_axis)
@@ -159,13 +160,7 @@ def run(args: argparse.Namespace) -> int:
         rules = _rules_file(args.rules, build, mesh)
     else:
         rules = None
-    distribution = ModelParallel(
-        mesh,
-        rules,
-        batch_axis=args.batch_axis,
-        on_indivisible=args.on_indivisible,
-        replicate_below=replicate_below,
-    )
+    distribution = ModelParallel(mesh, rules, batch_axis=args.batch_axis, policy=policy)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", MeshLayoutWarning)
         plan = dry_plan(build, distribution, optimizer=args.optimizer)
