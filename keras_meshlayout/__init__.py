@@ -29,6 +29,7 @@ from .core._dry import dry_plan as dry_plan
 from .core._errors import CheckpointError as CheckpointError
 from .core._errors import DevicesAlreadyInitializedError as DevicesAlreadyInitializedError
 from .core._errors import GroupedConvWarning as GroupedConvWarning
+from .core._errors import HloFormatError as HloFormatError
 from .core._errors import IndivisibleBatchError as IndivisibleBatchError
 from .core._errors import IndivisibleShapeError as IndivisibleShapeError
 from .core._errors import IndivisibleShapeWarning as IndivisibleShapeWarning
@@ -45,10 +46,10 @@ from .core._layout_map import rules_from_layout_map as rules_from_layout_map
 from .core._memory import MemoryEstimate as MemoryEstimate
 from .core._memory import check_plan as check_plan
 from .core._mesh import Mesh as Mesh
-from .core._mesh import ProcessSplitWarning as ProcessSplitWarning
-from .core._mesh import process_layout as process_layout
+from .core._placement import ProcessSplitWarning as ProcessSplitWarning
+from .core._placement import process_layout as process_layout
 from .core._plan import Plan as Plan
-from .core._plan import plan_model as plan_model
+from .core._planning import plan_model as plan_model
 from .core._plot import plot_plan as plot_plan
 from .core._policy import LayoutPolicy as LayoutPolicy
 from .core._process_data import local_batch_size as local_batch_size
@@ -90,6 +91,7 @@ __all__ = [
     "DEFAULT_REPLICATE_BELOW",
     "DevicesAlreadyInitializedError",
     "GroupedConvWarning",
+    "HloFormatError",
     "IndivisibleBatchError",
     "IndivisibleShapeError",
     "IndivisibleShapeWarning",

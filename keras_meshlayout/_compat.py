@@ -42,6 +42,10 @@ Keras's global state and distribution backend:
   functional model is called on, and the layer that made a tensor.
 - `Layer._trainable_variables`, `Layer._non_trainable_variables`: the variables a layer
   created itself (not its sub-layers').
+- `LayoutMap._device_mesh`: the mesh a layout map was made with, read by `kml.LayoutRules`
+  (whose public `device_mesh` raises when unbound).
+- `ModelParallel._layout_map`: rebound when the Keras `LayoutMap` a `kml.ModelParallel` was
+  given changes.
 - `TensorLayout._device_mesh`: set directly for a layout that splits one dimension over
   several mesh axes (an entry `("data", "model")`), which JAX's `PartitionSpec` takes but
   Keras 3.15's `TensorLayout` check of axis names refuses.
@@ -316,3 +320,29 @@ def dce_jaxpr(jaxpr: Any) -> tuple[Any, list[bool]]:
     from jax._src.interpreters import partial_eval
 
     return partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+
+
+# -- Keras's distribution objects -------------------------------------------------------------
+
+
+def layout_map_mesh(layout_map: Any) -> Any:
+    """The mesh a `keras.distribution.LayoutMap` was made with, or `None` (without raising).
+
+    Keras's public `LayoutMap.device_mesh` is what `kml.LayoutRules` overrides to explain an
+    unbound map; the mesh itself sits in `LayoutMap._device_mesh`.
+    """
+    return layout_map._device_mesh
+
+
+def distribution_layout_map(distribution: Any) -> Any:
+    """The layout map a `keras.distribution.ModelParallel` reads (`ModelParallel._layout_map`)."""
+    return distribution._layout_map
+
+
+def set_distribution_layout_map(distribution: Any, layout_map: Any) -> None:
+    """Rebinds the layout map of a `keras.distribution.ModelParallel` (`ModelParallel._layout_map`).
+
+    Keras reads it on every variable created; `kml.ModelParallel` replaces it when the Keras
+    `LayoutMap` it was given has changed since.
+    """
+    distribution._layout_map = layout_map

@@ -19,17 +19,27 @@ MLP_RULES = [
 ]
 
 
+def mlp(features: int, *layers: tuple[str, int] | tuple[str, int, str], name: str = "mlp") -> keras.Model:
+    """The one small test model: `keras.Input((features,))`, then a `Dense` per `(name, units[, activation])`.
+
+    Its variables are `<name>/<layer>/kernel` and `<name>/<layer>/bias`. Every test file's
+    small MLP is built here, so that they differ only in the sizes and names they need.
+
+    Example:
+        >>> model = mlp(8, ("up", 16, "relu"), ("down", 8))
+        >>> [w.path for w in model.weights][:2]
+        ['mlp/up/kernel', 'mlp/up/bias']
+    """
+    dense = [
+        keras.layers.Dense(units, activation=rest[0] if rest else None, name=layer)
+        for layer, units, *rest in layers
+    ]
+    return keras.Sequential([keras.Input((features,)), *dense], name=name)
+
+
 def build_mlp() -> keras.Model:
     """The 32 → 256 → 128 → 10 classifier of the issue."""
-    return keras.Sequential(
-        [
-            keras.Input((32,)),
-            keras.layers.Dense(256, activation="relu", name="hidden_1"),
-            keras.layers.Dense(128, activation="relu", name="hidden_2"),
-            keras.layers.Dense(10, name="head"),
-        ],
-        name="mlp",
-    )
+    return mlp(32, ("hidden_1", 256, "relu"), ("hidden_2", 128, "relu"), ("head", 10))
 
 
 def train(build, weights, data, distribution=None, batch_size=BATCH) -> keras.Model:

@@ -31,7 +31,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from helpers import assert_bit_identical, assert_laid_out_as_planned, values
+from helpers import assert_bit_identical, assert_laid_out_as_planned, mlp, values
 from jax.sharding import SingleDeviceSharding
 
 import keras_meshlayout as kml
@@ -66,15 +66,8 @@ def distribution_for(name: str) -> kml.ModelParallel | None:
 
 
 def build_mlp(fc1: int = 128, extra: bool = False, name: str = "mlp") -> keras.Model:
-    layers = [
-        keras.Input((16,)),
-        keras.layers.Dense(fc1, activation="relu", name="fc1"),
-        keras.layers.Dense(64, activation="relu", name="fc2"),
-        keras.layers.Dense(8, name="head"),
-    ]
-    if extra:
-        layers.append(keras.layers.Dense(8, name="extra"))
-    return keras.Sequential(layers, name=name)
+    layers = [("fc1", fc1, "relu"), ("fc2", 64, "relu"), ("head", 8), *([("extra", 8)] if extra else [])]
+    return mlp(16, *layers, name=name)
 
 
 def compiled(build: Callable[[], keras.Model] = build_mlp, optimizer: str = "adam") -> keras.Model:

@@ -21,9 +21,10 @@ import json
 import keras
 import numpy as np
 import pytest
+from helpers import mlp
 
 import keras_meshlayout as kml
-from keras_meshlayout.core._plan import format_bytes
+from keras_meshlayout.core._format import format_bytes
 
 #: Sizes chosen so that no activation, (BATCH / DATA) × features, has a weight's shape.
 F, D_IN, H, D_OUT = 6, 12, 16, 8
@@ -50,15 +51,7 @@ ALL_ELEMENTS = F * D_IN + D_IN + D_IN * H + H + H * D_OUT + D_OUT
 
 
 def build_mlp() -> keras.Model:
-    return keras.Sequential(
-        [
-            keras.Input((F,)),
-            keras.layers.Dense(D_IN, name="pre"),
-            keras.layers.Dense(H, activation="relu", name="up"),
-            keras.layers.Dense(D_OUT, name="down"),
-        ],
-        name="mlp",
-    )
+    return mlp(F, ("pre", D_IN), ("up", H, "relu"), ("down", D_OUT))
 
 
 def batch() -> tuple[np.ndarray, np.ndarray]:

@@ -202,6 +202,22 @@ def _tensor_layout_mesh():
     assert layout.backend_layout.spec == jax.sharding.PartitionSpec(("data", "model"), None)
 
 
+def _layout_map_mesh():
+    mesh = keras.distribution.DeviceMesh((2, 4), ("data", "model"), jax.devices())
+    assert _compat.layout_map_mesh(keras.distribution.LayoutMap(mesh)) is mesh
+    assert _compat.layout_map_mesh(keras.distribution.LayoutMap(None)) is None
+
+
+def _model_parallel_layout_map():
+    mesh = keras.distribution.DeviceMesh((2, 4), ("data", "model"), jax.devices())
+    first, second = keras.distribution.LayoutMap(mesh), keras.distribution.LayoutMap(mesh)
+    second["dense/kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(layout_map=first, batch_dim_name="data")
+    assert _compat.distribution_layout_map(distribution) is first
+    _compat.set_distribution_layout_map(distribution, second)
+    assert distribution.get_tensor_layout("dense/kernel").axes == (None, "model")  # Keras reads the new map
+
+
 def _overwrite_with_gradient():
     optimizer = keras.optimizers.SGD()
     plain = keras.Variable(np.zeros(2, "float32"))
@@ -330,6 +346,8 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
     ("Variable._layout", "an optimizer slot's layout", _variable_layout),
     ("Optimizer._overwrite_variable_with_gradient", "parameters without slots", _overwrite_with_gradient),
     ("TensorLayout._device_mesh", "a layout with a multi-axis entry", _tensor_layout_mesh),
+    ("LayoutMap._device_mesh", "the mesh a layout map was made with", _layout_map_mesh),
+    ("ModelParallel._layout_map", "the layout map a distribution reads", _model_parallel_layout_map),
     ("Layer._flatten_layers", "every sub-layer", _flatten_layers),
     ("Layer._build_shapes_dict", "the shapes a layer was built with", _build_shapes),
     ("Model._inputs_struct", "a functional model's input structure", _inputs_struct),
@@ -437,7 +455,12 @@ def _foreign_objects() -> list[object]:
 
 #: Call sites not yet moved behind the seam, each with the `_compat` function to use instead.
 #: Kept exact: a site that is fixed must leave this table (the test fails while it stays).
-NOT_YET_MOVED = {}
+NOT_YET_MOVED = {
+    # Keras's `Callback._model`, read as `self._model`: seen once the `self.` exemption went.
+    # checkpoint/ is being reworked on branch ckpt-refactor (issue 20/22); the fix there is
+    # the public `self.model`, or a `_compat.callback_model(callback)`.
+    ("checkpoint/_resume.py", "_model"): "self.model (public), or _compat.callback_model",
+}
 
 
 def _modules() -> list[Path]:
@@ -471,7 +494,7 @@ def foreign_private_uses(source: str, own: set[str]) -> list[tuple[int, str, str
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and _private(node.attr):
             base = ast.unparse(node.value)
-            if base in ("self", "cls", "super()") or (base, node.attr) in STDLIB_PRIVATE or node.attr in own:
+            if (base, node.attr) in STDLIB_PRIVATE or node.attr in own:
                 continue
             uses.append((node.lineno, ast.unparse(node), node.attr))
         elif (
@@ -512,7 +535,7 @@ def patched_foreign_attributes(source: str) -> list[tuple[int, str]]:
         ("variable._value = 1", ["_value"]),
         ("x = model._jax_state", ["_jax_state"]),
         ("getattr(model, '_jax_state', None)", ["_jax_state"]),
-        ("self._value = 1\nself._rules.bind(x)", []),
+        ("self._value = 1\nself._rules.bind(x)", ["_value"]),  # self. is no exemption
         ("plan._entries", []),  # our own name (set below)
         ("os._exit(1)", []),
         ("type(x).__name__; getattr(f, '__name__', '')", []),

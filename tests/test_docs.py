@@ -177,3 +177,19 @@ def test_slow_tests_are_marked(request):
         if "*" in names or getattr(item, "originalname", item.name) in names:
             assert item.get_closest_marker("slow"), item.nodeid
     assert request.node.get_closest_marker("slow") is None
+
+
+def test_contributing_lists_every_module():
+    """Issue 20: CONTRIBUTING.md's "Where things live" names every module of the package, once."""
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    section = text[text.index("## Where things live") : text.index("## The test loop")]
+    first_cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    listed = [name for cell in first_cells for name in re.findall(r"`([\w/]+\.py)`", cell)]
+    package = ROOT / "keras_meshlayout"
+    modules = {
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "__init__.py" or path.parent == package
+    }
+    assert sorted(modules - set(listed)) == [], "add a line for each of these to CONTRIBUTING.md"
+    assert sorted(set(listed) - modules) == [], "these are listed but do not exist"

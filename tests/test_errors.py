@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import keras
 import numpy as np
 import pytest
+from helpers import mlp
 from jax.sharding import PartitionSpec
 
 import keras_meshlayout as kml
@@ -73,6 +74,17 @@ def raises_case(case: Case) -> None:
 SPEC_HELP = 'Write it as "2x4"'
 
 MESH_CASES = [
+    Case(  # issue 22: a raw TypeError ('int' object is not iterable) before
+        "across-processes-not-names",
+        lambda: kml.Mesh(data=2, model=4, across_processes=5),
+        kml.InvalidMeshError,
+        (
+            "across_processes must name mesh axes",
+            "Received: across_processes=5",
+            "The mesh has axes ('data', 'model')",
+            'across_processes=("data",)',
+        ),
+    ),
     Case(
         "size-zero",
         lambda: kml.Mesh(data=0, model=8),
@@ -659,7 +671,17 @@ def test_bad_device_emulation(count: Any, error: type[Exception], fragments: tup
 
 
 def test_emulating_the_running_count_again_is_harmless():
-    kml.emulate_devices(8)
+    """Issue 20: this test asserted nothing. Again with the running count: no error, no change."""
+    import os
+
+    import jax
+
+    flags = os.environ.get("XLA_FLAGS")
+    assert kml.emulate_devices(8) is None
+    assert len(jax.devices("cpu")) == 8
+    assert os.environ.get("XLA_FLAGS") == flags  # nothing rewritten once JAX runs
+    with pytest.raises(kml.DevicesAlreadyInitializedError):
+        kml.emulate_devices(4)  # and a different count is still refused
 
 
 # -- a real model meets the rules ---------------------------------------------
@@ -683,14 +705,7 @@ def build_mlp(
         The built model.
     """
     with distribution.scope():
-        return keras.Sequential(
-            [
-                keras.Input((features,)),
-                keras.layers.Dense(hidden, activation="relu", name="hidden"),
-                keras.layers.Dense(head, name="head"),
-            ],
-            name="mlp",
-        )
+        return mlp(features, ("hidden", hidden, "relu"), ("head", head))
 
 
 class ModelCase(NamedTuple):
@@ -951,6 +966,7 @@ ERRORS = [
     kml.IndivisibleBatchError,
     kml.UnsupportedBackendError,
     kml.DevicesAlreadyInitializedError,
+    kml.HloFormatError,
 ]
 
 WARNINGS = [
@@ -978,3 +994,22 @@ def test_the_tables_cover_every_exported_error_and_warning():
     exported = {getattr(kml, name) for name in kml.__all__}
     errors = {item for item in exported if isinstance(item, type) and issubclass(item, BaseException)}
     assert errors == {*ERRORS, *WARNINGS, kml.MeshLayoutError, kml.MeshLayoutWarning}
+
+
+def test_a_rules_json_nested_3000_deep_is_one_clear_line(tmp_path, capsys):
+    """Issue 22: a raw RecursionError line before; now what is wrong and what a rules file looks like."""
+    from keras_meshlayout.cli._main import main
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 3000 + "]" * 3000)
+    models = tmp_path / "deep_models.py"
+    models.write_text(
+        "import keras\n\ndef mlp():\n"
+        "    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])\n"
+    )
+    status = main(["plan", "--mesh", "8", "--model", f"{models}:mlp", "--rules", str(deep)])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert f"--rules {deep} nests its JSON too deeply to read" in err
+    assert "[pattern, axes] pairs" in err and "RecursionError" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+import keras_meshlayout as kml
 from keras_meshlayout.report._hlo import Collective, parse_collectives, wire_bytes
 
 ROWS_2x4 = ((0, 1, 2, 3), (4, 5, 6, 7))  # the two rows of a 2×4 mesh
@@ -434,15 +435,31 @@ def test_program_order_and_names():
 @pytest.mark.parametrize(
     "groups, message",
     [
-        ("replica_groups=<<0,1>>", "Unrecognised replica_groups format: '<<0,1>>"),
-        ("replica_groups=mesh['x'=2] {'y'}", "Unrecognised axis \"'y'\" in mesh replica_groups"),
-        ("replica_groups=mesh['x'=2], device_ids=(1,0,2) {'x'}", "with 3 device ids for mesh [2]"),
+        ("replica_groups=<<0,1>>", "Unrecognised replica_groups format in compiled HLO (JAX "),
+        (
+            "replica_groups=mesh['x'=2] {'y'}",
+            "Unrecognised axis \"'y'\" in mesh replica_groups (the mesh has ['x'])",
+        ),
+        ("replica_groups=mesh['x'=2], device_ids=(1,0,2) {'x'}", "3 device ids for a mesh of shape [2]"),
     ],
     ids=["unknown-format", "unknown-axis", "wrong-device-count"],
 )
 def test_unrecognised_groups_raise(groups, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
+    """Issue 20: our own error (it was a bare ValueError), quoting the text and naming the fix."""
+    with pytest.raises(kml.HloFormatError) as raised:
         parse_collectives(f"  %ar = f32[8]{{0}} all-reduce(%x), {groups}, to_apply=%add", 8)
+    assert message in str(raised.value)
+    assert groups.partition("=")[2][:20] in str(raised.value)
+    assert "Fix: report the text above with your JAX version" in str(raised.value)
+
+
+def test_an_unknown_element_type_is_an_error_naming_it():
+    """Issue 20: an unknown element type counted silently as 4 bytes; now an error naming it."""
+    [collective] = parse_collectives(
+        "  %ar = f12[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add", 2
+    )
+    with pytest.raises(kml.HloFormatError, match=re.escape("Unknown HLO element type 'f12'")):
+        collective.nbytes  # noqa: B018 (the property raises)
 
 
 # -- wire bytes ---------------------------------------------------------------------

@@ -1,10 +1,14 @@
-"""The package's modules import one another without a cycle, and never a higher layer.
+"""The package's modules import one another without a cycle, never a higher layer, and stay small.
 
-Read from the source with `ast`. For cycles, an import at module level (or under a
-module-level `if`, `try` or `with`, but not under `if TYPE_CHECKING:`) is an edge; imports
-inside functions are left out there, since they run when called, after every module has
-loaded. For layers, every import counts, at load time or lazily inside a function, even
-under `if TYPE_CHECKING:`: a lower layer may never know a higher one.
+Read from the source with `ast`. Two graphs: the load-time one, where an import at module level
+(or under a module-level `if`, `try` or `with`, but not under `if TYPE_CHECKING:`) is an edge,
+and the full one, where every import counts, at load time or lazily inside a function, even
+under `if TYPE_CHECKING:`. Neither has a cycle, inside a package or across them: a module
+that needs another's caller takes a protocol or a predicate instead. In the full graph a lower
+layer never knows a higher one.
+
+Size: no module over 500 lines, no function over 60 lines of code (docstrings, comments and
+blank lines not counted), but for the short allow-list below.
 
 The layers, lowest first: `_compat` < `core` < `report` < `planner` < `runtime`, `checkpoint`
 (side by side: neither imports the other) < `cli` < the top level (`__init__`, `__main__`,
@@ -108,11 +112,13 @@ def test_the_graph_sees_the_package():
     assert "keras_meshlayout.core._rules" in graph["keras_meshlayout.core._distribution"]
     assert "keras_meshlayout.planner" in graph
     # TYPE_CHECKING only:
-    assert "keras_meshlayout.core._distribution" not in graph["keras_meshlayout.core._plan"]
+    assert "keras_meshlayout.core._distribution" not in graph["keras_meshlayout.core._dry"]
 
 
-def test_no_import_cycle():
-    cycle = find_cycle(import_graph())
+@pytest.mark.parametrize("lazy", [False, True], ids=["at-load-time", "anywhere"])
+def test_no_import_cycle(lazy):
+    """No cycle, across packages or inside one (`core._distribution` <-> `core._trainer_hooks` was one)."""
+    cycle = find_cycle(import_graph(lazy=lazy))
     assert cycle is None, " -> ".join(cycle or [])
 
 
@@ -189,9 +195,10 @@ def test_upward_imports_are_found(graph, found):
 
 def test_the_lazy_graph_sees_imports_inside_functions():
     graph = import_graph(lazy=True)
-    assert "keras_meshlayout.core._distribution" in graph["keras_meshlayout.core._plan"]  # TYPE_CHECKING
-    assert "keras_meshlayout.core._inference" in graph["keras_meshlayout.core._distribution"]  # in a function
-    assert "keras_meshlayout.core._inference" not in import_graph()["keras_meshlayout.core._distribution"]
+    assert "keras_meshlayout.core._distribution" in graph["keras_meshlayout.core._dry"]  # TYPE_CHECKING
+    assert "keras_meshlayout.core._dry" not in graph["keras_meshlayout.core._distribution"]
+    assert "keras_meshlayout.core._distribution" in graph["keras_meshlayout.cli._plan"]  # in a function
+    assert "keras_meshlayout.core._distribution" not in import_graph()["keras_meshlayout.cli._plan"]
 
 
 def test_every_module_has_a_layer():
@@ -202,3 +209,96 @@ def test_no_module_imports_a_higher_layer():
     """Not at load time, not lazily inside a function: lower layers never know higher ones."""
     found = upward_imports(import_graph(lazy=True))
     assert found == [], "upward imports (move the code down, or the import up):\n" + "\n".join(found)
+
+
+# -- size ------------------------------------------------------------------------------------
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+#: Modules and functions still over the limits, each with why it may be for now. None in core/;
+#: the others are being split on their owners' branches, and the merger removes each entry
+#: that the merged tree no longer needs (the test fails while an entry is stale).
+TOO_LONG = {
+    "planner/_auto.py": "being split on branch planner (issue 19)",
+    "planner/_costs.py": "being split on branch planner (issue 19)",
+    "planner/_costs.py:_tensor_parallel_unit": "being split on branch planner (issue 19)",
+    "planner/_costs.py:_fully_sharded_unit": "being split on branch planner (issue 19)",
+    "runtime/_launch.py": "being split on branch ckpt-refactor (issue 20: supervision, ports, relay)",
+    "runtime/_launch.py:launch": "being split on branch ckpt-refactor (issue 20)",
+    "runtime/_launch.py:_report": "being split on branch ckpt-refactor (issue 20)",
+    "runtime/_cluster.py:cluster_config": "being split on branch ckpt-refactor (issue 20)",
+    "checkpoint/_load.py:load": "being split on branch ckpt-refactor (issue 20: one save procedure)",
+    "checkpoint/_manifest.py:_check_schema": "being split on branch ckpt-refactor (issue 20)",
+    "checkpoint/_save.py:_save_orbax": "being split on branch ckpt-refactor (issue 20: one save procedure)",
+}
+
+
+def _docstring_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return lines
+
+
+def code_lines(source: str, node: ast.AST, docstrings: set[int]) -> int:
+    """Lines of code of `node`: not blank, not only a comment, not part of a docstring."""
+    text = source.splitlines()
+    return sum(
+        1
+        for number in range(node.lineno, node.end_lineno + 1)
+        if number not in docstrings and (line := text[number - 1].strip()) and not line.startswith("#")
+    )
+
+
+def too_long(source: str, relative: str) -> dict[str, int]:
+    """`{"path": lines}` for a module over the limit, `{"path:function": lines}` for each function."""
+    found = {}
+    if len(source.splitlines()) > MAX_MODULE_LINES:
+        found[relative] = len(source.splitlines())
+    tree = ast.parse(source)
+    docstrings = _docstring_lines(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = code_lines(source, node, docstrings)
+            if lines > MAX_FUNCTION_LINES:
+                found[f"{relative}:{node.name}"] = lines
+    return found
+
+
+def test_too_long_counts_code_not_docstrings():
+    body = "\n".join(f"    x{i} = {i}" for i in range(60))  # and the `def` line: 61
+    doc = '    """' + "\n" * 100 + '    """\n'
+    assert too_long(f"def f():\n{doc}    # a comment\n\n{body}\n", "m.py") == {"m.py:f": 61}
+    assert too_long(f"def f():\n{doc}" + "\n".join(f"    x{i} = {i}" for i in range(59)) + "\n", "m.py") == {}
+    assert too_long("x = 1\n" * 501, "m.py") == {"m.py": 501}
+
+
+def _sizes() -> dict[str, int]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found.update(too_long(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE))))
+    return found
+
+
+def test_modules_and_functions_are_small():
+    over = {name: lines for name, lines in _sizes().items() if name not in TOO_LONG}
+    assert over == {}, (
+        f"over {MAX_MODULE_LINES} lines (module) or {MAX_FUNCTION_LINES} lines of code (function): {over}. "
+        "Fix: split it along its concerns (CONTRIBUTING.md, 'Where things live')."
+    )
+
+
+def test_the_allow_list_is_short_and_exact():
+    assert not [name for name in TOO_LONG if name.startswith("core/")], "core/ needs no exception"
+    assert all(reason.strip() for reason in TOO_LONG.values())
+    stale = sorted(set(TOO_LONG) - set(_sizes()))
+    assert stale == [], f"these are small now; remove them from TOO_LONG: {stale}"

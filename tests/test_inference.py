@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import keras_meshlayout as kml
-from keras_meshlayout.core import _inference
+from keras_meshlayout.core import _trainer_hooks
 
 FEATURES, CLASSES = 8, 4
 RULES = [
@@ -214,16 +214,16 @@ def test_training_still_refuses_a_batch_that_does_not_split(call):
 
 def test_a_short_batch_is_replicated_only_inside_predict_and_evaluate():
     dist = distribution()
-    assert not _inference.replicates_batch(dist, (27, FEATURES))  # outside any Keras call
+    assert not _trainer_hooks.replicates_batch(dist, (27, FEATURES))  # outside any Keras call
     with pytest.raises(kml.IndivisibleBatchError):
         dist.get_data_layout((27, FEATURES))
-    token = _inference._INFERENCE.set(True)
+    token = _trainer_hooks._INFERENCE.set(True)
     try:
-        assert _inference.replicates_batch(dist, (27, FEATURES))
+        assert _trainer_hooks.replicates_batch(dist, (27, FEATURES))
         assert dist.get_data_layout((27, FEATURES)).axes == (None, None)
         assert dist.get_data_layout((32, FEATURES)).axes == ("data", None)
     finally:
-        _inference._INFERENCE.reset(token)
+        _trainer_hooks._INFERENCE.reset(token)
 
 
 # -- the model survives an exception --------------------------------------------------

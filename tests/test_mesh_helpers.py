@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import keras_meshlayout as kml
-from keras_meshlayout.core._mesh import _id_ranges, mesh_axis_sizes
+from keras_meshlayout.core._format import id_ranges
+from keras_meshlayout.core._mesh import mesh_axis_sizes
 
 
 @pytest.mark.parametrize(
@@ -42,7 +43,7 @@ def test_axis_sizes_of_every_kind_of_mesh(build):
     ids=["none", "one", "pair", "run-and-single", "apart", "two-runs-in-mesh-order"],
 )
 def test_device_ids_as_text(ids, text):
-    assert _id_ranges(ids) == text
+    assert id_ranges(ids) == text
 
 
 def test_no_module_pairs_axis_names_with_sizes_itself():

@@ -21,7 +21,7 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers import assert_bit_identical, assert_laid_out_as_planned, values
+from helpers import assert_bit_identical, assert_laid_out_as_planned, mlp, values
 from jax.sharding import SingleDeviceSharding
 
 import keras_meshlayout as kml
@@ -43,13 +43,7 @@ def distribution_for(name: str) -> kml.ModelParallel | None:
 
 
 def build_mlp() -> keras.Model:
-    layers = [
-        keras.Input((16,)),
-        keras.layers.Dense(128, activation="relu", name="fc1"),
-        keras.layers.Dense(64, activation="relu", name="fc2"),
-        keras.layers.Dense(8, name="head"),
-    ]
-    return keras.Sequential(layers, name="mlp")
+    return mlp(16, ("fc1", 128, "relu"), ("fc2", 64, "relu"), ("head", 8))
 
 
 def compiled(build: Callable[[], keras.Model] = build_mlp) -> keras.Model:

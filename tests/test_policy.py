@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import re
 
+import helpers
 import keras
 import numpy as np
 import pytest
@@ -22,9 +23,7 @@ MESH = {"data": 2, "model": 4}
 
 def mlp() -> keras.Model:
     """Kernels of 8×16 and 16×8 (128 elements): below the default threshold of 4096."""
-    return keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, name="up"), keras.layers.Dense(8, name="down")], name="mlp"
-    )
+    return helpers.mlp(8, ("up", 16), ("down", 8))
 
 
 @pytest.mark.parametrize(

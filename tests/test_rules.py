@@ -214,7 +214,7 @@ def test_notes_travel_to_the_plan():
     ],
 )
 def test_literal_strings(pattern, strings):
-    from keras_meshlayout.core._rules import literal_strings
+    from keras_meshlayout.core._matcher import literal_strings
 
     found = literal_strings(pattern)
     assert (None if found is None else set(found)) == strings
@@ -389,8 +389,8 @@ def test_multi_axis_layouts_format_and_round_trip_through_json():
     import json
 
     from keras_meshlayout.checkpoint import _plan_diff
+    from keras_meshlayout.core._axes import axes_from_json
     from keras_meshlayout.core._format import format_axes
-    from keras_meshlayout.core._resolve import axes_from_json
 
     assert format_axes((("data", "model"), None)) == "(('data','model'), None)"
     distribution = kml.ModelParallel(
@@ -474,3 +474,20 @@ def test_checkpoints_keep_multi_axis_layouts(storage, tmp_path):
             assert (kernel.before, kernel.after) == ((("data", "model"), None), (None, None))
             assert "((data=2,model=4), None)" in str(diff)
     keras.distribution.set_distribution(None)
+
+
+def test_a_bound_view_shares_the_policy_and_cost_set_later():
+    """Issue 20: `bind` copied `cost` and `policy` by hand, so a view drifted once either was set later."""
+    import dataclasses
+
+    rules = kml.LayoutRules([(r".*kernel", (None, "model"))])
+    view = rules.bind(kml.Mesh(data=2, model=4))
+    assert view is not rules and view.policy is None and view.cost is None
+    policy, cost = kml.LayoutPolicy(replicate_below=0), object()
+    rules.policy, rules.cost = policy, cost
+    assert (view.policy, view.cost) == (policy, cost)
+    assert view.origin is rules.origin
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rules.origin.cost = None  # one frozen value, replaced whole
+    with pytest.raises(kml.InvalidOptionError, match=re.escape("policy must be a kml.LayoutPolicy")):
+        view.policy = "replicate"

@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..core._axes import axes_from_json
 from ..core._format import format_bytes, to_text
 from ..core._plan import Plan
-from ..core._resolve import axes_from_json
 
 if TYPE_CHECKING:
     import rich.console

@@ -60,6 +60,15 @@ def add_parser(commands: Any) -> None:
         epilog=RULES_FILE_HELP + "\n" + EXIT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_inputs(plan)
+    _add_checks(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_emulate(plan)
+    plan.set_defaults(run=run)
+
+
+def _add_inputs(plan: argparse.ArgumentParser) -> None:
+    """The mesh, the model, where the rules come from, and the optimizer."""
     plan.add_argument("--mesh", required=True, help='mesh spec: "2x4", "8" or "data=2,model=4" (-1 infers)')
     plan.add_argument(
         "--model",
@@ -83,6 +92,10 @@ def add_parser(commands: Any) -> None:
         "--batch-axis", default=None, help="mesh axis the batch is split over (default: the first)"
     )
     plan.add_argument("--model-axis", default="model", help="tensor-parallel axis for --auto and presets")
+
+
+def _add_checks(plan: argparse.ArgumentParser) -> None:
+    """The policy, the memory checks and the planner's budget."""
     plan.add_argument("--on-indivisible", choices=("replicate", "error"), default="replicate")
     plan.add_argument("--replicate-below", type=int, default=None, help="small-matrix threshold in elements")
     plan.add_argument(
@@ -113,9 +126,6 @@ def add_parser(commands: Any) -> None:
         default=None,
         help="length for the model inputs' other unknown dimensions (token ids), with --batch-size",
     )
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    add_emulate(plan)
-    plan.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,10 +134,9 @@ def run(args: argparse.Namespace) -> int:
 
     emulate_devices(args.emulate_devices)
     from ..core._distribution import ModelParallel
-    from ..core._dry import dry_build, dry_plan
+    from ..core._dry import dry_plan
     from ..core._mesh import Mesh
     from ..core._policy import DEFAULT_REPLICATE_BELOW, LayoutPolicy
-    from ..planner._auto import auto_rules
 
     mesh = Mesh.parse(args.mesh)
     build = _load_builder(args.model)
@@ -139,39 +148,12 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_budget is not None and args.batch_size is None:
         raise InputError("--memory-budget needs --batch-size (and --sequence-length for token inputs).")
     _check_batch_size(args.batch_size, mesh, args.batch_axis)
-    if args.auto:
-        with dry_build(build) as model:
-            batch = (
-                None if args.batch_size is None else _batch_spec(model, args.batch_size, args.sequence_length)
-            )
-            rules = auto_rules(
-                model,
-                mesh,
-                model_axis=args.model_axis,
-                batch_axis=args.batch_axis,
-                memory_budget=args.memory_budget,
-                batch=batch,
-                optimizer=args.optimizer,
-                policy=policy,
-            )
-    elif args.preset:
-        rules = _preset(args.preset, args.model_axis)
-    elif args.rules:
-        rules = _rules_file(args.rules, build, mesh)
-    else:
-        rules = None
+    rules = _the_rules(args, build, mesh, policy)
     distribution = ModelParallel(mesh, rules, batch_axis=args.batch_axis, policy=policy)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", MeshLayoutWarning)
         plan = dry_plan(build, distribution, optimizer=args.optimizer)
-    # The plan lists its own warnings (unmatched rules, grouped convolutions) under its table;
-    # the others (indivisible shapes replicated) are printed after it, each once.
-    messages = list(plan.warnings)
-    messages += sorted(
-        {str(w.message) for w in caught if issubclass(w.category, MeshLayoutWarning)}
-        - set(messages)
-        - {str(w.message) for w in caught if issubclass(w.category, UnmatchedRuleWarning)}
-    )
+    messages = _messages(plan, caught)
     failure = None
     try:
         # Under a memory budget the planner replicates on purpose wherever the budget allows,
@@ -181,31 +163,9 @@ def run(args: argparse.Namespace) -> int:
     except MemoryBudgetError as err:
         failure = str(err)
     if args.json:
-        data = plan.to_dict()
-        data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
-        data["warnings"] = messages
-        cost = getattr(rules, "cost", None)
-        if cost is not None:
-            data["predicted"] = {
-                "wire_bytes_per_device": cost.wire_bytes,
-                "wire_bytes_by_axis": dict(cost.wire_bytes_by_axis),
-                "state_bytes_per_device": cost.state_bytes,
-                "activation_bytes_per_device": cost.activation_bytes,
-                "budget": cost.budget,
-                "layouts": cost.layouts(),
-            }
-        data["valid"] = failure is None and not (args.strict and messages)
-        data["failure"] = failure
-        print(json.dumps(data, indent=2))
+        _print_json(args, plan, rules, messages, failure)
     else:
-        from rich.console import Console
-
-        console = Console(width=max(120, Console().width))
-        console.print(plan)
-        if getattr(rules, "cost", None) is not None:
-            console.print(f"predicted: {rules.cost}", markup=False)
-        for message in messages[len(plan.warnings) :]:
-            console.print(f"warning: {message}", style="yellow", markup=False)
+        _print_table(plan, rules, messages)
     if failure is not None:
         print(f"plan fails: {failure}", file=sys.stderr)
         return EXIT_PLAN_FAILS
@@ -213,6 +173,76 @@ def run(args: argparse.Namespace) -> int:
         print(f"plan fails: {len(messages)} warning(s) with --strict", file=sys.stderr)
         return EXIT_PLAN_FAILS
     return EXIT_OK
+
+
+def _the_rules(args: argparse.Namespace, build: Callable[[], Any], mesh: Any, policy: Any) -> Any:
+    """The rules from `--auto`, `--preset` or `--rules`; `None` (data parallelism) without any."""
+    if args.auto:
+        from ..core._dry import dry_build
+        from ..planner._auto import auto_rules
+
+        with dry_build(build) as model:
+            batch = (
+                None if args.batch_size is None else _batch_spec(model, args.batch_size, args.sequence_length)
+            )
+            return auto_rules(
+                model,
+                mesh,
+                model_axis=args.model_axis,
+                batch_axis=args.batch_axis,
+                memory_budget=args.memory_budget,
+                batch=batch,
+                optimizer=args.optimizer,
+                policy=policy,
+            )
+    if args.preset:
+        return _preset(args.preset, args.model_axis)
+    if args.rules:
+        return _rules_file(args.rules, build, mesh)
+    return None
+
+
+def _messages(plan: Any, caught: list[warnings.WarningMessage]) -> list[str]:
+    """The plan's own warnings (listed under its table), then the others caught, each once."""
+    messages = list(plan.warnings)
+    messages += sorted(
+        {str(w.message) for w in caught if issubclass(w.category, MeshLayoutWarning)}
+        - set(messages)
+        - {str(w.message) for w in caught if issubclass(w.category, UnmatchedRuleWarning)}
+    )
+    return messages
+
+
+def _print_json(
+    args: argparse.Namespace, plan: Any, rules: Any, messages: list[str], failure: str | None
+) -> None:
+    data = plan.to_dict()
+    data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
+    data["warnings"] = messages
+    cost = getattr(rules, "cost", None)
+    if cost is not None:
+        data["predicted"] = {
+            "wire_bytes_per_device": cost.wire_bytes,
+            "wire_bytes_by_axis": dict(cost.wire_bytes_by_axis),
+            "state_bytes_per_device": cost.state_bytes,
+            "activation_bytes_per_device": cost.activation_bytes,
+            "budget": cost.budget,
+            "layouts": cost.layouts(),
+        }
+    data["valid"] = failure is None and not (args.strict and messages)
+    data["failure"] = failure
+    print(json.dumps(data, indent=2))
+
+
+def _print_table(plan: Any, rules: Any, messages: list[str]) -> None:
+    from rich.console import Console
+
+    console = Console(width=max(120, Console().width))
+    console.print(plan)
+    if getattr(rules, "cost", None) is not None:
+        console.print(f"predicted: {rules.cost}", markup=False)
+    for message in messages[len(plan.warnings) :]:
+        console.print(f"warning: {message}", style="yellow", markup=False)
 
 
 def _batch_spec(model: Any, batch_size: int, length: int | None) -> Any:
@@ -398,6 +428,12 @@ def _rules_file(name: str, build: Callable[[], Any], mesh: Any) -> Any:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise InputError(f"--rules {name} is not valid JSON: {err}.") from None
+        except RecursionError:
+            raise InputError(
+                f"--rules {name} nests its JSON too deeply to read (more than about "
+                f"{sys.getrecursionlimit()} levels). A rules file is a flat list of "
+                '[pattern, axes] pairs, e.g. [[".*dense/kernel", [null, "model"]]].'
+            ) from None
         rules = data.get("rules") if isinstance(data, dict) else data
         if not isinstance(rules, list):
             raise InputError(

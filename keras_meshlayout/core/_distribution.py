@@ -10,10 +10,12 @@ from typing import Any
 import keras
 
 from .. import _compat
+from . import _trainer_hooks
 from ._backend import require_jax_backend
 from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
 from ._mesh import mesh_axis_sizes
-from ._plan import Plan, plan_model
+from ._plan import Plan
+from ._planning import plan_model
 from ._policy import IndivisiblePolicy, LayoutPolicy, resolve_policy
 from ._process_data import process_batch_block
 from ._resolve import Resolution, resolve
@@ -143,18 +145,7 @@ class ModelParallel(keras.distribution.ModelParallel):
             replicate_below=replicate_below,
             default=given.policy if isinstance(given, LayoutRules) else None,
         )
-        if batch_axis is not None and batch_dim_name is not None and batch_axis != batch_dim_name:
-            raise InvalidMeshError(
-                f"batch_axis={batch_axis!r} and batch_dim_name={batch_dim_name!r} disagree; they are "
-                "two names (ours and Keras's) for the same argument. Fix: pass one of them."
-            )
-        batch_axis = batch_axis if batch_axis is not None else batch_dim_name
-        batch_axis = mesh.axis_names[0] if batch_axis is None else batch_axis
-        if batch_axis not in mesh.axis_names:
-            raise InvalidMeshError(
-                f"batch_axis={batch_axis!r} is not an axis of the mesh, which has axes "
-                f"{tuple(mesh.axis_names)} (shape {tuple(mesh.shape)}). Fix: pass one of them."
-            )
+        batch_axis = _the_batch_axis(mesh, batch_axis, batch_dim_name)
         if auto_shard_dataset is None:
             auto_shard_dataset = keras_form  # Keras's default where Keras's call form is used
         self._keras_map = given if _is_raw_layout_map(given) else None
@@ -171,7 +162,7 @@ class ModelParallel(keras.distribution.ModelParallel):
         #: Paths of the model variables laid out so far, for the unmatched-rule check.
         self._laid_out: list[str] = []
         self._unmatched_checked = False
-        _install_batch_check()
+        _trainer_hooks.install(_is_ours)
 
     @property
     def rules(self) -> LayoutRules:
@@ -183,8 +174,8 @@ class ModelParallel(keras.distribution.ModelParallel):
         """
         if self._keras_map is not None and _snapshot(self._keras_map) != self._keras_map_seen:
             self._keras_map_seen = _snapshot(self._keras_map)
-            self._layout_map = _as_rules(self._keras_map).bind(self.device_mesh)
-        return self._layout_map
+            _compat.set_distribution_layout_map(self, _as_rules(self._keras_map).bind(self.device_mesh))
+        return _compat.distribution_layout_map(self)
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -287,11 +278,8 @@ class ModelParallel(keras.distribution.ModelParallel):
         self._warn_unmatched_once()
         if len(data_shape) == 0:
             return keras.distribution.TensorLayout((), self.device_mesh)
-        from . import _inference  # predict/evaluate: a batch that does not split is replicated
-
-        if _inference.replicates_batch(self, data_shape):
-            return _inference.replicated_layout(self, len(data_shape))
-        self.check_batch(data_shape)
+        if _trainer_hooks.batch_decision(self, data_shape) == "replicate":  # predict/evaluate
+            return _trainer_hooks.replicated_layout(self, len(data_shape))
         return super().get_data_layout(data_shape)
 
     def _warn_unmatched_once(self) -> None:
@@ -364,30 +352,9 @@ def _created_by_optimizer_or_metric() -> bool:
     return bool(callers) and isinstance(callers[0], (keras.optimizers.Optimizer, keras.metrics.Metric))
 
 
-def _install_batch_check() -> None:
-    """Checks every input batch under a `kml.ModelParallel` before JAX splits it.
-
-    Keras's JAX trainer derives the input sharding from the first batch of an
-    epoch and applies it to all later ones, so a short last batch that does not
-    divide by the batch axis would otherwise fail inside JAX with an
-    `IndivisibleError` naming neither the batch size nor the axis. Keras looks
-    `distribute_data_input` up on its backend module for every batch; wrapping it
-    there adds our check and changes nothing for other distributions.
-    """
-    from . import _inference
-
-    _inference.install()  # predict/evaluate of any batch size; weights survive errors
-
-    def checked(original):
-        def distribute_data_input(per_process_batch, layout, batch_dim_name):
-            current = keras.distribution.distribution()
-            if isinstance(current, ModelParallel) and getattr(per_process_batch, "ndim", 0) > 0:
-                layout = _inference.batch_layout(current, per_process_batch.shape, layout)  # checks it
-            return original(per_process_batch, layout, batch_dim_name)
-
-        return distribute_data_input
-
-    _compat.wrap_distribute_data_input(checked)
+def _is_ours(distribution: object) -> bool:
+    """Whether the trainer hooks act under `distribution`: a `kml.ModelParallel`."""
+    return isinstance(distribution, ModelParallel)
 
 
 def _as_rules(rules: Any) -> LayoutRules:
@@ -416,6 +383,23 @@ def _snapshot(layout_map: keras.distribution.LayoutMap | None) -> tuple | None:
     if layout_map is None:
         return None
     return tuple((key, id(layout)) for key, layout in layout_map.items())
+
+
+def _the_batch_axis(mesh: keras.distribution.DeviceMesh, batch_axis: Any, batch_dim_name: Any) -> str:
+    """The batch axis from ours or Keras's name for it; the mesh's first axis by default."""
+    if batch_axis is not None and batch_dim_name is not None and batch_axis != batch_dim_name:
+        raise InvalidMeshError(
+            f"batch_axis={batch_axis!r} and batch_dim_name={batch_dim_name!r} disagree; they are "
+            "two names (ours and Keras's) for the same argument. Fix: pass one of them."
+        )
+    batch_axis = batch_axis if batch_axis is not None else batch_dim_name
+    batch_axis = mesh.axis_names[0] if batch_axis is None else batch_axis
+    if batch_axis not in mesh.axis_names:
+        raise InvalidMeshError(
+            f"batch_axis={batch_axis!r} is not an axis of the mesh, which has axes "
+            f"{tuple(mesh.axis_names)} (shape {tuple(mesh.shape)}). Fix: pass one of them."
+        )
+    return batch_axis
 
 
 def _the_mesh(mesh: Any, device_mesh: Any, rules: Any) -> keras.distribution.DeviceMesh:

@@ -18,7 +18,8 @@ import keras
 
 from .. import _compat
 from ._memory import slot_model
-from ._plan import Plan, plan_model
+from ._plan import Plan
+from ._planning import plan_model
 
 if TYPE_CHECKING:
     from ._distribution import ModelParallel

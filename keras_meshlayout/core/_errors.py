@@ -18,6 +18,7 @@ __all__ = [
     "IndivisibleBatchError",
     "UnsupportedBackendError",
     "MemoryBudgetError",
+    "HloFormatError",
     "CheckpointError",
     "DevicesAlreadyInitializedError",
     "MeshLayoutWarning",
@@ -89,6 +90,15 @@ class CheckpointError(MeshLayoutError):
     Raised before anything is loaded: the model in memory is left as it was.
     Also raised when a save cannot be written (a full disk, any `OSError`): the
     message names the file, and the previous checkpoint is left intact.
+    """
+
+
+class HloFormatError(MeshLayoutError):
+    """Compiled HLO text holds something the communication report cannot read.
+
+    Raised by `kml.comm_report` (and `parse_collectives`) for a `replica_groups` attribute in a
+    format it does not know, or an element type whose size it does not know, instead of
+    guessing: the message quotes the text and names the JAX version to report it with.
     """
 
 

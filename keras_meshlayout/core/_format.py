@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -41,3 +42,24 @@ def format_bytes(count: float) -> str:
         count /= 1024
         power += 1
     return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"
+
+
+def id_ranges(ids: Sequence[int]) -> str:
+    """Device ids as text, runs collapsed: `[0, 1, 2, 3, 8]` → `'0-3, 8'` (the one format for id lists)."""
+    if not ids:
+        return ""
+    parts: list[str] = []
+    start = previous = ids[0]
+    for current in [*ids[1:], None]:
+        if current is not None and current == previous + 1:
+            previous = current
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if current is not None:
+            start = previous = current
+    return ", ".join(parts)
+
+
+def mesh_text(names: Sequence[str], shape: Sequence[int]) -> str:
+    """`"data=2 × model=4"`."""
+    return " × ".join(f"{name}={size}" for name, size in zip(names, shape, strict=True))

@@ -20,7 +20,8 @@ from typing import Literal
 import keras
 
 from ._errors import InvalidOptionError, InvalidRuleError
-from ._rules import OUTPUT_SUFFIX, LayoutRules
+from ._matcher import OUTPUT_SUFFIX
+from ._rules import LayoutRules
 
 __all__ = ["rules_from_layout_map"]
 

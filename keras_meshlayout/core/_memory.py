@@ -12,16 +12,35 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import InvalidOptionError, MemoryBudgetError
 from ._format import format_bytes
 
 if TYPE_CHECKING:
-    from ._plan import Plan
     from ._resolve import Resolution
 
-__all__ = ["MemoryEstimate", "SlotModel", "check_plan", "memory_of", "parse_bytes", "slot_model"]
+
+class PlanEntries(Protocol):
+    """What the memory budget reads of a plan (`kml.Plan` has it): its entries and mesh."""
+
+    @property
+    def entries(self) -> Sequence[Resolution]: ...
+    @property
+    def axis_sizes(self) -> Mapping[str, int]: ...
+
+
+__all__ = [
+    "MemoryEstimate",
+    "PlanEntries",
+    "SlotModel",
+    "check_plan",
+    "memory_of",
+    "parse_bytes",
+    "slot_model",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class SlotModel:
@@ -136,11 +155,11 @@ class MemoryEstimate:
         return {**dataclasses.asdict(self), "total": self.total, "fits": self.fits}
 
 
-def memory_of(plan: Plan, device_memory: int | str | None = None) -> MemoryEstimate:
-    """The per-device training-state bytes of `plan` (see `Plan.memory`)."""
+def memory_of(entries: Iterable[Resolution], device_memory: int | str | None = None) -> MemoryEstimate:
+    """The per-device training-state bytes of a plan's entries (see `Plan.memory`)."""
     capacity = None if device_memory is None else parse_bytes(device_memory)
     by_role = {"parameter": 0, "state": 0, "optimizer": 0}
-    for entry in plan.entries:
+    for entry in entries:
         by_role[entry.role] += entry.bytes_per_device
     return MemoryEstimate(
         parameters=by_role["parameter"] + by_role["state"],
@@ -151,7 +170,7 @@ def memory_of(plan: Plan, device_memory: int | str | None = None) -> MemoryEstim
 
 
 def check_plan(
-    plan: Plan,
+    plan: PlanEntries,
     *,
     max_replicated_fraction: float = 0.5,
     device_memory: int | str | None = None,
@@ -176,7 +195,7 @@ def check_plan(
         raise InvalidOptionError(
             f"max_replicated_fraction must be between 0 and 1. Received: {max_replicated_fraction!r}."
         )
-    memory = memory_of(plan, device_memory)
+    memory = memory_of(plan.entries, device_memory)
     problems = []
     if memory.fits is False:
         problems.append(

@@ -1,15 +1,12 @@
 """Named device meshes: parsing a spec, inferring sizes, laying out devices.
 
-Across processes (several hosts, or `python -m keras_meshlayout.launch` on one
-machine) the axes named in `across_processes` are laid over the processes and
-the others stay within each process, where the fast links are.
+Across processes the devices are placed by `_placement`.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,19 +14,10 @@ import keras
 import numpy as np
 
 from ._backend import require_jax_backend
-from ._errors import InvalidMeshError, MeshLayoutWarning
+from ._errors import InvalidMeshError
+from ._placement import across_axes, hybrid_grid, process_of, spanning_axes
 
-__all__ = ["Mesh", "ProcessSplitWarning", "process_layout"]
-
-
-class ProcessSplitWarning(MeshLayoutWarning):
-    """A mesh axis meant to stay within a process spans processes.
-
-    Issued when `allow_split_across_processes=True` lets such a mesh be built:
-    the collectives of that axis (the all-reduces and all-gathers of
-    tensor-parallel layers, every step) then cross the slower links between
-    hosts.
-    """
+__all__ = ["Mesh", "device_id_grid", "jax_device_grid", "mesh_axis_sizes", "platform_name"]
 
 
 #: Axis names given to positional specs such as ``"2x4"``.
@@ -151,9 +139,9 @@ class Mesh(keras.distribution.DeviceMesh):
                 )
         devices = jax.devices() if devices is None else to_jax_devices(devices).ravel().tolist()
         shape = _infer_sizes(named, len(devices))
-        across = _across_axes(across_processes, tuple(named))
-        if len({_process_of(d) for d in devices}) > 1:
-            grid = _hybrid_grid(
+        across = across_axes(across_processes, tuple(named))
+        if len({process_of(d) for d in devices}) > 1:
+            grid = hybrid_grid(
                 dict(zip(named, shape, strict=True)), devices, across, allow_split_across_processes
             )
         else:
@@ -281,7 +269,7 @@ class Mesh(keras.distribution.DeviceMesh):
             >>> kml.Mesh(data=2, model=4).process_ids.tolist()  # one process
             [[0, 0, 0, 0], [0, 0, 0, 0]]
         """
-        return np.vectorize(_process_of, otypes=[int])(self.devices)
+        return np.vectorize(process_of, otypes=[int])(self.devices)
 
     @property
     def process_count(self) -> int:
@@ -291,7 +279,7 @@ class Mesh(keras.distribution.DeviceMesh):
     @property
     def axes_across_processes(self) -> tuple[str, ...]:
         """The axes along which the process changes; `()` in a single process."""
-        return _spanning_axes(self.process_ids, self.axis_names)
+        return spanning_axes(self.process_ids, self.axis_names)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}={size}" for name, size in self.axis_sizes.items())
@@ -343,56 +331,6 @@ def _device_named(name: Any) -> Any:
     )
 
 
-def process_layout(mesh: keras.distribution.DeviceMesh) -> list[str]:
-    """Which process holds which part of a mesh, as lines of text.
-
-    Works for any Keras `DeviceMesh` on JAX. The first line names the axes
-    across processes and within them; then one line per process gives its
-    positions (an index or an inclusive range per axis) and its device ids.
-
-    Args:
-        mesh: The mesh.
-
-    Returns:
-        The lines; a single line in a single process.
-
-    Example:
-        >>> import keras_meshlayout as kml
-        >>> kml.process_layout(kml.Mesh(data=2, model=4))
-        ['1 process with 8 devices']
-    """
-    devices = np.asarray(mesh.backend_mesh.devices)
-    names = tuple(mesh.axis_names)
-    processes = np.vectorize(_process_of, otypes=[int])(devices)
-    ids = np.unique(processes)
-    if len(ids) == 1:
-        return [f"1 process with {devices.size} devices"]
-    across = _spanning_axes(processes, names)
-    within = [name for name in names if name not in across]
-    lines = [
-        f"{len(ids)} processes × {devices.size // len(ids)} devices; across processes: "
-        f"{', '.join(across)}; within each process: {', '.join(within) or '-'}"
-    ]
-    for process in ids:
-        where = np.argwhere(processes == process)
-        spans = []
-        for axis, name in enumerate(names):
-            low, high = where[:, axis].min(), where[:, axis].max()
-            spans.append(f"{name}={low}" if low == high else f"{name}={low}..{high}")
-        device_ids = sorted(d.id for d in devices[processes == process])
-        lines.append(f"process {process}: {', '.join(spans)} (devices {_id_ranges(device_ids)})")
-    return lines
-
-
-def _process_of(device: Any) -> int:
-    return int(getattr(device, "process_index", 0))
-
-
-def _spanning_axes(processes: np.ndarray, names: Sequence[str]) -> tuple[str, ...]:
-    """The axes along which the process index changes."""
-    return tuple(name for axis, name in enumerate(names) if (np.diff(processes, axis=axis) != 0).any())
-
-
 def mesh_axis_sizes(mesh: Any) -> dict[str, int]:
     """Axis sizes by name, in mesh order, of any mesh the package is given.
 
@@ -409,111 +347,6 @@ def mesh_axis_sizes(mesh: Any) -> dict[str, int]:
     if isinstance(mesh.shape, Mapping):
         return {str(name): int(size) for name, size in mesh.shape.items()}
     return {name: int(size) for name, size in zip(mesh.axis_names, mesh.shape, strict=True)}
-
-
-def _id_ranges(ids: Sequence[int]) -> str:
-    """Device ids as text, runs collapsed: `[0, 1, 2, 3, 8]` → `'0-3, 8'` (the one format for id lists)."""
-    if not ids:
-        return ""
-    parts: list[str] = []
-    start = previous = ids[0]
-    for current in [*ids[1:], None]:
-        if current is not None and current == previous + 1:
-            previous = current
-            continue
-        parts.append(str(start) if start == previous else f"{start}-{previous}")
-        if current is not None:
-            start = previous = current
-    return ", ".join(parts)
-
-
-def _across_axes(across: str | Sequence[str] | None, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The axes to lay over processes: as given, checked, or the default."""
-    if across is None:
-        return ("data",) if "data" in names else names[:1]
-    chosen = (across,) if isinstance(across, str) else tuple(across)
-    for name in chosen:
-        if name not in names:
-            raise InvalidMeshError(
-                f"across_processes names axis {name!r}, which the mesh does not have. The mesh has "
-                f"axes {names}. Received: across_processes={across!r}. Fix: name axes of the mesh, "
-                'usually the data axis: across_processes=("data",).'
-            )
-    if len(set(chosen)) != len(chosen):
-        raise InvalidMeshError(f"across_processes names an axis twice. Received: {across!r}.")
-    return chosen
-
-
-def _hybrid_grid(
-    sizes: dict[str, int], devices: Sequence[Any], across: tuple[str, ...], allow_split: bool
-) -> np.ndarray:
-    """Lays the `across` axes over processes and the rest within each process."""
-    from jax.experimental import mesh_utils
-
-    per_process: dict[int, int] = {}
-    for device in devices:
-        per_process[_process_of(device)] = per_process.get(_process_of(device), 0) + 1
-    count = len(per_process)
-    mesh_text = "Mesh(" + ", ".join(f"{n}={s}" for n, s in sizes.items()) + ")"
-    if len(set(per_process.values())) > 1:
-        raise InvalidMeshError(
-            f"{mesh_text} spans {count} processes holding different numbers of devices "
-            f"({dict(sorted(per_process.items()))} by process), so no axis can be laid evenly "
-            "over processes. Fix: give every process the same number of devices (for "
-            "emulated CPUs: the same --devices-per-process), or pass devices= explicitly."
-        )
-    outer = dict.fromkeys(sizes, 1)  # positions of each axis that change process
-    remaining = count
-    for name in (n for n in sizes if n in across):
-        outer[name] = math.gcd(sizes[name], remaining)
-        remaining //= outer[name]
-    if remaining > 1:
-        placed = math.prod(outer.values())
-        others = [name for name in sizes if name not in across and sizes[name] > 1]
-        if not allow_split:
-            raise InvalidMeshError(
-                f"{mesh_text} on {count} processes × {per_process[_process_of(devices[0])]} devices: the "
-                f"axes across processes {across} can hold only {placed} of the {count} processes, so "
-                f"{_axis_words(others)} would also span processes and every collective of "
-                "it (the all-reduces and all-gathers of tensor-parallel layers, every step) would "
-                "cross the slow links between hosts. Fix: make the sizes of the across_processes "
-                f"axes multiply to a multiple of {count} (e.g. a larger data axis and a smaller "
-                "model axis), name more axes in across_processes=, or pass "
-                "allow_split_across_processes=True to accept it."
-            )
-        # The sizes multiply to a multiple of the process count, so the other axes take the rest.
-        for name in others:
-            outer[name] = math.gcd(sizes[name], remaining)
-            remaining //= outer[name]
-        split = [name for name in others if outer[name] > 1]
-        warnings.warn(
-            f"{mesh_text}: {_axis_words(split)} {'spans' if len(split) == 1 else 'span'} processes "
-            f"({', '.join(f'{n}: {outer[n]} processes' for n in split)}), as "
-            "allow_split_across_processes=True permits; collectives over "
-            f"{'it' if len(split) == 1 else 'them'} cross the links between hosts every step.",
-            ProcessSplitWarning,
-            stacklevel=3,
-        )
-    inner = [sizes[name] // outer[name] for name in sizes]
-    try:
-        return mesh_utils.create_hybrid_device_mesh(
-            inner,
-            list(outer.values()),
-            devices,
-            process_is_granule=True,
-            allow_split_physical_axes=True,
-        )
-    except ValueError as err:
-        raise InvalidMeshError(
-            f"JAX could not lay {mesh_text} over {count} processes (within each process "
-            f"{dict(zip(sizes, inner, strict=True))}, across processes {outer}): {err}"
-        ) from None
-
-
-def _axis_words(names: Sequence[str]) -> str:
-    if len(names) == 1:
-        return f"axis {names[0]!r}"
-    return "axes " + ", ".join(repr(n) for n in names)
 
 
 def _parse_spec(spec: str) -> dict[str, int]:
@@ -603,8 +436,3 @@ def platform_name(mesh: Any) -> str:
     platform = str(getattr(device, "platform", "")) or "unknown"
     kind = str(getattr(device, "device_kind", "") or "")
     return platform if not kind or kind.lower() == platform.lower() else f"{platform} ({kind})"
-
-
-def mesh_text(names: Sequence[str], shape: Sequence[int]) -> str:
-    """`"data=2 × model=4"`."""
-    return " × ".join(f"{name}={size}" for name, size in zip(names, shape, strict=True))

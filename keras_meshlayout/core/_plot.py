@@ -10,20 +10,35 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ._errors import InvalidOptionError
-from ._format import format_axes, format_bytes
-from ._mesh import device_id_grid, mesh_text, platform_name
+from ._format import format_axes, format_bytes, mesh_text
+from ._memory import MemoryEstimate, memory_of
+from ._mesh import device_id_grid, platform_name
 
 if TYPE_CHECKING:
     import keras
 
-    from ._memory import MemoryEstimate
-    from ._plan import Plan
+    from ._resolve import Resolution
+
+
+class PlottedPlan(Protocol):
+    """What the picture reads of a plan (`kml.Plan` has it): its entries, mesh and capacity."""
+
+    @property
+    def entries(self) -> Sequence[Resolution]: ...
+    @property
+    def axis_sizes(self) -> Mapping[str, int]: ...
+    @property
+    def batch_axis(self) -> str: ...
+    @property
+    def device_capacity(self) -> int | None: ...
+
 
 __all__ = ["plot_plan"]
 
@@ -38,7 +53,7 @@ FIGURE_DPI = 100
 
 
 def plot_plan(
-    plan: Plan,
+    plan: PlottedPlan,
     path: str | os.PathLike,
     *,
     top: int = 8,
@@ -84,7 +99,7 @@ def plot_plan(
                 f"plot_plan got the mesh {mesh_text(tuple(mesh.axis_names), ids.shape)}, but the plan "
                 f"was made on {mesh_text(names, shape)}. Pass the mesh the plan was made on, or none."
             )
-    memory = plan.memory(device_memory)
+    memory = memory_of(plan.entries, plan.device_capacity if device_memory is None else device_memory)
 
     figure = figure_class(figsize=FIGURE_SIZE, dpi=FIGURE_DPI)
     canvas_class(figure)
@@ -233,7 +248,7 @@ def _mesh_grid(
     ax.set_title("; ".join(title), fontsize=10, pad=4)
 
 
-def _variable_table(ax: Any, plan: Plan, top: int) -> None:
+def _variable_table(ax: Any, plan: PlottedPlan, top: int) -> None:
     """The `top` model variables largest per device: path, shape, layout, bytes per device."""
     ax.axis("off")
     model = [entry for entry in plan.entries if entry.role != "optimizer"] or list(plan.entries)

@@ -14,8 +14,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._axes import Axes, axes_to_json, shards_of
 from ._policy import DEFAULT_REPLICATE_BELOW, POLICIES, IndivisiblePolicy, check_policy
-from ._rules import Axes, LayoutRules, Rule, shards_of
+from ._rules import LayoutRules, Rule
 from ._shape_checks import check_axis_names, checked_rank, divisible_axes, is_weight_matrix
 
 __all__ = [
@@ -23,8 +24,6 @@ __all__ = [
     "POLICIES",
     "IndivisiblePolicy",
     "Resolution",
-    "axes_from_json",
-    "axes_to_json",
     "check_policy",
     "resolve",
 ]
@@ -91,22 +90,6 @@ class Resolution:
             "bytes": self.nbytes,
             "bytes_per_device": self.bytes_per_device,
         }
-
-
-def axes_to_json(axes: Sequence[Any]) -> list[Any]:
-    """A layout as JSON data: a multi-axis entry `('data', 'model')` becomes a list.
-
-    Example:
-        >>> from keras_meshlayout.core._resolve import axes_to_json
-        >>> axes_to_json((("data", "model"), None))
-        [['data', 'model'], None]
-    """
-    return [list(entry) if isinstance(entry, tuple) else entry for entry in axes]
-
-
-def axes_from_json(axes: Sequence[Any]) -> Axes:
-    """The inverse of `axes_to_json`: lists back to tuples."""
-    return tuple(tuple(entry) if isinstance(entry, list) else entry for entry in axes)
 
 
 def resolve(

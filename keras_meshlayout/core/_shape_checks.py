@@ -11,9 +11,10 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 
+from ._axes import Axes, entry_axes, entry_size
 from ._errors import IndivisibleShapeError, IndivisibleShapeWarning, InvalidRuleError, RankMismatchError
 from ._policy import IndivisiblePolicy
-from ._rules import Axes, Rule, entry_axes, entry_size
+from ._rules import Rule
 
 
 def checked_rank(path: str, shape: tuple[int, ...], rule: Rule) -> Axes:

@@ -48,8 +48,8 @@ import keras
 import numpy as np
 
 from .. import _compat
+from ..core._axes import Axes
 from ..core._memory import slot_model
-from ..core._rules import Axes
 from ..report._hlo import wire_bytes
 from ._layers import heads_dim
 from ._layers import owners as layer_owners

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..core._errors import HloFormatError
+
 __all__ = ["Collective", "Payload", "parse_collectives", "wire_bytes"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -91,7 +93,7 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _BYTES.get(self.dtype, 4)
+        return math.prod(self.shape) * element_bytes(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +173,8 @@ def parse_collectives(hlo_text: str, device_count: int) -> list[Collective]:
         collective inside a loop body is listed once, however often it runs.
 
     Raises:
-        ValueError: a `replica_groups` attribute in a format not understood.
+        HloFormatError: a `replica_groups` attribute in a format not understood, or
+            an element type of unknown size.
 
     Example:
         >>> text = ("%ar = f32[32,128]{1,0} all-reduce(%x), replica_groups={{0,1},{2,3}}, "
@@ -202,6 +205,37 @@ def parse_collectives(hlo_text: str, device_count: int) -> list[Collective]:
             groups = _replica_groups(rest, device_count)
             found.append(Collective(match["name"], kind, payloads, groups, (), op_name))
     return found
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of an HLO element type (`"f32"` → 4, `"pred"` → 1).
+
+    Raises:
+        HloFormatError: an element type whose size is not known.
+
+    Example:
+        >>> element_bytes("bf16"), element_bytes("pred")
+        (2, 1)
+    """
+    size = _BYTES.get(dtype)
+    if size is None:
+        raise HloFormatError(
+            f"Unknown HLO element type {dtype!r}: its size in bytes is not known, so the traffic of "
+            f"the collectives that move it cannot be counted. Known types: {', '.join(sorted(_BYTES))}. "
+            "Fix: report it with your JAX version; until then, leave that program out of comm_report."
+        )
+    return size
+
+
+def _unreadable(what: str, text: str) -> HloFormatError:
+    import jax
+
+    return HloFormatError(
+        f"Unrecognised {what} in compiled HLO (JAX {jax.__version__}): {text[:80]!r}. The "
+        "communication report reads replica_groups written as {{0,1},...}, [n,m]<=[...] (iota) or "
+        "mesh[...]; it refuses to guess the device groups of another form. Fix: report the text "
+        "above with your JAX version; kml.comm_report cannot count this program's collectives."
+    )
 
 
 def _dims(text: str) -> tuple[int, ...]:
@@ -288,7 +322,7 @@ def _replica_groups(rest: str, device_count: int) -> tuple[tuple[int, ...], ...]
     if match:
         ids = _iota(match["dims"], match["perm"])
         return _rows(ids.reshape(int(match["groups"]), int(match["size"])))
-    raise ValueError(f"Unrecognised replica_groups format: {text[:80]!r}")
+    raise _unreadable("replica_groups format", text)
 
 
 def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
@@ -301,7 +335,7 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
     """
     match = _MESH.match(text)
     if not match:
-        raise ValueError(f"Unrecognised mesh replica_groups format: {text[:80]!r}")
+        raise _unreadable("mesh replica_groups format", text)
     axes = re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", match["axes"])
     names = [name for name, _ in axes]
     sizes = [int(size) for _, size in axes]
@@ -312,12 +346,12 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
     else:
         ids = np.arange(math.prod(sizes))
     if ids.size != math.prod(sizes):
-        raise ValueError(f"Mesh replica_groups with {ids.size} device ids for mesh {sizes}: {text[:80]!r}")
+        raise _unreadable(f"mesh replica_groups: {ids.size} device ids for a mesh of shape {sizes}", text)
     refs = []  # (mesh axis index, pre-size or None for the whole axis, size)
     for item in filter(None, map(str.strip, match["over"].split(","))):  # none: groups of one
         ref = _AXIS_REF.match(item)
         if not ref or ref["name"] not in names:
-            raise ValueError(f"Unrecognised axis {item!r} in mesh replica_groups: {text[:80]!r}")
+            raise _unreadable(f"axis {item!r} in mesh replica_groups (the mesh has {names})", text)
         axis = names.index(ref["name"])
         if ref["pre"] is None:
             refs.append((axis, None, sizes[axis]))

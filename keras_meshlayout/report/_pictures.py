@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..core._errors import IndivisibleShapeError, InvalidOptionError, InvalidRuleError, RankMismatchError
-from ..core._format import format_axes, format_bytes
-from ..core._mesh import _id_ranges, device_id_grid, mesh_axis_sizes, mesh_text, platform_name
+from ..core._format import format_axes, format_bytes, id_ranges, mesh_text
+from ..core._mesh import device_id_grid, mesh_axis_sizes, platform_name
 from ..core._resolve import Resolution
 
 if TYPE_CHECKING:
@@ -344,7 +344,7 @@ def _block_grid(blocks: list[ShardBlock], rank: int, colours: dict) -> Any:
         cells = []
         for column in columns:
             block = at[(row, column)]
-            cells.append(Text(_id_ranges(block.devices), style=f"black on {colours[block.ranges]}"))
+            cells.append(Text(id_ranges(block.devices), style=f"black on {colours[block.ranges]}"))
         table.add_row(*([f"[{row[0]}:{row[1]}, :]"] if row is not None else []), *cells)
     return table
 
@@ -364,7 +364,7 @@ def _block_table(blocks: list[ShardBlock], shape: tuple[int, ...], colours: dict
             Text(f" {number} ", style=f"black on {colours[block.ranges]}"),
             str(block),
             format_axes(block.shape),
-            _id_ranges(block.devices),
+            id_ranges(block.devices),
         )
     return table
 

@@ -1,4 +1,9 @@
-"""`predict` and `evaluate` for any number of samples, and a model that survives errors.
+"""The hooks in Keras's JAX trainer: the one batch decision, predict/evaluate of any size, errors.
+
+`install(is_ours)` wraps the trainer's methods and Keras's `distribute_data_input` once; the
+hooks act only while `is_ours(distribution)` holds for the distribution in force (a
+`kml.ModelParallel`), so this module needs nothing from the distribution's module. Every
+input batch goes through `batch_decision`: replicate it, split it, or raise.
 
 Under a `kml.ModelParallel`, each batch is split over the batch axis, so a batch
 whose size does not divide by that axis (the short last batch of
@@ -38,20 +43,20 @@ raises, Ctrl-C) the model had no weights left. Under a `kml.ModelParallel`,
 every such call puts them back before the exception propagates: the state of
 the last completed step, which is the model as before the call for `evaluate`
 and `predict`, and the weights trained up to the failure for `fit` (with their
-optimizer state). Private Keras details used here live in `_keras_internals`.
+optimizer state). Private Keras details used here live in `_compat`.
 """
 
 from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import keras
 
 from .. import _compat as internals
 
-__all__ = ["install", "replicates_batch", "batch_layout", "replicated_layout"]
+__all__ = ["batch_decision", "batch_layout", "install", "replicated_layout", "replicates_batch"]
 
 #: `True` inside predict/evaluate (and their *_on_batch forms), `False` inside fit.
 _INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("kml_inference", default=False)
@@ -59,10 +64,29 @@ _INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("kml_inference
 _PURGED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar("kml_purged", default=None)
 
 
-def install() -> None:
-    """Wraps Keras's JAX trainer methods, once; they change nothing unless a `kml.ModelParallel` is set."""
-    internals.wrap_trainer_methods(_guard)
+def install(is_ours: Callable[[Any], bool]) -> None:
+    """Wraps Keras's JAX trainer methods and `distribute_data_input`, once.
+
+    They change nothing unless `is_ours(keras.distribution.distribution())` holds. Keras's JAX
+    trainer derives the input sharding from the first batch of an epoch and applies it to all
+    later ones, so a short last batch that does not divide by the batch axis would otherwise
+    fail inside JAX with an `IndivisibleError` naming neither the batch size nor the axis.
+    Keras looks `distribute_data_input` up on its backend module for every batch; wrapping it
+    there puts every batch through `batch_layout`.
+    """
+    internals.wrap_trainer_methods(lambda method, inference: _guard(method, inference, is_ours))
     internals.wrap_purge(_record_before_purge)
+
+    def checked(original: Callable[..., Any]) -> Callable[..., Any]:
+        def distribute_data_input(per_process_batch: Any, layout: Any, batch_dim_name: str) -> Any:
+            current = keras.distribution.distribution()
+            if is_ours(current) and getattr(per_process_batch, "ndim", 0) > 0:
+                layout = batch_layout(current, per_process_batch.shape, layout)  # checks it
+            return original(per_process_batch, layout, batch_dim_name)
+
+        return distribute_data_input
+
+    internals.wrap_distribute_data_input(checked)
 
 
 def in_inference() -> bool:
@@ -85,17 +109,27 @@ def replicates_batch(distribution: Any, data_shape: Sequence[int | None]) -> boo
     return _single_process(distribution)
 
 
+def batch_decision(distribution: Any, data_shape: Sequence[int | None]) -> Literal["replicate", "split"]:
+    """The one decision for an input batch: replicate it (see `replicates_batch`), split it, or raise.
+
+    Raises:
+        IndivisibleBatchError: the batch can be neither split over the batch
+            axis nor replicated (`distribution.check_batch` says why).
+    """
+    if replicates_batch(distribution, data_shape):
+        return "replicate"
+    distribution.check_batch(data_shape)
+    return "split"
+
+
 def batch_layout(distribution: Any, data_shape: Sequence[int], layout: Any) -> Any:
-    """The layout for one input batch: replicated where `replicates_batch`, else the usual split.
+    """The backend layout for one input batch, by `batch_decision`.
 
     `layout` is what Keras derived from the first batch of the loop; a batch
     that divides after a replicated first batch gets its split layout back.
-    Raises `IndivisibleBatchError` for a batch that can be neither split nor
-    replicated.
     """
-    if replicates_batch(distribution, data_shape):
+    if batch_decision(distribution, data_shape) == "replicate":
         return replicated_layout(distribution, len(data_shape)).backend_layout
-    distribution.check_batch(data_shape)
     if in_inference() and _is_replicated(layout):
         return distribution.get_data_layout(data_shape).backend_layout
     return layout
@@ -119,11 +153,9 @@ def _single_process(distribution: Any) -> bool:
     return len({device.process_index for device in devices.flat}) == 1
 
 
-def _guard(method: Callable[..., Any], inference: bool) -> Callable[..., Any]:
+def _guard(method: Callable[..., Any], inference: bool, is_ours: Callable[[Any], bool]) -> Callable[..., Any]:
     def guarded(model: Any, *args: Any, **kwargs: Any) -> Any:
-        from ._distribution import ModelParallel
-
-        if not isinstance(keras.distribution.distribution(), ModelParallel):
+        if not is_ours(keras.distribution.distribution()):
             return method(model, *args, **kwargs)
         token = _INFERENCE.set(inference)
         purged = {}

@@ -1,0 +1,199 @@
+"""Planning a model: what every variable of it (and of its optimizer) gets under a distribution.
+
+`plan_model` re-runs the resolution that `kml.ModelParallel.get_variable_layout` runs when Keras
+creates each variable, reads a layout already fixed on a variable where there is one, and
+returns the value `Plan` (`_plan`). It sits beside the distribution, which it reads through
+the small `Distributes` protocol, so that neither module imports the other's caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .. import _compat
+from ._axes import Axes, shards_of
+from ._errors import GroupedConvWarning, UnmatchedRuleWarning
+from ._placement import process_layout
+from ._plan import Plan
+from ._resolve import Resolution
+
+if TYPE_CHECKING:
+    import keras
+
+    from ._rules import LayoutRules
+
+__all__ = ["Distributes", "plan_model"]
+
+
+class Distributes(Protocol):
+    """What planning reads of a distribution (`kml.ModelParallel` has all of it)."""
+
+    rules: LayoutRules
+    axis_sizes: dict[str, int]
+    batch_dim_name: str
+    on_indivisible: str
+    replicate_below: int
+    device_mesh: keras.distribution.DeviceMesh
+
+    def resolve(
+        self, path: str, shape: Sequence[int], dtype: Any = ..., *, warn: bool = ..., rules: bool = ...
+    ) -> Resolution: ...
+
+
+def plan_model(
+    distribution: Distributes,
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    optimizer_variables: Sequence[Any] | None = None,
+) -> Plan:
+    """Builds the plan of `model` under `distribution` (see `ModelParallel.plan`).
+
+    `optimizer` defaults to the model's own, once built. `optimizer_variables`
+    (anything with `path`, `name`, `shape` and `dtype`) stands in for the
+    variables of an optimizer that cannot be built without allocating.
+    """
+    params = {w.path.replace("/", "_"): w for w in model.weights}
+    trainable = {id(w) for w in model.trainable_weights}
+    entries = [
+        dataclasses.replace(
+            _model_entry(distribution, w), role="parameter" if id(w) in trainable else "state"
+        )
+        for w in model.weights
+    ]
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    if optimizer_variables is None and optimizer is not None and getattr(optimizer, "built", False):
+        optimizer_variables = optimizer.variables
+    for variable in optimizer_variables or ():
+        parent = _slot_parent(variable, params)
+        if parent is None:
+            entry = _optimizer_entry(distribution, variable)
+        else:
+            entry = _slot_entry(distribution, variable, parent)
+        entries.append(dataclasses.replace(entry, role="optimizer"))
+    unmatched = distribution.rules.unmatched(w.path for w in model.weights)
+    layer_paths = _layer_output_paths(model)
+    outputs = tuple(
+        (rule, tuple(path for path in layer_paths if rule.regex.fullmatch(path + "/output")))
+        for rule in distribution.rules.rules
+        if rule.for_outputs
+    )
+    plan = Plan(
+        axis_sizes=distribution.axis_sizes,
+        batch_axis=distribution.batch_dim_name,
+        entries=tuple(entries),
+        unmatched_rules=tuple(unmatched),
+        outputs=outputs,
+        device_capacity=_device_capacity(distribution.device_mesh),
+        on_indivisible=distribution.on_indivisible,
+        replicate_below=distribution.replicate_below,
+        processes=_processes(distribution.device_mesh),
+        grouped_convs=_grouped_convs(model),
+    )
+    for message in plan._unmatched_messages():
+        warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
+    if plan.grouped_conv_warning:
+        warnings.warn(plan.grouped_conv_warning, GroupedConvWarning, stacklevel=3)
+    return plan
+
+
+def _grouped_convs(model: keras.Model) -> tuple[tuple[str, str], ...]:
+    """`(path, class name)` of each Keras layer that runs a grouped convolution."""
+    import keras
+
+    layers = keras.layers
+    grouped = (layers.DepthwiseConv1D, layers.DepthwiseConv2D, layers.SeparableConv1D, layers.SeparableConv2D)
+    plain = (layers.Conv1D, layers.Conv2D, layers.Conv3D)
+    found = []
+    for layer in _compat.sublayers(model):
+        if isinstance(layer, grouped) or (isinstance(layer, plain) and getattr(layer, "groups", 1) > 1):
+            path = getattr(layer, "path", None) or f"{model.name}/{layer.name}"
+            if all(path != seen for seen, _ in found):
+                found.append((path, type(layer).__name__))
+    return tuple(found)
+
+
+def _processes(mesh: keras.distribution.DeviceMesh) -> tuple[str, ...]:
+    """`process_layout` lines when the mesh spans processes; none in a single process."""
+    lines = process_layout(mesh)
+    return tuple(lines) if len(lines) > 1 else ()
+
+
+def _device_capacity(mesh: keras.distribution.DeviceMesh) -> int | None:
+    """Bytes of memory of the mesh's first device, if JAX reports them (not on CPU)."""
+    import jax
+
+    # One of this process's devices: another process's cannot report its memory (JaxRuntimeError).
+    here = [d for d in mesh.devices.flat if getattr(d, "process_index", 0) == jax.process_index()]
+    device = here[0] if here else mesh.devices.flat[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def _layer_output_paths(model: keras.Model) -> list[str]:
+    """The paths under which Keras asks for each layer's output layout."""
+    paths = []
+    for layer in _compat.sublayers(model):
+        path = getattr(layer, "path", None) or f"{model.name}/{layer.name}"
+        if path not in paths:
+            paths.append(path)
+    return paths
+
+
+def _model_entry(distribution: Distributes, variable: keras.Variable) -> Resolution:
+    resolution = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False)
+    actual = _actual_axes(variable)
+    if actual is None or actual == resolution.axes:
+        return resolution
+    return _with_axes(
+        resolution,
+        actual,
+        source="preset",
+        reason="layout fixed on the variable before this distribution resolved it",
+        axis_sizes=distribution.axis_sizes,
+    )
+
+
+def _optimizer_entry(distribution: Distributes, variable: keras.Variable) -> Resolution:
+    """An optimizer variable made from no parameter: replicated, like `get_variable_layout` does."""
+    base = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False, rules=False)
+    return dataclasses.replace(base, source="optimizer")
+
+
+def _slot_entry(distribution: Distributes, variable: keras.Variable, parent: keras.Variable) -> Resolution:
+    axes = _actual_axes(variable)
+    if axes is None:
+        axes = (
+            _actual_axes(parent)
+            or distribution.resolve(parent.path, parent.shape, parent.dtype, warn=False).axes
+        )
+    base = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False, rules=False)
+    return _with_axes(
+        base, axes, source="parameter", reason=f"follows {parent.path}", axis_sizes=distribution.axis_sizes
+    )
+
+
+def _with_axes(
+    resolution: Resolution, axes: Axes, *, source: str, reason: str, axis_sizes: Mapping[str, int]
+) -> Resolution:
+    shards = shards_of(axes, axis_sizes)
+    return dataclasses.replace(resolution, axes=axes, shards=shards, source=source, reasons=(reason,))
+
+
+def _actual_axes(variable: keras.Variable) -> Axes | None:
+    layout = _compat.variable_layout(variable)
+    axes = getattr(layout, "axes", None)
+    return None if axes is None else tuple(axes)
+
+
+def _slot_parent(variable: keras.Variable, params: Mapping[str, keras.Variable]) -> keras.Variable | None:
+    """The model weight an optimizer slot was made from (Keras names it `<path>_<slot>`)."""
+    best = None
+    for prefix, param in params.items():
+        if variable.name.startswith(prefix + "_") and tuple(param.shape) == tuple(variable.shape):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, param)
+    return None if best is None else best[1]
