@@ -36,6 +36,8 @@ from .core._errors import IndivisibleShapeWarning as IndivisibleShapeWarning
 from .core._errors import InvalidMeshError as InvalidMeshError
 from .core._errors import InvalidOptionError as InvalidOptionError
 from .core._errors import InvalidRuleError as InvalidRuleError
+from .core._errors import LayoutMismatchError as LayoutMismatchError
+from .core._errors import LayoutMismatchWarning as LayoutMismatchWarning
 from .core._errors import MemoryBudgetError as MemoryBudgetError
 from .core._errors import MeshLayoutError as MeshLayoutError
 from .core._errors import MeshLayoutWarning as MeshLayoutWarning
@@ -92,6 +94,8 @@ __all__ = [
     "DevicesAlreadyInitializedError",
     "GroupedConvWarning",
     "HloFormatError",
+    "LayoutMismatchError",
+    "LayoutMismatchWarning",
     "IndivisibleBatchError",
     "IndivisibleShapeError",
     "IndivisibleShapeWarning",

@@ -967,9 +967,11 @@ ERRORS = [
     kml.UnsupportedBackendError,
     kml.DevicesAlreadyInitializedError,
     kml.HloFormatError,
+    kml.LayoutMismatchError,
 ]
 
 WARNINGS = [
+    kml.LayoutMismatchWarning,
     kml.IndivisibleShapeWarning,
     kml.UnmatchedRuleWarning,
     kml.ProcessSplitWarning,

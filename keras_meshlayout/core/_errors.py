@@ -19,6 +19,8 @@ __all__ = [
     "UnsupportedBackendError",
     "MemoryBudgetError",
     "HloFormatError",
+    "LayoutMismatchError",
+    "LayoutMismatchWarning",
     "CheckpointError",
     "DevicesAlreadyInitializedError",
     "MeshLayoutWarning",
@@ -102,6 +104,15 @@ class HloFormatError(MeshLayoutError):
     """
 
 
+class LayoutMismatchError(MeshLayoutError):
+    """A model's variables do not live where the distribution would put them.
+
+    Raised by `fit`, `evaluate` and `predict` under a `kml.ModelParallel`, before any compute,
+    when variables sit on devices outside the mesh: the model was built (or its weights
+    loaded) before the distribution was set. Build it under the distribution instead.
+    """
+
+
 class UnsupportedBackendError(MeshLayoutError):
     """Keras runs on a backend other than JAX."""
 
@@ -120,6 +131,16 @@ class IndivisibleShapeWarning(MeshLayoutWarning):
 
 class UnmatchedRuleWarning(MeshLayoutWarning):
     """A rule matched no variable of the model: most likely a typo."""
+
+
+class LayoutMismatchWarning(MeshLayoutWarning):
+    """The plan found variables whose real layout differs from what the rules give.
+
+    Issued by `dist.plan(model)` for a model whose variables are allocated: the plan shows
+    what each variable really holds, and this warning (also a line under the plan's table)
+    names the cause (built outside the distribution, or the distribution set after the
+    build) and the fix.
+    """
 
 
 class GroupedConvWarning(MeshLayoutWarning):

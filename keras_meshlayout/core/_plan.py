@@ -39,6 +39,9 @@ class Plan:
         replicate_below: The small-variable threshold in force.
         processes: Which process holds which part of the mesh, one line each
             (`kml.process_layout`); empty in a single process.
+        mismatches: Why some variables really hold other layouts than the rules
+            give (built outside the distribution, set after the build), one
+            message each kind; also in `warnings` and under the table.
         grouped_convs: `(layer path, class name)` of each grouped convolution
             (Keras depthwise, separable, or `groups > 1` convolution) of the
             model; see `grouped_conv_warning`.
@@ -57,6 +60,7 @@ class Plan:
     replicate_below: int = 0
     processes: tuple[str, ...] = ()
     grouped_convs: tuple[tuple[str, str], ...] = ()
+    mismatches: tuple[str, ...] = ()
 
     @property
     def device_count(self) -> int:
@@ -77,9 +81,9 @@ class Plan:
 
     @property
     def warnings(self) -> list[str]:
-        """Human-readable warnings: rules that matched nothing, then `grouped_conv_warning`."""
+        """Human-readable warnings: `mismatches`, rules that matched nothing, `grouped_conv_warning`."""
         grouped = self.grouped_conv_warning
-        return self._unmatched_messages() + ([grouped] if grouped else [])
+        return [*self.mismatches, *self._unmatched_messages(), *([grouped] if grouped else [])]
 
     @property
     def grouped_conv_warning(self) -> str | None:

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _compat
 from ._axes import Axes, shards_of
-from ._errors import GroupedConvWarning, UnmatchedRuleWarning
+from ._errors import GroupedConvWarning, LayoutMismatchWarning, UnmatchedRuleWarning
+from ._format import format_axes
+from ._held import Held, held, off_mesh_message
 from ._placement import process_layout
 from ._plan import Plan
 from ._resolve import Resolution
@@ -57,12 +59,13 @@ def plan_model(
     """
     params = {w.path.replace("/", "_"): w for w in model.weights}
     trainable = {id(w) for w in model.trainable_weights}
-    entries = [
-        dataclasses.replace(
-            _model_entry(distribution, w), role="parameter" if id(w) in trainable else "state"
-        )
-        for w in model.weights
-    ]
+    entries, mismatched, off_devices = [], [], 0
+    for weight in model.weights:
+        entry, found = _model_entry(distribution, weight)
+        entries.append(dataclasses.replace(entry, role="parameter" if id(weight) in trainable else "state"))
+        if found is not None:
+            mismatched.append((weight.path, found))
+            off_devices = off_devices or (found.devices if not found.on_mesh else 0)
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     if optimizer_variables is None and optimizer is not None and getattr(optimizer, "built", False):
         optimizer_variables = optimizer.variables
@@ -91,12 +94,37 @@ def plan_model(
         replicate_below=distribution.replicate_below,
         processes=_processes(distribution.device_mesh),
         grouped_convs=_grouped_convs(model),
+        mismatches=_mismatch_messages(distribution, mismatched, off_devices),
     )
+    for message in plan.mismatches:
+        warnings.warn(message, LayoutMismatchWarning, stacklevel=3)
     for message in plan._unmatched_messages():
         warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
     if plan.grouped_conv_warning:
         warnings.warn(plan.grouped_conv_warning, GroupedConvWarning, stacklevel=3)
     return plan
+
+
+def _mismatch_messages(
+    distribution: Distributes, mismatched: list[tuple[str, Held]], off_devices: int
+) -> tuple[str, ...]:
+    """What the plan says when variables really hold other layouts than the rules give."""
+    off = [path for path, found in mismatched if not found.on_mesh]
+    other = [path for path, found in mismatched if found.on_mesh]
+    messages = []
+    if off:
+        messages.append(off_mesh_message(distribution, off, off_devices))
+    if other:
+        shown = ", ".join(repr(path) for path in other[:3]) + (
+            f" and {len(other) - 3} more" if len(other) > 3 else ""
+        )
+        messages.append(
+            f"{len(other)} variable(s) ({shown}) hold arrays sharded otherwise than the rules give (their "
+            "values were placed by other code, e.g. jax.device_put or a checkpoint loaded with other "
+            "layouts); the plan shows what they hold. Fix: place them as the rules say, or build and load "
+            "the model under this distribution."
+        )
+    return tuple(messages)
 
 
 def _grouped_convs(model: keras.Model) -> tuple[tuple[str, str], ...]:
@@ -143,18 +171,40 @@ def _layer_output_paths(model: keras.Model) -> list[str]:
     return paths
 
 
-def _model_entry(distribution: Distributes, variable: keras.Variable) -> Resolution:
+def _model_entry(distribution: Distributes, variable: keras.Variable) -> tuple[Resolution, Held | None]:
+    """The variable's entry (what it really holds, where it holds an array), and where it lives."""
     resolution = distribution.resolve(variable.path, variable.shape, variable.dtype, warn=False)
+    found = held(variable, distribution.device_mesh)
+    if found is not None and not found.on_mesh:
+        rank = len(variable.shape)
+        off = dataclasses.replace(
+            resolution,
+            axes=(None,) * rank,
+            shards=1,
+            source="preset",
+            reasons=(f"lives on {found.devices} device(s) outside the mesh (see the warning below)",),
+        )
+        return off, found
     actual = _actual_axes(variable)
-    if actual is None or actual == resolution.axes:
-        return resolution
-    return _with_axes(
-        resolution,
-        actual,
-        source="preset",
-        reason="layout fixed on the variable before this distribution resolved it",
-        axis_sizes=distribution.axis_sizes,
-    )
+    if actual is not None and actual != resolution.axes:
+        fixed = _with_axes(
+            resolution,
+            actual,
+            source="preset",
+            reason="layout fixed on the variable before this distribution resolved it",
+            axis_sizes=distribution.axis_sizes,
+        )
+        return fixed, None
+    if found is not None and found.axes is not None and found.axes != resolution.axes:
+        real = _with_axes(
+            resolution,
+            found.axes,
+            source="preset",
+            reason=f"its array is sharded {format_axes(found.axes)}, not as the rules give",
+            axis_sizes=distribution.axis_sizes,
+        )
+        return real, found
+    return resolution, None
 
 
 def _optimizer_entry(distribution: Distributes, variable: keras.Variable) -> Resolution:

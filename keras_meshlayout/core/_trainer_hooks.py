@@ -55,6 +55,7 @@ from typing import Any, Literal
 import keras
 
 from .. import _compat as internals
+from ._held import check_on_mesh
 
 __all__ = ["batch_decision", "batch_layout", "install", "replicated_layout", "replicates_batch"]
 
@@ -155,8 +156,10 @@ def _single_process(distribution: Any) -> bool:
 
 def _guard(method: Callable[..., Any], inference: bool, is_ours: Callable[[Any], bool]) -> Callable[..., Any]:
     def guarded(model: Any, *args: Any, **kwargs: Any) -> Any:
-        if not is_ours(keras.distribution.distribution()):
+        distribution = keras.distribution.distribution()
+        if not is_ours(distribution):
             return method(model, *args, **kwargs)
+        check_on_mesh(model, distribution)  # built before the distribution was set: say so, before compute
         token = _INFERENCE.set(inference)
         purged = {}
         purged_token = _PURGED.set(purged)

@@ -1,0 +1,126 @@
+"""What the variables really hold: the sharding of each one's array, read in mesh-axis terms.
+
+The plan shows this where a model exists (its variables are allocated), and says when it
+differs from what the rules give; the trainer hooks refuse, before any compute, a model whose
+variables sit on devices outside the distribution's mesh (built before the distribution was
+set), which JAX would otherwise reject mid-step with an "incompatible devices" traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .. import _compat
+from ._axes import Axes
+from ._errors import LayoutMismatchError
+
+__all__ = ["Held", "check_on_mesh", "held", "mismatch_cause", "off_mesh_message"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """Where one variable's array lives.
+
+    Attributes:
+        axes: Its layout in the mesh's axes; `None` when it is not on the mesh
+            (or its sharding has no such form).
+        devices: How many devices hold a piece of it.
+        on_mesh: Whether it lives on exactly the mesh's devices.
+    """
+
+    axes: Axes | None
+    devices: int
+    on_mesh: bool
+
+
+def held(variable: Any, mesh: Any) -> Held | None:
+    """What `variable` holds on `mesh`, or `None` when it holds no array (a dry build, a purge).
+
+    Example:
+        >>> import keras, keras_meshlayout as kml
+        >>> mesh = kml.Mesh(data=2, model=4)
+        >>> with kml.ModelParallel(mesh, [(r".*kernel", (None, "model"))]).scope():
+        ...     layer = keras.layers.Dense(8)
+        ...     layer.build((None, 4))
+        >>> held(layer.kernel, mesh)
+        Held(axes=(None, 'model'), devices=8, on_mesh=True)
+    """
+    sharding = getattr(_compat.raw_value(variable), "sharding", None)
+    if sharding is None:
+        return None
+    backend = mesh.backend_mesh
+    devices = set(sharding.device_set)
+    if devices != set(backend.devices.flat):
+        return Held(axes=None, devices=len(devices), on_mesh=False)
+    rank = len(variable.shape)
+    spec = getattr(sharding, "spec", None)
+    same_mesh = getattr(getattr(sharding, "mesh", None), "axis_names", None) == backend.axis_names
+    if spec is not None and same_mesh and len(spec) <= rank:
+        padded = (*spec, *(None,) * (rank - len(spec)))
+        return Held(axes=tuple(_entry(entry) for entry in padded), devices=len(devices), on_mesh=True)
+    if sharding.is_fully_replicated:
+        return Held(axes=(None,) * rank, devices=len(devices), on_mesh=True)
+    return Held(axes=None, devices=len(devices), on_mesh=True)
+
+
+def _entry(entry: Any) -> str | tuple[str, ...] | None:
+    """A `PartitionSpec` entry as a layout entry: `('model',)` → `'model'`, `()` → `None`."""
+    if isinstance(entry, (tuple, list)):
+        return None if not entry else entry[0] if len(entry) == 1 else tuple(entry)
+    return entry
+
+
+def mismatch_cause(distribution: Any) -> str:
+    """Why a model's variables are off the mesh: built outside the distribution, or set after it."""
+    import keras
+
+    if keras.distribution.distribution() is distribution:
+        return (
+            "the distribution was set after the model was built, so Keras created its variables on one device"
+        )
+    return "the model was built outside the distribution, so Keras created its variables on one device"
+
+
+_FIX = (
+    "Fix: build the model (and load its weights) under the distribution: "
+    "keras.distribution.set_distribution(dist) before creating any Keras object, or "
+    "`with dist.scope(): model = build()`."
+)
+
+
+def off_mesh_message(distribution: Any, paths: list[str], devices: int) -> str:
+    """One message for the variables that live outside the mesh, naming the cause and the fix."""
+    shown = ", ".join(repr(path) for path in paths[:3]) + (
+        f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    )
+    mesh = " x ".join(f"{name}={size}" for name, size in distribution.axis_sizes.items())
+    return (
+        f"{len(paths)} variable(s) ({shown}) live on {devices} device(s), not on the mesh {mesh} "
+        f"({_mesh_size(distribution)} devices): {mismatch_cause(distribution)}. Their layouts are not "
+        f"the rules'. {_FIX}"
+    )
+
+
+def _mesh_size(distribution: Any) -> int:
+    size = 1
+    for value in distribution.axis_sizes.values():
+        size *= value
+    return size
+
+
+def check_on_mesh(model: Any, distribution: Any) -> None:
+    """Raises `LayoutMismatchError` before any compute when a variable of `model` is off the mesh."""
+    off, devices = [], 0
+    mesh = distribution.device_mesh
+    for group in _compat.variable_groups(model).values():
+        for variable in group:
+            found = held(variable, mesh)
+            if found is not None and not found.on_mesh:
+                off.append(variable.path)
+                devices = found.devices
+    if off:
+        raise LayoutMismatchError(
+            off_mesh_message(distribution, off, devices)
+            + " (JAX would otherwise refuse the step with 'Received incompatible devices'.)"
+        )

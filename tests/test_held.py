@@ -1,0 +1,90 @@
+"""Plans read what the variables really hold (issue 23: "what you see is what runs").
+
+A plan of a model built outside the distribution used to show the rules' layouts and "73%
+saved" while every kernel sat whole on one device; setting the distribution after the build
+ended in JAX's "incompatible devices" traceback mid-step.
+"""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+import pytest
+from helpers import mlp
+from jax.sharding import NamedSharding, PartitionSpec
+
+import keras_meshlayout as kml
+from keras_meshlayout import _compat
+
+RULES = [(r".*up/kernel", (None, "model")), (r".*up/bias", ("model",))]
+
+
+def _distribution() -> kml.ModelParallel:
+    return kml.ModelParallel(kml.Mesh(data=2, model=4), RULES, batch_axis="data", replicate_below=0)
+
+
+def _model() -> keras.Model:
+    return mlp(8, ("up", 16, "relu"), ("down", 8))
+
+
+def test_a_model_built_outside_the_distribution_is_planned_as_it_really_is():
+    dist = _distribution()
+    model = _model()  # no set_distribution, no scope: one device
+    with pytest.warns(kml.LayoutMismatchWarning) as caught:
+        plan = dist.plan(model)
+    [warning] = [w for w in caught if w.category is kml.LayoutMismatchWarning]
+    message = str(warning.message)
+    assert message.startswith("4 variable(s) ('mlp/up/kernel', 'mlp/up/bias', 'mlp/down/kernel' and 1 more)")
+    assert "live on 1 device(s), not on the mesh data=2 x model=4 (8 devices)" in message
+    assert "the model was built outside the distribution" in message
+    assert "Fix: build the model (and load its weights) under the distribution" in message
+    kernel = plan["mlp/up/kernel"]
+    assert (kernel.axes, kernel.shards, kernel.requested) == ((None, None), 1, (None, "model"))
+    assert kernel.reasons == ("lives on 1 device(s) outside the mesh (see the warning below)",)
+    assert plan.bytes_per_device == plan.replicated_bytes  # nothing is saved: nothing is sharded
+    assert message in plan.warnings
+    assert "warning: 4 variable(s)" in str(plan)  # and a line under the table
+
+
+def test_setting_the_distribution_after_the_build_is_our_error_before_any_compute():
+    dist = _distribution()
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse")
+    before = [w.numpy().copy() for w in model.weights]
+    keras.distribution.set_distribution(dist)
+    x, y = np.zeros((16, 8), "float32"), np.zeros((16, 8), "float32")
+    for call in (lambda: model.fit(x, y, batch_size=8, verbose=0), lambda: model.predict(x, verbose=0)):
+        with pytest.raises(kml.LayoutMismatchError) as raised:
+            call()
+        message = str(raised.value)
+        assert "the distribution was set after the model was built" in message
+        assert "JAX would otherwise refuse the step with 'Received incompatible devices'" in message
+    for weight, value in zip(model.weights, before, strict=True):
+        np.testing.assert_array_equal(weight.numpy(), value)  # nothing ran, nothing was lost
+
+
+def test_a_variable_placed_otherwise_on_the_mesh_is_shown_with_its_real_layout():
+    dist = _distribution()
+    with dist.scope():
+        model = _model()
+    kernel = model.get_layer("up").kernel
+    moved = jax.device_put(kernel.value, NamedSharding(dist.device_mesh.backend_mesh, PartitionSpec("model")))
+    _compat.set_raw_value(kernel, moved)  # placed by other code (assign would re-lay it out)
+    assert kernel.value.sharding.spec == PartitionSpec("model")
+    with pytest.warns(
+        kml.LayoutMismatchWarning, match=r"1 variable\(s\) \('mlp/up/kernel'\) hold arrays sharded"
+    ):
+        plan = dist.plan(model)
+    entry = plan["mlp/up/kernel"]
+    assert (entry.axes, entry.shards) == (("model", None), 4)
+    assert entry.reasons == ("its array is sharded (model, None), not as the rules give",)
+
+
+def test_a_model_built_under_the_distribution_plans_silently():
+    dist = _distribution()
+    with dist.scope():
+        model = _model()
+    plan = dist.plan(model)  # warnings are errors in this suite
+    assert plan.mismatches == ()
+    assert plan["mlp/up/kernel"].axes == (None, "model")
