@@ -7,6 +7,8 @@ checked against sums worked out by hand.
 
 from __future__ import annotations
 
+import re
+
 import keras
 import pytest
 from helpers import MLP_RULES, build_convnet, build_encoder, build_mlp
@@ -145,3 +147,31 @@ def test_guard_checks_the_device_capacity():
     assert plan.memory("1MB").fits is True
     with pytest.raises(kml.InvalidOptionError, match="Cannot read a memory size"):
         plan.memory("lots")
+
+
+def test_the_guard_accepts_what_the_planner_keeps_replicated_and_says_why():
+    """Issue 23: `plan --auto` failed its own guard ("... or use kml.auto_rules"), which --auto is."""
+    from helpers import mlp
+
+    mesh = kml.Mesh(data=2, model=4)
+
+    def build():
+        return mlp(30, ("up", 66, "relu"), ("mid", 66, "relu"), ("down", 30))  # 66 does not divide by 4
+
+    with kml.dry_build(build) as model:
+        rules = kml.auto_rules(model, mesh)
+    plan = kml.dry_plan(build, kml.ModelParallel(mesh, rules), optimizer="adam")
+    assert plan.replicated_bytes == plan.bytes_per_device  # the planner's honest answer: all whole
+    assert "mlp/mid/kernel" in plan.intended
+    assert any(path.endswith("/mlp_mid_kernel_momentum") for path in plan.intended)  # its slots too
+    plan.check()  # no MemoryBudgetError for its own choice
+    note = plan.intended_replication()
+    assert note.startswith("99% of each device's training state stays replicated by the planner's")
+    assert "pair up → mid: 66 features do not divide by 'model' (4)" in note
+    assert "--memory-budget SIZE --batch-size N" in note and "another mesh" in note
+    assert plan.intended_replication(max_replicated_fraction=1.0) is None
+    # The same layout written by hand is the user's: the guard still fails it.
+    hand = kml.dry_plan(build, kml.ModelParallel(mesh), optimizer="adam")
+    assert hand.intended == frozenset()
+    with pytest.raises(kml.MemoryBudgetError, match=re.escape("or use kml.auto_rules / a preset")):
+        hand.check()

@@ -162,10 +162,11 @@ def run(args: argparse.Namespace) -> int:
         plan.check(max_replicated_fraction=guard, device_memory=args.device_memory)
     except MemoryBudgetError as err:
         failure = str(err)
+    note = None if args.memory_budget is not None else plan.intended_replication(args.max_replicated_fraction)
     if args.json:
-        _print_json(args, plan, rules, messages, failure)
+        _print_json(args, plan, rules, messages, failure, note)
     else:
-        _print_table(plan, rules, messages)
+        _print_table(plan, rules, messages, note)
     if failure is not None:
         print(f"plan fails: {failure}", file=sys.stderr)
         return EXIT_PLAN_FAILS
@@ -214,7 +215,12 @@ def _messages(plan: Any, caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 def _print_json(
-    args: argparse.Namespace, plan: Any, rules: Any, messages: list[str], failure: str | None
+    args: argparse.Namespace,
+    plan: Any,
+    rules: Any,
+    messages: list[str],
+    failure: str | None,
+    note: str | None,
 ) -> None:
     data = plan.to_dict()
     data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
@@ -231,10 +237,11 @@ def _print_json(
         }
     data["valid"] = failure is None and not (args.strict and messages)
     data["failure"] = failure
+    data["note"] = note
     print(json.dumps(data, indent=2))
 
 
-def _print_table(plan: Any, rules: Any, messages: list[str]) -> None:
+def _print_table(plan: Any, rules: Any, messages: list[str], note: str | None) -> None:
     from rich.console import Console
 
     console = Console(width=max(120, Console().width))
@@ -243,6 +250,8 @@ def _print_table(plan: Any, rules: Any, messages: list[str]) -> None:
         console.print(f"predicted: {rules.cost}", markup=False)
     for message in messages[len(plan.warnings) :]:
         console.print(f"warning: {message}", style="yellow", markup=False)
+    if note is not None:
+        console.print(f"note: {note}", markup=False)
 
 
 def _batch_spec(model: Any, batch_size: int, length: int | None) -> Any:

@@ -29,6 +29,8 @@ class PlanEntries(Protocol):
     def entries(self) -> Sequence[Resolution]: ...
     @property
     def axis_sizes(self) -> Mapping[str, int]: ...
+    @property
+    def intended(self) -> frozenset[str]: ...
 
 
 __all__ = [
@@ -178,11 +180,16 @@ def check_plan(
 ) -> None:
     """Fails a plan that keeps too much replicated or does not fit a device.
 
+    Variables that a rule chosen for the user (`kml.auto_rules`, a preset) keeps
+    replicated on purpose (`plan.intended`; the rule's note says why) are that rule's
+    honest answer, not a failure: see `intended_replication` for what to pass to split
+    them.
+
     Args:
         plan: The plan to check.
         max_replicated_fraction: Largest share of each device's training state
             that may sit in replicated variables that some mesh axis could
-            split (1.0 turns this check off).
+            split, not counting `plan.intended` (1.0 turns this check off).
         device_memory: Device capacity (`80e9`, `"80GB"`, `"16GiB"`); `None`
             skips the capacity check.
         show: How many of the largest replicated variables to name.
@@ -203,7 +210,12 @@ def check_plan(
             f"gradients {_gb(memory.gradients)}, optimizer {_gb(memory.optimizer)}), more than the "
             f"{_gb(memory.capacity)} available"
         )
-    splittable = [(e, _axes_that_split(e, plan.axis_sizes)) for e in plan.entries if e.replicated]
+    intended = getattr(plan, "intended", frozenset())
+    splittable = [
+        (e, _axes_that_split(e, plan.axis_sizes))
+        for e in plan.entries
+        if e.replicated and e.path not in intended
+    ]
     splittable = [(e, axes) for e, axes in splittable if axes]
     replicated = sum(_training_bytes(e) for e, _ in splittable)
     fraction = replicated / memory.total if memory.total else 0.0
@@ -228,6 +240,32 @@ def check_plan(
         + "\nFix: add rules that split these variables over one of the axes shown (or use "
         "kml.auto_rules / a preset), use a mesh with a larger model axis, or raise "
         "max_replicated_fraction if replication is intended (pure data parallelism)."
+    )
+
+
+def intended_replication(plan: PlanEntries, *, max_replicated_fraction: float = 0.5) -> str | None:
+    """Why the rules chosen for the user keep much replicated, and what to pass to split more.
+
+    `None` unless the variables kept replicated on purpose (`plan.intended`), and that
+    some mesh axis could split, exceed `max_replicated_fraction` of each device's training
+    state. The guard (`check_plan`) does not fail on them: this says why they stay whole.
+    """
+    memory = memory_of(plan.entries)
+    kept = [e for e in plan.entries if e.path in plan.intended and _axes_that_split(e, plan.axis_sizes)]
+    share = sum(_training_bytes(e) for e in kept) / memory.total if memory.total else 0.0
+    if share <= max_replicated_fraction:
+        return None
+    notes: dict[str, int] = {}
+    for entry in kept:
+        if entry.rule is not None and entry.rule.note:
+            notes[entry.rule.note] = notes.get(entry.rule.note, 0) + _training_bytes(entry)
+    why = "; ".join(note for note, _ in sorted(notes.items(), key=lambda item: -item[1])[:3])
+    return (
+        f"{share:.0%} of each device's training state stays replicated by the planner's (or preset's) own "
+        f"choice: {why or 'see the notes in the table'}. That is its honest answer on this mesh, not a "
+        "failure. To split more: give it a memory budget (keras-meshlayout plan --auto --memory-budget SIZE "
+        "--batch-size N; kml.auto_rules(..., memory_budget=..., batch=...)), which may shard these "
+        "variables over the batch axis, or plan on another mesh whose model axis divides these sizes."
     )
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._axes import axes_to_json
 from ._format import format_axes, format_bytes, to_text
-from ._memory import MemoryEstimate, check_plan, memory_of
+from ._memory import MemoryEstimate, check_plan, intended_replication, memory_of
 from ._plot import plot_plan
 from ._resolve import Resolution
 from ._rules import Rule
@@ -39,6 +39,10 @@ class Plan:
         replicate_below: The small-variable threshold in force.
         processes: Which process holds which part of the mesh, one line each
             (`kml.process_layout`); empty in a single process.
+        intended: Paths of the variables kept replicated on purpose by a rule
+            chosen for the user (`kml.auto_rules` or a preset, with its note),
+            and of their optimizer slots: the replication guard does not count
+            them as a failure, since it is that rule's honest answer.
         mismatches: Why some variables really hold other layouts than the rules
             give (built outside the distribution, set after the build), one
             message each kind; also in `warnings` and under the table.
@@ -61,6 +65,7 @@ class Plan:
     processes: tuple[str, ...] = ()
     grouped_convs: tuple[tuple[str, str], ...] = ()
     mismatches: tuple[str, ...] = ()
+    intended: frozenset[str] = frozenset()
 
     @property
     def device_count(self) -> int:
@@ -125,6 +130,15 @@ class Plan:
             max_replicated_fraction=max_replicated_fraction,
             device_memory=self.device_capacity if device_memory is None else device_memory,
         )
+
+    def intended_replication(self, max_replicated_fraction: float = 0.5) -> str | None:
+        """Why the rules chosen for you keep this much replicated, and what to pass to split more.
+
+        `None` unless the variables kept replicated on purpose (`intended`) exceed
+        `max_replicated_fraction` of each device's training state; `check` does not
+        fail on them.
+        """
+        return intended_replication(self, max_replicated_fraction=max_replicated_fraction)
 
     def plot(self, path: str | os.PathLike, **kw: Any) -> Path:
         """Writes a picture of the plan: memory per device, the mesh, the largest variables.

@@ -95,6 +95,7 @@ def plan_model(
         processes=_processes(distribution.device_mesh),
         grouped_convs=_grouped_convs(model),
         mismatches=_mismatch_messages(distribution, mismatched, off_devices),
+        intended=_intended(entries),
     )
     for message in plan.mismatches:
         warnings.warn(message, LayoutMismatchWarning, stacklevel=3)
@@ -103,6 +104,22 @@ def plan_model(
     if plan.grouped_conv_warning:
         warnings.warn(plan.grouped_conv_warning, GroupedConvWarning, stacklevel=3)
     return plan
+
+
+def _intended(entries: Sequence[Resolution]) -> frozenset[str]:
+    """Variables a suggested rule keeps replicated on purpose (its note says why), with their slots."""
+    chosen = {
+        entry.path
+        for entry in entries
+        if entry.replicated and entry.rule is not None and entry.rule.suggested and entry.source == "rule"
+    }
+    slots = {
+        entry.path
+        for entry in entries
+        if entry.source == "parameter"
+        and any(reason[len("follows ") :] in chosen for reason in entry.reasons)
+    }
+    return frozenset(chosen | slots)
 
 
 def _mismatch_messages(
