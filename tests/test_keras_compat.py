@@ -556,6 +556,13 @@ def _rank_mismatch():
     return dist.get_variable_layout(keras.Variable(np.zeros((8,)), name="kernel"))
 
 
+def _rank_mismatch_short():
+    layout_map = kml.LayoutRules(_mesh_2x4())
+    layout_map[".*kernel"] = keras.distribution.TensorLayout(["model"])
+    dist = kml.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    return dist.get_variable_layout(keras.Variable(np.zeros((8, 4)), name="kernel"))
+
+
 def _two_matches():
     layout_map = kml.LayoutRules(_mesh_2x4())
     layout_map[".*dense.*bias"] = (None,)
@@ -610,7 +617,12 @@ DIFFERENCES = {
     "rank-checked": Difference(
         _rank_mismatch,
         kml.RankMismatchError,
-        "Keras's own ModelParallel would hand this layout to JAX unchecked",
+        "JAX would refuse it when placing the variable",
+    ),
+    "rank-checked-short": Difference(
+        _rank_mismatch_short,
+        kml.RankMismatchError,
+        "JAX pads a short layout with None: the last 1 dimension(s) would be replicated without a word",
     ),
     "first-match-wins": Difference(_two_matches, (None,), None),  # Keras: ValueError, matches multiple keys
     "indivisible-replicated": Difference(
@@ -651,3 +663,26 @@ def test_every_difference_is_documented(page):
     text = (Path(__file__).parents[1] / page).read_text(encoding="utf-8")
     ids = set(re.findall(r"^\| `([\w-]+)`", text, re.M)) | set(re.findall(r" / `([\w-]+)` \|", text))
     assert ids == set(DIFFERENCES), f"{page} lists {sorted(ids)}, the tests {sorted(DIFFERENCES)}"
+
+
+@pytest.mark.parametrize(
+    "axes, shape, placed",
+    [(("model",), (8, 4), ("model", None)), ((None, "model"), (8,), None)],
+    ids=["short-is-padded", "long-is-refused"],
+)
+def test_what_keras_and_jax_do_with_a_layout_of_another_rank(axes, shape, placed):
+    """What the `rank-checked` rows of docs/differences.md say Keras and JAX do (jax 0.10.2)."""
+    mesh = keras.distribution.DeviceMesh((2, 4), ("data", "model"), jax.devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*kernel"] = keras.distribution.TensorLayout(list(axes))
+    dist = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    with dist.scope():
+        if placed is None:
+            with pytest.raises(IndexError):  # from inside JAX, naming no variable
+                keras.Variable(np.zeros(shape, "float32"), name="kernel")
+            return
+        variable = keras.Variable(np.zeros(shape, "float32"), name="kernel")
+    assert (
+        tuple(variable.value.sharding.spec) + (None,) * (len(shape) - len(variable.value.sharding.spec))
+        == placed
+    )

@@ -14,6 +14,7 @@ and no module here imports one that imports it back (`tests/test_import_graph.py
   global batch each process feeds.
 - `_memory`: per-device bytes and optimizer slots; `_plot`: the plan's figure; `_plan`: the
   value `Plan`; `_planning`: `plan_model`, a `Plan` from a model under a distribution.
+- `_held`: what the variables really hold (their arrays' shardings), read by the plan and hooks.
 - `_trainer_hooks`: the hooks in Keras's trainer (the one batch decision, errors);
   `_distribution`: `ModelParallel`; `_dry`: building a model without allocating its weights.
 """

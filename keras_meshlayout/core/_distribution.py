@@ -13,7 +13,8 @@ from .. import _compat
 from . import _trainer_hooks
 from ._backend import require_jax_backend
 from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
-from ._mesh import mesh_axis_sizes
+from ._format import did_you_mean, nearest_paths
+from ._mesh import Mesh, mesh_axis_sizes
 from ._plan import Plan
 from ._planning import plan_model
 from ._policy import IndivisiblePolicy, LayoutPolicy, resolve_policy
@@ -57,7 +58,8 @@ class ModelParallel(keras.distribution.ModelParallel):
     the variables created after.
 
     Args:
-        mesh: The device mesh (a `kml.Mesh` or any `keras.distribution.DeviceMesh`).
+        mesh: The device mesh (a `kml.Mesh`, any `keras.distribution.DeviceMesh`, or a
+            `jax.sharding.Mesh`, taken as `kml.Mesh(jax_mesh)`).
             May be left out when the layout map carries one.
         rules: A `LayoutRules`, a Keras `LayoutMap` (its keys become rules in
             insertion order), or `(pattern, axes)` pairs. `None`: no rules
@@ -298,7 +300,7 @@ class ModelParallel(keras.distribution.ModelParallel):
                 f"{rule.describe()} matched no variable of the {len(self._laid_out)} laid out "
                 "under this distribution: check the pattern for a typo (it is matched with "
                 "re.fullmatch against variable.path; dist.plan(model) shows every variable's "
-                "layout).",
+                f"layout).{_nearest(rule.pattern, self._laid_out)}",
                 UnmatchedRuleWarning,
                 stacklevel=3,
             )
@@ -352,6 +354,12 @@ def _created_by_optimizer_or_metric() -> bool:
     return bool(callers) and isinstance(callers[0], (keras.optimizers.Optimizer, keras.metrics.Metric))
 
 
+def _nearest(pattern: str, paths: Sequence[str]) -> str:
+    """`" Nearest variable paths: 'a', 'b'."` for an unmatched rule, or `""`."""
+    near = nearest_paths(pattern, paths)
+    return f" Nearest variable paths: {', '.join(map(repr, near))}." if near else ""
+
+
 def _is_ours(distribution: object) -> bool:
     """Whether the trainer hooks act under `distribution`: a `kml.ModelParallel`."""
     return isinstance(distribution, ModelParallel)
@@ -397,7 +405,8 @@ def _the_batch_axis(mesh: keras.distribution.DeviceMesh, batch_axis: Any, batch_
     if batch_axis not in mesh.axis_names:
         raise InvalidMeshError(
             f"batch_axis={batch_axis!r} is not an axis of the mesh, which has axes "
-            f"{tuple(mesh.axis_names)} (shape {tuple(mesh.shape)}). Fix: pass one of them."
+            f"{tuple(mesh.axis_names)} (shape {tuple(mesh.shape)})."
+            f"{did_you_mean(batch_axis, tuple(mesh.axis_names))} Fix: pass one of them."
         )
     return batch_axis
 
@@ -410,6 +419,10 @@ def _the_mesh(mesh: Any, device_mesh: Any, rules: Any) -> keras.distribution.Dev
             "Keras's older one) for the same argument. Fix: pass one of them."
         )
     mesh = mesh if mesh is not None else device_mesh
+    import jax
+
+    if isinstance(mesh, jax.sharding.Mesh):  # JAX's own mesh, as a JAX user writes it first
+        mesh = Mesh(mesh)
     if mesh is None and isinstance(rules, keras.distribution.LayoutMap):
         mesh = rules.mesh if isinstance(rules, LayoutRules) else rules.device_mesh
     if not isinstance(mesh, keras.distribution.DeviceMesh):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -63,3 +64,30 @@ def id_ranges(ids: Sequence[int]) -> str:
 def mesh_text(names: Sequence[str], shape: Sequence[int]) -> str:
     """`"data=2 × model=4"`."""
     return " × ".join(f"{name}={size}" for name, size in zip(names, shape, strict=True))
+
+
+def did_you_mean(name: str, options: Sequence[str]) -> str:
+    """`" Did you mean 'model'?"` for a close option, else `""` (to append to a message).
+
+    Example:
+        >>> did_you_mean("modle", ("data", "model")), did_you_mean("pipe", ("data", "model"))
+        (" Did you mean 'model'?", '')
+    """
+    close = difflib.get_close_matches(str(name), [str(option) for option in options], n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def nearest_paths(pattern: str, paths: Sequence[str], count: int = 3) -> list[str]:
+    """The paths nearest a rule's pattern, its regex syntax set aside: for "matched nothing" hints.
+
+    Example:
+        >>> nearest_paths(r".*dense_1/kernal", ["mlp/dense_1/kernel", "mlp/dense_1/bias", "mlp/head/kernel"])
+        ['mlp/dense_1/kernel', 'mlp/dense_1/bias']
+    """
+    plain = pattern.replace("(?:", " ")
+    text = " ".join("".join(c if c.isalnum() or c in "/_-" else " " for c in plain).split())
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, text, path).ratio(), path) for path in dict.fromkeys(paths)),
+        key=lambda item: -item[0],
+    )
+    return [path for score, path in scored[:count] if score >= 0.5]

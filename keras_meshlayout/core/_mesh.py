@@ -39,7 +39,10 @@ class Mesh(keras.distribution.DeviceMesh):
     device order. One axis size may be `-1`: it takes whatever the others leave.
 
     A `Mesh` is a `keras.distribution.DeviceMesh` and can be used wherever Keras
-    expects one. It also takes Keras's call form, with Keras's meaning:
+    expects one. JAX's forms are taken as they are: `kml.Mesh(jax_mesh)` for a
+    `jax.sharding.Mesh` (or `jax.make_mesh(...)`), keeping its names and device
+    order, and `kml.Mesh(devices, axis_names)` for an array of devices such as
+    `mesh_utils.create_device_mesh` returns. It also takes Keras's call form, with Keras's meaning:
     `kml.Mesh(shape, axis_names, devices)` (positional or as keywords) puts
     the devices on the mesh in the order given, reshaped to `shape`, and keeps
     `axis_names` as given; `devices` may be JAX devices or names such as
@@ -59,7 +62,8 @@ class Mesh(keras.distribution.DeviceMesh):
     Args:
         shape: Optional mapping of axis name to size, for names that come from
             a dictionary; or, Keras's way, a tuple of axis sizes with
-            `axis_names`.
+            `axis_names`; or a `jax.sharding.Mesh`; or an array of JAX devices
+            with `axis_names`.
         axis_names: Keras's way: one name per size in `shape`.
         devices: Devices to arrange, as JAX devices or names such as
             `"cpu:0"`, in a list or an array of any shape. Defaults to
@@ -89,6 +93,12 @@ class Mesh(keras.distribution.DeviceMesh):
         >>> import keras
         >>> kml.Mesh((2, 4), ["data", "model"], keras.distribution.list_devices()).axis_sizes
         {'data': 2, 'model': 4}
+        >>> import jax
+        >>> kml.Mesh(jax.make_mesh((2, 4), ("data", "model"))).axis_sizes  # JAX's own mesh
+        {'data': 2, 'model': 4}
+        >>> from jax.experimental import mesh_utils
+        >>> kml.Mesh(mesh_utils.create_device_mesh((4, 2)), ("data", "model")).shape
+        (4, 2)
     """
 
     def __init__(
@@ -105,6 +115,7 @@ class Mesh(keras.distribution.DeviceMesh):
         import jax
         from jax.experimental import mesh_utils
 
+        shape, axis_names, devices = _from_jax(shape, axis_names, devices, axis_sizes)
         if axis_names is not None or (shape is not None and not isinstance(shape, Mapping)):
             if axis_sizes:
                 raise InvalidMeshError(
@@ -286,6 +297,35 @@ class Mesh(keras.distribution.DeviceMesh):
         return f"Mesh({inner})"
 
     __str__ = __repr__
+
+
+def _from_jax(shape: Any, axis_names: Any, devices: Any, axis_sizes: Mapping[str, int]) -> tuple:
+    """`(shape, axis_names, devices)` for JAX's own forms: a `jax.sharding.Mesh`, or an array of devices.
+
+    A `jax.sharding.Mesh` (from `jax.make_mesh` too) brings its names and devices, kept in its
+    order; an array of JAX devices (as `mesh_utils.create_device_mesh` returns) its shape and
+    order, with `axis_names` given beside it. Anything else is returned as it came.
+    """
+    import jax
+
+    if isinstance(shape, jax.sharding.Mesh):
+        if axis_names is not None or devices is not None or axis_sizes:
+            raise InvalidMeshError(
+                f"A jax.sharding.Mesh brings its own axis names and devices. Received: {shape!r} with "
+                f"axis_names={axis_names!r}, devices={devices!r}, axis sizes {dict(axis_sizes)!r}. "
+                "Fix: kml.Mesh(jax_mesh) alone."
+            )
+        return tuple(shape.devices.shape), tuple(shape.axis_names), shape.devices
+    if isinstance(shape, np.ndarray) and shape.dtype == object:
+        if axis_names is None:
+            raise InvalidMeshError(
+                f"An array of devices (shape {shape.shape}) needs one axis name per dimension. "
+                'Fix: kml.Mesh(devices, ("data", "model")), or kml.Mesh(jax.make_mesh(...)).'
+            )
+        if devices is not None:
+            raise InvalidMeshError("The devices are given twice: as the array and as devices=. Pass one.")
+        return shape.shape, axis_names, shape
+    return shape, axis_names, devices
 
 
 def to_jax_devices(devices: Any) -> np.ndarray:

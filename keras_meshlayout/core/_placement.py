@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from ._errors import InvalidMeshError, MeshLayoutWarning
-from ._format import id_ranges
+from ._format import did_you_mean, id_ranges
 
 __all__ = [
     "ProcessSplitWarning",
@@ -107,7 +107,8 @@ def across_axes(across: str | Sequence[str] | None, names: tuple[str, ...]) -> t
         if name not in names:
             raise InvalidMeshError(
                 f"across_processes names axis {name!r}, which the mesh does not have. The mesh has "
-                f"axes {names}. Received: across_processes={across!r}. Fix: name axes of the mesh, "
+                f"axes {names}.{did_you_mean(name, names)} Received: across_processes={across!r}. "
+                "Fix: name axes of the mesh, "
                 'usually the data axis: across_processes=("data",).'
             )
     if len(set(chosen)) != len(chosen):

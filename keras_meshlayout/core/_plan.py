@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._axes import axes_to_json
-from ._format import format_axes, format_bytes, to_text
+from ._format import format_axes, format_bytes, nearest_paths, to_text
 from ._memory import MemoryEstimate, check_plan, intended_replication, memory_of
 from ._plot import plot_plan
 from ._resolve import Resolution
@@ -105,11 +105,16 @@ class Plan:
         return grouped_conv_message(self.grouped_convs, self.axis_sizes, self.batch_axis, others)
 
     def _unmatched_messages(self) -> list[str]:
-        return [
-            f"{rule.describe()} matched no variable: check the pattern for a typo "
-            "(it is matched with re.fullmatch against variable.path)."
-            for rule in self.unmatched_rules
-        ]
+        paths = [entry.path for entry in self.entries if entry.role != "optimizer"]
+        messages = []
+        for rule in self.unmatched_rules:
+            near = nearest_paths(rule.pattern, paths)
+            hint = f" Nearest variable paths: {', '.join(map(repr, near))}." if near else ""
+            messages.append(
+                f"{rule.describe()} matched no variable: check the pattern for a typo "
+                f"(it is matched with re.fullmatch against variable.path).{hint}"
+            )
+        return messages
 
     def memory(self, device_memory: int | str | None = None) -> MemoryEstimate:
         """Training-state bytes per device: parameters, gradients, optimizer.

@@ -119,7 +119,17 @@ def _check_not_repeated(index: int, pattern: str, earlier: Sequence[Rule]) -> No
 
 
 def _as_axes(index: int, pattern: str, axes: object) -> tuple:
-    """The layout as a tuple, multi-axis entries as tuples (a `TensorLayout` gives its axes)."""
+    """The layout as a tuple, multi-axis entries as tuples (a `TensorLayout` gives its axes).
+
+    A JAX `PartitionSpec` (or a `NamedSharding`'s spec) is read as JAX reads it: one entry
+    per leading dimension, the others replicated (a trailing `...`).
+    """
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if isinstance(axes, NamedSharding):
+        axes = axes.spec
+    if isinstance(axes, PartitionSpec):
+        return (*(_spec_entry(entry) for entry in axes), ...)
     if isinstance(axes, keras.distribution.TensorLayout):
         axes = axes.axes
     if isinstance(axes, str) or not isinstance(axes, (tuple, list)):
@@ -129,6 +139,13 @@ def _as_axes(index: int, pattern: str, axes: object) -> tuple:
             f"or such a tuple. Received: axes={axes!r}."
         )
     return tuple(tuple(axis) if isinstance(axis, list) else axis for axis in axes)
+
+
+def _spec_entry(entry: object) -> object:
+    """A `PartitionSpec` entry as ours: `('model',)` → `'model'`, `()` → `None`, a tuple kept."""
+    if isinstance(entry, (tuple, list)):
+        return None if not entry else entry[0] if len(entry) == 1 else tuple(entry)
+    return entry
 
 
 def _check_entry(index: int, pattern: str, entry: object, axes: tuple) -> None:

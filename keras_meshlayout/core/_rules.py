@@ -16,6 +16,7 @@ import keras
 from .. import _compat
 from ._axes import named_axes
 from ._errors import InvalidOptionError, InvalidRuleError
+from ._format import did_you_mean
 from ._matcher import Matcher
 from ._policy import LayoutPolicy
 from ._rule import Rule, make_rule
@@ -351,7 +352,7 @@ class LayoutRules(keras.distribution.LayoutMap):
         store = self._store
         rule = make_rule(len(store.rules), pattern, axes, store.rules, note)
         rule = dataclasses.replace(rule, optional=optional, suggested=suggested)
-        given = axes if isinstance(axes, keras.distribution.TensorLayout) else None
+        given = _given_layout(axes)
         for mesh in store.meshes:
             _check_axes_in_mesh(rule, mesh)
             _check_given_mesh(rule, given, mesh)
@@ -395,6 +396,20 @@ def same_mesh(a: keras.distribution.DeviceMesh, b: keras.distribution.DeviceMesh
     return [str(d) for d in a.devices.flat] == [str(d) for d in b.devices.flat]
 
 
+def _given_layout(axes: object) -> keras.distribution.TensorLayout | None:
+    """A `TensorLayout` given as a rule's layout, or one standing for a `NamedSharding`'s mesh."""
+    from jax.sharding import NamedSharding
+
+    if isinstance(axes, keras.distribution.TensorLayout):
+        return axes
+    if isinstance(axes, NamedSharding):
+        mesh = keras.distribution.DeviceMesh(
+            tuple(axes.mesh.devices.shape), list(axes.mesh.axis_names), axes.mesh.devices
+        )
+        return keras.distribution.TensorLayout((None,) * len(mesh.shape), mesh)
+    return None
+
+
 def _check_policy(policy: object) -> None:
     if policy is not None and not isinstance(policy, LayoutPolicy):
         raise InvalidOptionError(
@@ -409,7 +424,7 @@ def _check_axes_in_mesh(rule: Rule, mesh: keras.distribution.DeviceMesh) -> None
     if unknown:
         raise InvalidRuleError(
             f"Layout {rule.describe()} names mesh axis {unknown[0]!r}, but the mesh "
-            f"has axes {known} (shape {tuple(mesh.shape)}). Fix: use one of "
+            f"has axes {known} (shape {tuple(mesh.shape)}).{did_you_mean(unknown[0], known)} Fix: use one of "
             f"{known} or None for each dimension, or add the axis to the mesh: the layout should "
             "be a TensorLayout or a tuple of those names and None."
         )

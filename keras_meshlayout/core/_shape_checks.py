@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from ._axes import Axes, entry_axes, entry_size
 from ._errors import IndivisibleShapeError, IndivisibleShapeWarning, InvalidRuleError, RankMismatchError
+from ._format import did_you_mean
 from ._policy import IndivisiblePolicy
 from ._rules import Rule
 
@@ -33,14 +34,24 @@ def checked_rank(path: str, shape: tuple[int, ...], rule: Rule) -> Axes:
     if requested is not None:
         return requested
     rank = f"at least {len(rule.axes) - 1}" if Ellipsis in rule.axes else str(len(rule.axes))
+    if Ellipsis not in rule.axes and len(rule.axes) < len(shape):
+        missing = len(shape) - len(rule.axes)
+        keras = (
+            "Keras's own ModelParallel would hand this layout to JAX unchecked, and JAX pads a short "
+            f"layout with None: the last {missing} dimension(s) would be replicated without a word. "
+            "To mean that, end the layout with '...', e.g. ('model', ...)."
+        )
+    else:
+        keras = (
+            "Keras's own ModelParallel would hand this layout to JAX unchecked, and JAX would refuse "
+            "it when placing the variable, without naming it."
+        )
     raise RankMismatchError(
         f"Variable {path!r} has shape {shape} (rank {len(shape)}), but the first rule "
         f"matching it, {rule.describe()}, gives a layout of rank {rank}. A layout "
         f"needs one entry per dimension. Fix: give this rule {_entries(len(shape))}, or make "
         f"its pattern more specific (e.g. end it in '/kernel' or '/bias') and add a rule "
-        f"of rank {len(shape)} for {path!r}. (Keras's own ModelParallel would hand this "
-        "layout to JAX unchecked, and JAX would refuse it when placing the variable, "
-        "without naming it.)"
+        f"of rank {len(shape)} for {path!r}. ({keras})"
     )
 
 
@@ -50,8 +61,8 @@ def check_axis_names(path: str, rule: Rule, requested: Axes, axis_sizes: Mapping
         if axis not in axis_sizes:
             raise InvalidRuleError(
                 f"Layout {rule.describe()}, matching variable {path!r}, names mesh axis "
-                f"{axis!r}, but the mesh has axes {tuple(axis_sizes)}. Fix: use one of those "
-                "or None."
+                f"{axis!r}, but the mesh has axes {tuple(axis_sizes)}."
+                f"{did_you_mean(axis, tuple(axis_sizes))} Fix: use one of those or None."
             )
 
 
