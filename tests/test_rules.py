@@ -491,3 +491,43 @@ def test_a_bound_view_shares_the_policy_and_cost_set_later():
         rules.origin.cost = None  # one frozen value, replaced whole
     with pytest.raises(kml.InvalidOptionError, match=re.escape("policy must be a kml.LayoutPolicy")):
         view.policy = "replicate"
+
+
+class _CaptureSharding(keras.layers.Layer):
+    """Records the sharding its input has inside the compiled step."""
+
+    captured = None
+
+    def call(self, inputs):
+        jax.debug.inspect_array_sharding(
+            inputs, callback=lambda sharding: setattr(self, "captured", sharding)
+        )
+        return inputs
+
+
+@pytest.mark.parametrize("pattern", [r".*dense.*output", r"dense/output", r".*dense/output"], ids=str)
+def test_output_rules_are_matched_with_keras_meaning(pattern):
+    """Issue 23: Keras's own `".*dense.*output"` was filed as a variable rule and dropped silently.
+
+    Keras honours any key that matches `<layer path>/output`; so do we now (a pattern ending in
+    `output`), and the output really gets the layout inside the compiled step.
+    """
+    mesh = kml.Mesh(batch=2, model=4)
+    layout_map = kml.LayoutRules(mesh)
+    layout_map[r".*dense.*kernel"] = (None, "model")
+    layout_map[pattern] = ("batch", None)
+    dist = kml.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    capture = _CaptureSharding()
+    with dist.scope():
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, use_bias=False, name="dense")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(4, name="head")(capture(hidden)), name="functional")
+    assert layout_map.rules[1].for_outputs
+    assert dist.get_tensor_layout("dense/output").axes == ("batch", None)
+    plan = dist.plan(model)  # no UnmatchedRuleWarning (warnings are errors here)
+    assert [(rule.pattern, layers) for rule, layers in plan.outputs] == [(pattern, ("dense",))]
+    with dist.scope():
+        model.compile(loss="mse")
+        model.fit(np.zeros((16, 8), "float32"), np.zeros((16, 4), "float32"), batch_size=8, verbose=0)
+    expected = jax.sharding.NamedSharding(mesh.backend_mesh, jax.sharding.PartitionSpec("batch", None))
+    assert capture.captured.is_equivalent_to(expected, 2), capture.captured

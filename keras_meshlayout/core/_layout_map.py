@@ -20,7 +20,7 @@ from typing import Literal
 import keras
 
 from ._errors import InvalidOptionError, InvalidRuleError
-from ._matcher import OUTPUT_SUFFIX
+from ._matcher import is_output_pattern
 from ._rules import LayoutRules
 
 __all__ = ["rules_from_layout_map"]
@@ -125,11 +125,11 @@ def keras_matching() -> Matching:
 def _pattern(key: str, matching: Matching) -> str:
     """A full-match pattern for what `key` matches under `matching`.
 
-    Output keys (`<layer path>/output`) keep the suffix at the end, where
-    `LayoutRules` looks for it.
+    Output keys (ending in `output`, as `<layer path>/output` and `.*dense.*output`) keep it at
+    the end, where `LayoutRules` looks for it.
     """
     if matching == "fullmatch":
         return key
-    if key.endswith(OUTPUT_SUFFIX):
-        return f".*(?:{key[: -len(OUTPUT_SUFFIX)]}){OUTPUT_SUFFIX}"
+    if is_output_pattern(key):
+        return f".*(?:{key})"
     return f".*(?:{key}).*"

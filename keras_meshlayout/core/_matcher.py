@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-__all__ = ["OUTPUT_SUFFIX", "Matchable", "Matcher", "literal_strings"]
+__all__ = ["OUTPUT_SUFFIX", "Matchable", "Matcher", "is_output_pattern", "literal_strings"]
 
 #: Keras asks for the layout of a layer's output under `<layer path>/output`.
 OUTPUT_SUFFIX = "/output"
@@ -27,6 +27,20 @@ _META = set(".^$*+?{}[]|()\\")
 _CHUNK = 64
 #: Constructs whose meaning depends on group numbers, which an alternation shifts.
 _NUMBERED = re.compile(r"\\[1-9]|\(\?P=|\(\?\(")
+
+
+def is_output_pattern(pattern: str) -> bool:
+    """Whether a pattern lays out layer outputs: it ends in `output`, as Keras's keys do.
+
+    Keras asks for `<layer path>/output`, and honours any key that matches it: `"dense/output"`,
+    `".*dense.*output"`, `"(?:.*dense.*output)$"` all do. Variable paths end in a variable's
+    name (`kernel`, `bias`, ...), so no variable rule needs to end in `output`.
+
+    Example:
+        >>> [is_output_pattern(p) for p in (".*dense.*output", "dense/output", ".*dense.*")]
+        [True, True, False]
+    """
+    return pattern.rstrip("$)").endswith("output")
 
 
 class Matchable(Protocol):

@@ -32,7 +32,7 @@ class Plan:
         entries: One `Resolution` per variable: model weights first, then
             optimizer variables when the optimizer is built.
         unmatched_rules: Variable rules that matched no variable (likely typos).
-        outputs: Each layer-output rule (pattern ending in `/output`) with the
+        outputs: Each layer-output rule (pattern ending in `output`) with the
             layers whose outputs it lays out.
         device_capacity: Memory of one device in bytes, where JAX reports it.
         on_indivisible: The divisibility policy in force.

@@ -14,7 +14,7 @@ import keras
 
 from ._axes import Axes, named_axes
 from ._errors import InvalidRuleError
-from ._matcher import OUTPUT_SUFFIX, literal_strings
+from ._matcher import OUTPUT_SUFFIX, is_output_pattern, literal_strings
 
 __all__ = ["Rule", "make_rule"]
 
@@ -67,8 +67,8 @@ class Rule:
 
     @property
     def for_outputs(self) -> bool:
-        """Whether the rule lays out layer outputs (its pattern ends in `/output`)."""
-        return self.pattern.endswith(OUTPUT_SUFFIX)
+        """Whether the rule lays out layer outputs (its pattern ends in `output`, see `is_output_pattern`)."""
+        return is_output_pattern(self.pattern)
 
     def describe(self) -> str:
         return f"rule #{self.index} {self.pattern!r} -> {self.axes!r}"
@@ -86,7 +86,7 @@ def make_rule(index: int, pattern: str, axes: object, earlier: Sequence[Rule], n
     _check_axes_distinct(index, pattern, axes)
     literals = literal_strings(pattern)
     if literals is not None:  # an output rule never lays out a variable, nor a variable rule an output
-        output = pattern.endswith(OUTPUT_SUFFIX)
+        output = is_output_pattern(pattern)
         literals = frozenset(text for text in literals if text.endswith(OUTPUT_SUFFIX) == output)
     return Rule(index=index, pattern=pattern, axes=axes, regex=regex, note=note, literals=literals)
 
@@ -170,7 +170,7 @@ def _check_ellipsis(index: int, pattern: str, axes: tuple) -> None:
             f"Layout rule #{index} {pattern!r} has more than one '...' in axes {axes!r}; "
             "'...' stands for the leftover dimensions and can appear once."
         )
-    if pattern.endswith(OUTPUT_SUFFIX) and Ellipsis in axes[:-1]:
+    if is_output_pattern(pattern) and Ellipsis in axes[:-1]:
         raise InvalidRuleError(
             f"Layout rule #{index} {pattern!r} -> {axes!r} lays out a layer output with '...' "
             "before its last entry. Keras asks for an output's layout by path alone, before it "

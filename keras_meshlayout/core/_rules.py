@@ -78,8 +78,9 @@ class LayoutRules(keras.distribution.LayoutMap):
     `PartitionSpec` writes it), or `None` to keep it whole. Variables that no
     rule matches are replicated.
 
-    Rules whose pattern ends in `/output` lay out layer outputs (Keras asks for
-    `<layer path>/output`); all other rules lay out variables. Keras asks for
+    Rules whose pattern ends in `output` lay out layer outputs (Keras asks for
+    `<layer path>/output`, and honours any key that matches it, such as
+    `".*dense.*output"`); all other rules lay out variables. Keras asks for
     an output's layout before it knows the output's rank, so an output rule
     can hold `...` only as its last entry (the dimensions it covers are
     replicated).
