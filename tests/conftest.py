@@ -51,6 +51,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_restored_in_one_process_bit_for_bit",
     ),
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
+    "test_cli_light.py": ("test_the_package_itself_imports_neither_until_a_name_is_used",),  # imports Keras
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_hub.py": (  # keras-hub backbones trained against one device; a fresh interpreter
         "test_sharded_fit_matches_single_device",

@@ -96,7 +96,8 @@ def saved(workdir) -> Path:
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
-    env["PYTHONPATH"] = str(cwd)
+    # The package under test first (a worktree's, where the environment installs another).
+    env["PYTHONPATH"] = os.pathsep.join([str(cwd), str(Path(kml.__file__).parents[1])])
     return subprocess.run(
         [sys.executable, "-m", "keras_meshlayout", *args],
         cwd=cwd,
@@ -526,3 +527,24 @@ def test_each_subcommand_lives_in_its_own_module():
         assert callable(module.add_parser) and callable(module.run), name
         if name != "launch":  # `main` hands launch's arguments to the launcher before parsing
             assert parser.get_default("run") is module.run, name
+
+
+def test_piped_output_keeps_every_row_whole_and_names_the_optimizer_as_the_readme(workdir):
+    """Issue 23: a pipe got 120 columns (`adam_1/learning_rat` / `e`), and the optimizer `adam_1/`."""
+    result = cli(
+        "plan", "--mesh", "2x4", "--model", "models:mlp", "--preset", "mlp:fc1,fc2", "--optimizer", "adam",
+        cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│")]
+    paths = [row.split("│")[1].strip() for row in rows]
+    assert "adam/learning_rate" in paths and "adam/mlp_fc1_kernel_momentum" in paths
+    assert all(path for path in paths), "a row continued on the next line: wrapped mid-name"
+    assert not any("adam_1" in path for path in paths)
+
+
+def test_a_mesh_that_does_not_fit_says_how_to_on_the_command_line(workdir):
+    result = cli("plan", "--mesh", "data=4,model=4", "--model", "models:mlp", cwd=workdir)
+    assert result.returncode == 2
+    assert "plan on that many emulated CPU devices with --emulate-devices N (now 8)" in result.stderr
+    assert "devices=" not in result.stderr  # a Python argument, not the command line's

@@ -5,19 +5,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import numpy as np
-
-from ..core._backend import emulate_devices
 from ._args import EXIT_OK, positive_int
 
-__all__ = ["add_parser", "run", "run_demo"]
+__all__ = ["HELP", "NAME", "add_parser", "run", "run_demo"]
+
+NAME = "demo"
+HELP = "train an MLP on a 2x4 mesh (8 emulated CPU devices without accelerators) and print its plan"
 
 
 def add_parser(commands: Any) -> None:
     """Adds the `demo` subcommand to `commands` (the parser's subparsers)."""
     demo = commands.add_parser(
-        "demo",
-        help="train an MLP on a 2x4 mesh (8 emulated CPU devices without accelerators) and print its plan",
+        NAME,
+        help=HELP,
         description="Train a 32-256-128-10 MLP on a data=2, model=4 mesh and print its plan and the "
         "communication of one training step.",
     )
@@ -43,9 +43,12 @@ def run_demo(steps: int = 20, batch_size: int = 64, seed: int = 0) -> float:
     Uses the default accelerators when there are at least 8, and otherwise 8
     emulated CPU devices. Returns the final training loss.
     """
+    from ..core._backend import emulate_devices
+
     emulate_devices(8)  # only the CPU platform: accelerators, if any, stay the default
     import jax
     import keras
+    import numpy as np
 
     from ..core._distribution import ModelParallel
     from ..core._mesh import Mesh

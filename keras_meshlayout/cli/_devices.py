@@ -8,14 +8,17 @@ from typing import Any
 
 from ._args import EXIT_OK, add_emulate
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "NAME", "add_parser", "run"]
+
+NAME = "devices"
+HELP = "list the devices JAX sees and the meshes that fit them"
 
 
 def add_parser(commands: Any) -> None:
     """Adds the `devices` subcommand to `commands` (the parser's subparsers)."""
     devices = commands.add_parser(
-        "devices",
-        help="list the devices JAX sees and the meshes that fit them",
+        NAME,
+        help=HELP,
         description="List devices (platform, kind, process, topology coordinates, memory) and the 1-D "
         "and 2-D meshes that fit them.",
     )

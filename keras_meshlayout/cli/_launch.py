@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PROG", "add_parser", "run"]
+__all__ = ["HELP", "NAME", "PROG", "add_parser", "run"]
+
+NAME = "launch"
+HELP = "run a script in N local processes, as on N hosts (see: launch --help)"
 
 #: The launcher's name in its help and usage messages when started from here.
 PROG = "keras-meshlayout launch"
@@ -18,11 +21,7 @@ PROG = "keras-meshlayout launch"
 
 def add_parser(commands: Any) -> None:
     """Lists `launch` among the subcommands (its arguments never reach this parser)."""
-    commands.add_parser(
-        "launch",
-        help="run a script in N local processes, as on N hosts (see: launch --help)",
-        add_help=False,
-    )
+    commands.add_parser(NAME, help=HELP, add_help=False)
 
 
 def run(argv: Sequence[str]) -> int:

@@ -21,6 +21,8 @@ from ._args import EXIT_HELP, EXIT_INVALID, EXIT_PLAN_FAILS, InputError, Parser,
 
 __all__ = ["build_parser", "main"]
 
+_NAMES = {module.NAME for module in (_devices, _launch, _plan, _demo)}
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns its exit status.
@@ -36,7 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:  # everything after it is the launcher's and the script's
         return _launch.run(argv[1:])
-    parser = build_parser()
+    named = next((word for word in argv if not word.startswith("-")), None)
+    parser = build_parser(named if named in _NAMES else "")
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -58,8 +61,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `keras-meshlayout` parser: `--traceback`, then one subparser per command module."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `keras-meshlayout` parser: `--traceback`, then one subparser per command module.
+
+    With `command`, only that command's arguments are built (the others are listed by name
+    and help line), so `--help`, `devices --help` and argument errors load no more than the
+    command at hand needs: neither Keras nor JAX before `devices` runs.
+    """
     parser = Parser(
         prog="keras-meshlayout",
         description="Named device meshes and checked layout rules for Keras on JAX.",
@@ -71,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="show the traceback of an unexpected error, or of your builder or rules function that raised",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (_devices, _launch, _plan, _demo):  # the order `--help` lists them in
-        command.add_parser(commands)
+    for module in (_devices, _launch, _plan, _demo):  # the order `--help` lists them in
+        if command is None or command == module.NAME:
+            module.add_parser(commands)
+        else:
+            commands.add_parser(module.NAME, help=module.HELP, add_help=False)
     return parser

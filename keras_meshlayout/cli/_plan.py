@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from ..core._errors import MemoryBudgetError, MeshLayoutError, MeshLayoutWarning, UnmatchedRuleWarning
-from ..core._mesh import mesh_axis_sizes
-from ..planner._presets import PRESETS as _PRESET_REGISTRY
 from ._args import (
     EXIT_HELP,
     EXIT_OK,
@@ -34,10 +32,24 @@ from ._args import (
     positive_int,
 )
 
-__all__ = ["PRESETS", "add_parser", "run"]
+__all__ = ["HELP", "NAME", "PRESETS", "add_parser", "run"]  # noqa: F822 (PRESETS: __getattr__)
 
-#: How `--preset` spells each registered preset (the registry is `_presets.PRESETS`).
-PRESETS = tuple(preset.usage for preset in _PRESET_REGISTRY.values())
+NAME = "plan"
+HELP = "plan a model on a mesh without allocating its weights"
+
+
+def _registry() -> Any:
+    """The preset registry (`_presets.PRESETS`), imported when the plan command is built."""
+    from ..planner._presets import PRESETS as registry
+
+    return registry
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PRESETS":  # how `--preset` spells each registered preset
+        return tuple(preset.usage for preset in _registry().values())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 RULES_FILE_HELP = """\
 rules files:
@@ -52,8 +64,8 @@ rules files:
 def add_parser(commands: Any) -> None:
     """Adds the `plan` subcommand to `commands` (the parser's subparsers)."""
     plan = commands.add_parser(
-        "plan",
-        help="plan a model on a mesh without allocating its weights",
+        NAME,
+        help=HELP,
         description="Build the model with its weights deferred, resolve every variable's layout "
         "exactly as kml.ModelParallel would, and print the plan with the training-state memory per "
         "device. Exits 0 when the plan is valid.",
@@ -82,7 +94,7 @@ def _add_inputs(plan: argparse.ArgumentParser) -> None:
         "--preset",
         metavar="NAME",
         help="preset rules: "
-        + "; ".join(f"{preset.usage} ({preset.summary})" for preset in _PRESET_REGISTRY.values()),
+        + "; ".join(f"{preset.usage} ({preset.summary})" for preset in _registry().values()),
     )
     source.add_argument("--auto", action="store_true", help="rules from kml.auto_rules")
     plan.add_argument(
@@ -135,10 +147,9 @@ def run(args: argparse.Namespace) -> int:
     emulate_devices(args.emulate_devices)
     from ..core._distribution import ModelParallel
     from ..core._dry import dry_plan
-    from ..core._mesh import Mesh
     from ..core._policy import DEFAULT_REPLICATE_BELOW, LayoutPolicy
 
-    mesh = Mesh.parse(args.mesh)
+    mesh = _parse_mesh(args.mesh, args.emulate_devices)
     build = _load_builder(args.model)
     _check_optimizer(args.optimizer)
     replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
@@ -242,9 +253,7 @@ def _print_json(
 
 
 def _print_table(plan: Any, rules: Any, messages: list[str], note: str | None) -> None:
-    from rich.console import Console
-
-    console = Console(width=max(120, Console().width))
+    console = _console()
     console.print(plan)
     if getattr(rules, "cost", None) is not None:
         console.print(f"predicted: {rules.cost}", markup=False)
@@ -252,6 +261,35 @@ def _print_table(plan: Any, rules: Any, messages: list[str], note: str | None) -
         console.print(f"warning: {message}", style="yellow", markup=False)
     if note is not None:
         console.print(f"note: {note}", markup=False)
+
+
+def _console() -> Any:
+    """A terminal's console at its width (at least 120); a pipe or file gets every row whole.
+
+    Written to a pipe, a table at a fixed width would wrap mid-name (`adam/learning_rat` /
+    `e`), which breaks `grep` and diffs: there the table takes the width its rows need.
+    """
+    from rich.console import Console
+
+    if sys.stdout.isatty():
+        return Console(width=max(120, Console().width))
+    return Console(width=_PIPE_WIDTH, color_system=None, force_terminal=False)
+
+
+#: Wide enough for any plan's rows; a table is only as wide as its content needs.
+_PIPE_WIDTH = 10_000
+
+
+def _parse_mesh(spec: str, emulated: int) -> Any:
+    """The `--mesh`, its device-count hint said as the command line takes it."""
+    from ..core._errors import InvalidMeshError
+    from ..core._mesh import DEVICES_HINT, Mesh
+
+    try:
+        return Mesh.parse(spec)
+    except InvalidMeshError as err:
+        hint = f"plan on that many emulated CPU devices with --emulate-devices N (now {emulated})"
+        raise InputError(str(err).replace(DEVICES_HINT, hint)) from None
 
 
 def _batch_spec(model: Any, batch_size: int, length: int | None) -> Any:
@@ -290,6 +328,8 @@ def _model_inputs(model: Any) -> Any:
 
 def _check_batch_size(batch_size: int | None, mesh: Any, batch_axis: str | None) -> None:
     """Refuses a `--batch-size` that training could not split over the batch axis."""
+    from ..core._mesh import mesh_axis_sizes
+
     sizes = mesh_axis_sizes(mesh)
     axis = mesh.axis_names[0] if batch_axis is None else batch_axis
     if batch_size is None or axis not in sizes or batch_size % sizes[axis] == 0:
@@ -306,8 +346,11 @@ def _check_optimizer(name: str | None) -> None:
         return
     import keras
 
+    from ..core._dry import names_handed_back
+
     try:
-        keras.optimizers.get(name)
+        with names_handed_back():  # the plan's optimizer is then `adam/`, as the README shows, not `adam_1/`
+            keras.optimizers.get(name)
     except ValueError:
         known = sorted(
             n.lower()
@@ -324,8 +367,11 @@ def _check_optimizer(name: str | None) -> None:
 def _known_optimizer(name: str) -> bool:
     import keras
 
+    from ..core._dry import names_handed_back
+
     try:
-        keras.optimizers.get(name)
+        with names_handed_back():
+            keras.optimizers.get(name)
     except Exception:
         return False
     return True
@@ -414,9 +460,10 @@ def _import(name: str, option: str) -> Any:
 def _preset(name: str, model_axis: str) -> Any:
     """The rules of `--preset NAME` or `--preset NAME:LAYER,LAYER,...`, from the preset registry."""
     kind, colon, argument = name.partition(":")
-    preset = _PRESET_REGISTRY.get(kind)
+    preset = _registry().get(kind)
     if preset is None:
-        raise InputError(f"--preset {name!r}: unknown preset. Choose one of: {', '.join(PRESETS)}.")
+        usages = (preset.usage for preset in _registry().values())
+        raise InputError(f"--preset {name!r}: unknown preset. Choose one of: {', '.join(usages)}.")
     layers = [layer.strip() for layer in argument.split(",")] if colon else []
     if preset.takes_layers and (not layers or not all(layers)):
         raise InputError(

@@ -24,7 +24,7 @@ from ._planning import plan_model
 if TYPE_CHECKING:
     from ._distribution import ModelParallel
 
-__all__ = ["dry_plan"]
+__all__ = ["dry_build", "dry_plan", "names_handed_back"]
 
 
 def dry_plan(
@@ -62,7 +62,7 @@ def dry_plan(
         >>> plan.memory().optimizer == 2 * plan.memory().gradients + 8
         True
     """
-    with _names_handed_back(), _deferred_variables(), distribution.scope():
+    with names_handed_back(), _deferred_variables(), distribution.scope():
         if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
             optimizer = keras.optimizers.get(optimizer)  # creates its counters: outside the scope
         slots = None
@@ -82,7 +82,7 @@ def dry_build(build: Callable[[], keras.Model]) -> Iterator[keras.Model]:
     Inside the block the model's layers, graph and variable shapes can be read
     (`kml.auto_rules` does); nothing may run it. Names are handed back after.
     """
-    with _names_handed_back(), _deferred_variables():
+    with names_handed_back(), _deferred_variables():
         with _compat.stateless_scope():
             model = build()
         yield model
@@ -128,7 +128,7 @@ def _adafactor_variables(
 
 
 @contextlib.contextmanager
-def _names_handed_back() -> Iterator[None]:
+def names_handed_back() -> Iterator[None]:
     """Undoes Keras's name counters, so the next real build reuses the names."""
     with _compat.global_attribute_kept("object_name_uids", _counters):
         yield

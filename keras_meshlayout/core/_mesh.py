@@ -23,6 +23,9 @@ __all__ = ["Mesh", "device_id_grid", "jax_device_grid", "mesh_axis_sizes", "plat
 #: Axis names given to positional specs such as ``"2x4"``.
 POSITIONAL_AXIS_NAMES = ("data", "model")
 
+#: How the device-count message says to give other devices; the command line says it its way.
+DEVICES_HINT = "pass devices= explicitly"
+
 _AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SPEC_HELP = (
     'Write it as "2x4" (axes data, model), "8" (data only) or '
@@ -453,7 +456,7 @@ def _infer_sizes(named: Mapping[str, int], device_count: int) -> tuple[int, ...]
         raise InvalidMeshError(
             f"Mesh {dict(named)!r} needs {known} devices, but {device_count} are available. "
             f"The axis sizes must multiply to the device count ({device_count}); "
-            "use -1 for one axis to infer it, or pass devices= explicitly."
+            f"use -1 for one axis to infer it, or {DEVICES_HINT}."
         )
     return tuple(int(size) for size in named.values())
 

@@ -1,0 +1,68 @@
+"""The command line is light where it can be (issue 23): `--help`, `devices --help` and argument
+errors answer without importing Keras or JAX (273 MB and seconds before), in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import keras_meshlayout as kml
+
+PROBE = """
+import json, sys
+from keras_meshlayout.cli._main import main
+try:
+    status = main(sys.argv[1:])
+except SystemExit as exit:
+    status = exit.code
+print(json.dumps({"status": status, "keras": "keras" in sys.modules, "jax": "jax" in sys.modules}))
+"""
+
+
+def probe(*args: str) -> tuple[dict, str]:
+    """Runs the command line in a fresh interpreter: (what it loaded and returned, its output)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env["PYTHONPATH"] = str(Path(kml.__file__).parents[1])  # the package under test
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, *args], env=env, capture_output=True, text=True, timeout=60
+    )
+    *output, last = result.stdout.strip().splitlines()
+    return json.loads(last), "\n".join(output) + result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, status, fragment",
+    [
+        (["--help"], 0, "plan       plan a model on a mesh without allocating its weights"),
+        (["devices", "--help"], 0, "--emulate-devices N"),
+        (["devices", "--bogus"], 2, "error: keras-meshlayout: unrecognized arguments: --bogus"),
+        (["bogus"], 2, "invalid choice: 'bogus' (choose from 'devices', 'launch', 'plan', 'demo')"),
+        ([], 2, "the following arguments are required: COMMAND"),
+    ],
+    ids=["help", "devices-help", "devices-bad-argument", "unknown-command", "no-command"],
+)
+def test_help_and_argument_errors_import_neither_keras_nor_jax(args, status, fragment):
+    loaded, output = probe(*args)
+    assert loaded == {"status": status, "keras": False, "jax": False}, output
+    assert fragment in output
+
+
+def test_the_package_itself_imports_neither_until_a_name_is_used():
+    code = (
+        "import json, sys; import keras_meshlayout as kml; "
+        "before = 'keras' in sys.modules or 'jax' in sys.modules; "
+        "kml.MeshLayoutError; errors = 'keras' in sys.modules; kml.Mesh; "
+        "print(json.dumps([before, errors, 'keras' in sys.modules and 'jax' in sys.modules]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env["PYTHONPATH"] = str(Path(kml.__file__).parents[1])
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [False, False, True], result.stderr
