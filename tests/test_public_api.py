@@ -185,3 +185,20 @@ def test_errors_are_value_errors_and_warnings_user_warnings():
     for name in ("IndivisibleShapeWarning", "UnmatchedRuleWarning"):
         assert issubclass(getattr(kml, name), kml.MeshLayoutWarning)
     assert issubclass(kml.MeshLayoutWarning, UserWarning)
+
+
+def test_the_lazy_table_and_the_type_checking_imports_agree():
+    """`__init__.py` lists each public name twice (for type checkers, and to load it on first use)."""
+    import ast
+
+    tree = ast.parse(Path(kml.__file__).read_text(encoding="utf-8"))
+    [block] = [
+        node for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+    ]
+    imported = {alias.asname: node.module for node in block.body for alias in node.names}
+    assert imported == kml._LAZY
+    assert set(kml._LAZY) | {"__version__"} >= set(kml.__all__) and set(kml._LAZY) <= set(kml.__all__)
+    assert all(getattr(kml, name) is getattr(importlib.import_module(f"keras_meshlayout.{module}"), name)
+               for name, module in kml._LAZY.items())  # fmt: skip
+    with pytest.raises(AttributeError, match="has no attribute 'Meshh'"):
+        kml.Meshh  # noqa: B018
