@@ -17,6 +17,38 @@ def to_text(renderable: Any, width: int = 160) -> str:
     return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
 
 
+#: How a notebook shows a rich renderable: monospace, as the terminal does.
+_HTML = (
+    "<pre style=\"font-family: Menlo, 'DejaVu Sans Mono', Consolas, monospace; line-height: 1.25; "
+    'white-space: pre; overflow-x: auto">{code}</pre>'
+)
+
+
+def to_html(renderable: Any, width: int = 160) -> str:
+    """A `rich` renderable as an HTML fragment with inline colours, for a notebook's `_repr_html_`."""
+    from rich.console import Console
+
+    console = Console(
+        record=True, file=io.StringIO(), width=width, force_terminal=True, color_system="truecolor"
+    )
+    console.print(renderable)
+    return console.export_html(inline_styles=True, code_format=_HTML)
+
+
+class Displayed:
+    """Notebook display for a value that renders with `rich` and prints as text.
+
+    IPython and Jupyter call `_repr_html_` for a cell's value (colours, as in the terminal) and
+    `_repr_pretty_` for `pretty`/the text view (the plain drawing `str` gives).
+    """
+
+    def _repr_html_(self) -> str:
+        return to_html(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(f"<{type(self).__name__}>" if cycle else str(self))
+
+
 def format_axes(axes: tuple) -> str:
     """`(None, 'model')` → `(None, model)`; `(256, 128)` → `(256, 128)`.
 

@@ -15,7 +15,7 @@ from .. import _compat
 from ._axes import Axes
 from ._errors import LayoutMismatchError
 
-__all__ = ["Held", "check_on_mesh", "held", "mismatch_cause", "off_mesh_message"]
+__all__ = ["Held", "check_on_mesh", "held", "held_array", "mismatch_cause", "off_mesh_message"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +46,18 @@ def held(variable: Any, mesh: Any) -> Held | None:
         >>> held(layer.kernel, mesh)
         Held(axes=(None, 'model'), devices=8, on_mesh=True)
     """
-    sharding = getattr(_compat.raw_value(variable), "sharding", None)
+    return held_array(_compat.raw_value(variable), mesh, len(variable.shape))
+
+
+def held_array(array: Any, mesh: Any, rank: int) -> Held | None:
+    """What a `jax.Array` holds on `mesh` (see `held`), or `None` for anything without a sharding."""
+    sharding = getattr(array, "sharding", None)
     if sharding is None:
         return None
     backend = mesh.backend_mesh
     devices = set(sharding.device_set)
     if devices != set(backend.devices.flat):
         return Held(axes=None, devices=len(devices), on_mesh=False)
-    rank = len(variable.shape)
     spec = getattr(sharding, "spec", None)
     same_mesh = getattr(getattr(sharding, "mesh", None), "axis_names", None) == backend.axis_names
     if spec is not None and same_mesh and len(spec) <= rank:

@@ -15,7 +15,8 @@ import numpy as np
 
 from ._backend import require_jax_backend
 from ._errors import InvalidMeshError
-from ._placement import across_axes, hybrid_grid, process_of, spanning_axes
+from ._format import Displayed, to_text
+from ._placement import across_axes, hybrid_grid, process_layout, process_of, spanning_axes
 
 __all__ = ["Mesh", "device_id_grid", "jax_device_grid", "mesh_axis_sizes", "platform_name"]
 
@@ -33,7 +34,7 @@ _SPEC_HELP = (
 )
 
 
-class Mesh(keras.distribution.DeviceMesh):
+class Mesh(Displayed, keras.distribution.DeviceMesh):
     """A grid of devices with named axes, laid out for the hardware topology.
 
     Axes keep the order in which they are given. Devices are arranged by JAX's
@@ -299,6 +300,29 @@ class Mesh(keras.distribution.DeviceMesh):
         inner = ", ".join(f"{name}={size}" for name, size in self.axis_sizes.items())
         return f"Mesh({inner})"
 
+    def __rich__(self) -> Any:
+        """The mesh as a grid of device ids, for `rich.print(mesh)` and a notebook cell."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        ids = self.device_ids
+        names = tuple(self.axis_names)
+        rows = ids.reshape(-1, ids.shape[-1]) if ids.ndim > 1 else ids.reshape(1, -1)
+        table = Table(show_header=True, header_style="bold")
+        table.add_column(" × ".join(names[:-1]) or "")
+        for column in range(rows.shape[1]):
+            table.add_column(f"{names[-1]}={column}", justify="center")
+        positions = np.ndindex(*ids.shape[:-1]) if ids.ndim > 1 else iter([()])
+        for position, row in zip(positions, rows, strict=True):
+            label = ", ".join(f"{name}={index}" for name, index in zip(names, position, strict=False))
+            table.add_row(label, *(str(device) for device in row))
+        title = f"{self!r}: {self.size} {platform_name(self)} devices, {process_layout_line(self)}"
+        return Group(Text(title, style="bold"), table, Text("Cells: device ids.", style="dim"))
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self) if cycle else to_text(self.__rich__()))
+
     __str__ = __repr__
 
 
@@ -459,6 +483,11 @@ def _infer_sizes(named: Mapping[str, int], device_count: int) -> tuple[int, ...]
             f"use -1 for one axis to infer it, or {DEVICES_HINT}."
         )
     return tuple(int(size) for size in named.values())
+
+
+def process_layout_line(mesh: Any) -> str:
+    """The first line of `process_layout`: `"1 process with 8 devices"`, or the split over processes."""
+    return process_layout(mesh)[0]
 
 
 def jax_device_grid(mesh: Any) -> np.ndarray:

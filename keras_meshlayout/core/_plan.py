@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._axes import axes_to_json
-from ._format import format_axes, format_bytes, nearest_paths, to_text
+from ._format import Displayed, format_axes, format_bytes, nearest_paths, to_text
 from ._memory import MemoryEstimate, check_plan, intended_replication, memory_of
 from ._plot import plot_plan
 from ._resolve import Resolution
@@ -23,7 +23,7 @@ __all__ = ["Plan", "format_bytes", "format_axes", "grouped_conv_message"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(Displayed):
     """The resolved layout of every variable of a model on a mesh.
 
     Attributes:
@@ -52,6 +52,7 @@ class Plan:
 
     `str(plan)` (or `print(plan)`) renders a table; `plan.to_dict()` gives the
     same content as JSON-serialisable data; `plan[path]` looks up one variable.
+    In a notebook a plan shows as the coloured table (`_repr_html_`).
     """
 
     axis_sizes: Mapping[str, int]
@@ -257,6 +258,9 @@ class Plan:
 
     def __str__(self) -> str:
         return to_text(self, width=160)
+
+    # IPython prefers a class's own `__repr__` (the dataclass's) to an inherited `_repr_pretty_`.
+    _repr_pretty_ = Displayed._repr_pretty_
 
 
 #: Measured on XLA:CPU, jax/jaxlib 0.10.2 (tests/test_grouped_conv.py pins it).

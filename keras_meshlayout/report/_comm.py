@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _compat
-from ..core._format import format_bytes, to_text
+from ..core._format import Displayed, format_bytes, to_text
 from ..core._mesh import mesh_axis_sizes
 from ._hlo import Collective, parse_collectives, wire_bytes
 
@@ -61,7 +61,7 @@ class Transfer:
 
 
 @dataclasses.dataclass(frozen=True)
-class CommReport:
+class CommReport(Displayed):
     """The collectives, memory and FLOPs of one compiled training step.
 
     Attributes:
@@ -155,6 +155,9 @@ class CommReport:
 
     def __str__(self) -> str:
         return to_text(self, width=140)
+
+    # IPython prefers a class's own `__repr__` (the dataclass's) to an inherited `_repr_pretty_`.
+    _repr_pretty_ = Displayed._repr_pretty_
 
 
 def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = None) -> CommReport:

@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..core._axes import shards_of
 from ..core._errors import IndivisibleShapeError, InvalidOptionError, InvalidRuleError, RankMismatchError
-from ..core._format import format_axes, format_bytes, id_ranges, mesh_text
+from ..core._format import Displayed, format_axes, format_bytes, id_ranges, mesh_text
+from ..core._held import held, held_array
 from ..core._mesh import device_id_grid, mesh_axis_sizes, platform_name
 from ..core._resolve import Resolution
 
 if TYPE_CHECKING:
+    import jax
     import keras
 
 
@@ -49,11 +52,12 @@ _BLOCK_COLOURS = (
 )
 
 
-class Picture:
+class Picture(Displayed):
     """A terminal picture: a `rich` renderable that also prints as plain text.
 
     `rich.print(picture)` (or `console.print(picture)`) draws it in colour;
-    `print(picture)` or `str(picture)` gives the same drawing without colour.
+    `print(picture)` or `str(picture)` gives the same drawing without colour; as a
+    notebook cell's value it shows in colour (`_repr_html_`).
     """
 
     def __init__(self, renderable: Any, *, width: int = 160) -> None:
@@ -230,10 +234,14 @@ def sharding_blocks(
 
 def show_sharding(
     mesh: keras.distribution.DeviceMesh,
-    variable: Resolution | Sequence[int],
+    variable: Resolution | Sequence[int] | keras.Variable | jax.Array,
     axes: Sequence[AxisEntry] | None = None,
 ) -> Picture:
     """Draws which block of a variable each device holds.
+
+    Given a live `keras.Variable` or `jax.Array`, it draws what the array really
+    holds (its sharding), and, for a variable under a `kml.ModelParallel` in force,
+    what the rules give beside it, so a picture confirms what a variable got.
 
     A rank-1 or rank-2 variable is drawn as a grid of its blocks, labelled by
     their index ranges, with the devices holding each; a variable of rank 3 or
@@ -243,7 +251,7 @@ def show_sharding(
     Args:
         mesh: The mesh the variable lives on (see `sharding_blocks`).
         variable: A `kml.Resolution`, such as `plan["model/dense/kernel"]`,
-            or a shape.
+            a shape, or a live `keras.Variable` or `jax.Array` on the mesh.
         axes: The layout, when `variable` is a shape (see `sharding_blocks`).
 
     Returns:
@@ -251,7 +259,8 @@ def show_sharding(
 
     Raises:
         InvalidOptionError: `axes` missing with a shape, or given with a
-            `Resolution` (which has its own).
+            `Resolution` or a live array (which have their own); a live array not
+            on `mesh`.
         RankMismatchError, InvalidRuleError, IndivisibleShapeError: as in
             `sharding_blocks`.
 
@@ -271,6 +280,9 @@ def show_sharding(
     from rich.console import Group
     from rich.text import Text
 
+    extra: list[str] = []
+    if _is_live(variable):
+        variable, axes, extra = _live(mesh, variable, axes)
     if isinstance(variable, Resolution):
         if axes is not None:
             raise InvalidOptionError(
@@ -294,6 +306,7 @@ def show_sharding(
     layout = tuple(entry if entry is None or isinstance(entry, str) else "×".join(entry) for entry in axes)
     lines = [
         Text(f"{title} · layout {format_axes(layout)} · mesh {mesh_text(tuple(sizes), ids.shape)}", "bold"),
+        *(Text(line) for line in extra),
         Text(_summary(blocks, _splits(shape, axes, sizes), sizes, variable)),
     ]
     colours = {block.ranges: _BLOCK_COLOURS[i % len(_BLOCK_COLOURS)] for i, block in enumerate(blocks)}
@@ -301,6 +314,56 @@ def show_sharding(
         grid = _block_grid(blocks, len(shape), colours)
         return Picture(Group(*lines, grid, Text("Cells: the ids of the devices holding each block.", "dim")))
     return Picture(Group(*lines, _block_table(blocks, shape, colours)))
+
+
+def _is_live(value: Any) -> bool:
+    import jax
+    import keras
+
+    return isinstance(value, (keras.Variable, jax.Array))
+
+
+def _live(mesh: Any, value: Any, axes: Any) -> tuple[Resolution, Any, list[str]]:
+    """A live variable or array as the `Resolution` of what it holds, and what the rules give."""
+    import keras
+
+    from ..core._distribution import ModelParallel
+
+    is_variable = isinstance(value, keras.Variable)
+    name = value.path if is_variable else "array"
+    if axes is not None:
+        raise InvalidOptionError(
+            f"show_sharding reads the layout of {name} from its array; pass axes only with a shape. "
+            f"Received: axes={axes!r}."
+        )
+    shape = tuple(int(size) for size in value.shape)
+    dtype = str(keras.backend.standardize_dtype(value.dtype))
+    found = held(value, mesh) if is_variable else held_array(value, mesh, len(shape))
+    if found is None or not found.on_mesh or found.axes is None:
+        where = "holds no array" if found is None else f"lives on {found.devices} device(s), not on this mesh"
+        raise InvalidOptionError(
+            f"show_sharding: {name} {format_axes(shape)} {where} ({mesh!r}), so it has no blocks here to "
+            "draw. Fix: pass the mesh it lives on, or build the model under the distribution "
+            "(`with dist.scope(): ...`)."
+        )
+    array = value.value if is_variable else value
+    entry = Resolution(
+        path=name,
+        shape=shape,
+        dtype=dtype,
+        rule=None,
+        requested=None,
+        axes=found.axes,
+        shards=shards_of(found.axes, mesh_axis_sizes(mesh)),
+        nbytes=math.prod(shape) * array.dtype.itemsize,
+    )
+    lines = [f"holds {format_axes(found.axes)} (read from its array)"]
+    current = keras.distribution.distribution()
+    if is_variable and isinstance(current, ModelParallel):
+        given = current.resolve(value.path, shape, dtype, warn=False).axes
+        same = "the same" if given == found.axes else "it differs: see dist.plan(model)"
+        lines.append(f"the rules give {format_axes(given)}: {same}")
+    return entry, None, lines
 
 
 def _summary(
