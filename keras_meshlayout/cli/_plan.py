@@ -35,6 +35,8 @@ from ._args import (
 __all__ = ["HELP", "NAME", "PRESETS", "add_parser", "run"]  # noqa: F822 (PRESETS: __getattr__)
 
 NAME = "plan"
+#: Plans of more variables than this print as `plan.summary()` unless `--full` is given.
+SUMMARY_ABOVE = 60
 HELP = "plan a model on a mesh without allocating its weights"
 
 
@@ -75,6 +77,12 @@ def add_parser(commands: Any) -> None:
     _add_inputs(plan)
     _add_checks(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument(
+        "--full",
+        action="store_true",
+        help=f"print every variable's row (plans of more than {SUMMARY_ABOVE} variables are summarised: "
+        "repeated blocks folded, the largest rows, the totals)",
+    )
     add_emulate(plan)
     plan.set_defaults(run=run)
 
@@ -177,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(args, plan, rules, messages, failure, note)
     else:
-        _print_table(plan, rules, messages, note)
+        _print_table(plan, rules, messages, note, full=args.full)
     if failure is not None:
         print(f"plan fails: {failure}", file=sys.stderr)
         return EXIT_PLAN_FAILS
@@ -252,9 +260,9 @@ def _print_json(
     print(json.dumps(data, indent=2))
 
 
-def _print_table(plan: Any, rules: Any, messages: list[str], note: str | None) -> None:
+def _print_table(plan: Any, rules: Any, messages: list[str], note: str | None, *, full: bool = False) -> None:
     console = _console()
-    console.print(plan)
+    console.print(plan if full or len(plan) <= SUMMARY_ABOVE else plan.summary())
     if getattr(rules, "cost", None) is not None:
         console.print(f"predicted: {rules.cost}", markup=False)
     for message in messages[len(plan.warnings) :]:

@@ -230,6 +230,49 @@ class Plan(Displayed):
                 _why_cell(entry),
             )
         yield table
+        yield from self._totals()
+
+    def summary(self, *, largest: int = 10) -> Any:
+        """The plan in a few lines: repeated blocks folded, the largest rows, the totals and warnings.
+
+        Rows alike but for the numbers in their paths (one transformer block's variables in each
+        of 32 blocks) fold into one, written `block_{0..31}/attn/kernel` with their count; the
+        `largest` rows by bytes per device are listed again first. `keras-meshlayout plan` prints
+        this for big plans (`--full` for every row).
+
+        Returns:
+            A `rich` renderable (`rich.print(plan.summary())`; `str()` gives the text).
+
+        Example:
+            >>> import keras, keras_meshlayout as kml
+            >>> layers = [keras.layers.Dense(8, name=f"block_{i}") for i in range(4)]
+            >>> dist = kml.ModelParallel(kml.Mesh(data=2, model=4), [(r".*kernel", (None, "model"))],
+            ...                          replicate_below=0)
+            >>> with dist.scope():
+            ...     model = keras.Sequential([keras.Input((8,)), *layers], name="m")
+            >>> print(str(dist.plan(model).summary()).splitlines()[4])
+            │ m/block_{0..3}/kernel │ 4 │ (8, 8) │ float32 │ (None, model) │      256 B │                 │
+        """
+        from rich.console import Group
+
+        from ._summary import fold, folded_table
+
+        rows = fold(self.entries)
+        mesh = " × ".join(f"{name}={size}" for name, size in self.axis_sizes.items())
+        title = (
+            f"Layout plan on mesh {mesh} ({self.device_count} devices), batch over {self.batch_axis!r}: "
+            f"{len(self.entries)} variables in {len(rows)} rows"
+        )
+        parts = [folded_table(rows, title, _why_cell)]
+        top = sorted(rows, key=lambda row: -row.bytes_per_device)[:largest]
+        if largest and len(rows) > largest:
+            parts.append(folded_table(top, f"The {len(top)} largest rows", _why_cell))
+        return _Rendered(Group(*parts, *self._totals()))
+
+    def _totals(self) -> Iterator[Any]:
+        from rich.table import Table
+        from rich.text import Text
+
         saved = 1 - self.bytes_per_device / self.replicated_bytes if self.replicated_bytes else 0.0
         yield Text(
             f"Variables per device: {format_bytes(self.bytes_per_device)} "
@@ -293,6 +336,19 @@ def grouped_conv_message(
         f"Custom layers that call keras.ops.depthwise_conv (or a lax convolution with "
         f"feature_group_count > 1) themselves have the same problem but cannot be detected."
     )
+
+
+class _Rendered(Displayed):
+    """A rich renderable that prints as plain text and shows in a notebook."""
+
+    def __init__(self, renderable: Any) -> None:
+        self.renderable = renderable
+
+    def __rich__(self) -> Any:
+        return self.renderable
+
+    def __str__(self) -> str:
+        return to_text(self.renderable, width=160)
 
 
 def _rule_cell(entry: Resolution) -> str:
