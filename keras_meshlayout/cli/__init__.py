@@ -3,7 +3,8 @@
 - `_main`: `main` and the parser, assembled from the subcommand modules.
 - `_args`: what they share: exit statuses, the one-line input error, argument types.
 - `_devices`: `keras-meshlayout devices`.
-- `_plan`: `keras-meshlayout plan` (models, rules files, presets, `--auto`, budgets).
+- `_plan`: `keras-meshlayout plan` (its arguments, the run, the output and progress);
+  `_plan_inputs`: what it reads (model builders, rules files, presets, optimizers, batches).
 - `_demo`: `keras-meshlayout demo`.
 - `_launch`: `keras-meshlayout launch`, handed to the launcher in `runtime._launch`.
 """

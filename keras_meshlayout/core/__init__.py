@@ -10,10 +10,11 @@ and no module here imports one that imports it back (`tests/test_import_graph.py
   `_rules`: `LayoutRules`, the container; `_layout_map`: a Keras `LayoutMap` as our rules.
 - `_policy`: `LayoutPolicy`; `_shape_checks`: rank, axis names and divisibility are decided here;
   `_resolve`: one variable's layout (`resolve`, `Resolution`).
-- `_mesh`: `Mesh`; `_placement`: meshes across processes; `_process_data`: which rows of a
-  global batch each process feeds.
-- `_memory`: per-device bytes and optimizer slots; `_plot`: the plan's figure; `_plan`: the
-  value `Plan`; `_planning`: `plan_model`, a `Plan` from a model under a distribution.
+- `_mesh_spec`: mesh specs parsed and sizes inferred; `_mesh`: `Mesh`; `_placement`: meshes
+  across processes; `_process_data`: which rows of a global batch each process feeds.
+- `_memory`: per-device bytes and optimizer slots; `_plot`: the plan's figure; `_summary`: big
+  plans with repeated blocks folded; `_plan`: the value `Plan`; `_planning`: `plan_model`, a
+  `Plan` from a model under a distribution.
 - `_held`: what the variables really hold (their arrays' shardings), read by the plan and hooks.
 - `_trainer_hooks`: the hooks in Keras's trainer (the one batch decision, errors);
   `_distribution`: `ModelParallel`; `_dry`: building a model without allocating its weights.

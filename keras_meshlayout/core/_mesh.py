@@ -6,7 +6,6 @@ Across processes the devices are placed by `_placement`.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,22 +15,10 @@ import numpy as np
 from ._backend import require_jax_backend
 from ._errors import InvalidMeshError
 from ._format import Displayed, to_text
+from ._mesh_spec import AXIS_NAME, DEVICES_HINT, infer_sizes, parse_spec
 from ._placement import across_axes, hybrid_grid, process_layout, process_of, spanning_axes
 
-__all__ = ["Mesh", "device_id_grid", "jax_device_grid", "mesh_axis_sizes", "platform_name"]
-
-
-#: Axis names given to positional specs such as ``"2x4"``.
-POSITIONAL_AXIS_NAMES = ("data", "model")
-
-#: How the device-count message says to give other devices; the command line says it its way.
-DEVICES_HINT = "pass devices= explicitly"
-
-_AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SPEC_HELP = (
-    'Write it as "2x4" (axes data, model), "8" (data only) or '
-    '"data=2,model=4" (named; one size may be -1 to use the remaining devices).'
-)
+__all__ = ["DEVICES_HINT", "Mesh", "device_id_grid", "jax_device_grid", "mesh_axis_sizes", "platform_name"]
 
 
 class Mesh(Displayed, keras.distribution.DeviceMesh):
@@ -147,13 +134,13 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
                 "A mesh needs at least one axis. Received no axes. Example: kml.Mesh(data=2, model=4)."
             )
         for name in named:
-            if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
+            if not isinstance(name, str) or not AXIS_NAME.fullmatch(name):
                 raise InvalidMeshError(
                     f"Mesh axis names must be identifiers such as 'data' or 'model'. "
                     f"Received: {name!r} in axes {named!r}."
                 )
         devices = jax.devices() if devices is None else to_jax_devices(devices).ravel().tolist()
-        shape = _infer_sizes(named, len(devices))
+        shape = infer_sizes(named, len(devices))
         across = across_axes(across_processes, tuple(named))
         if len({process_of(d) for d in devices}) > 1:
             grid = hybrid_grid(
@@ -190,7 +177,7 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
                 f"{len(shape)} sizes, {len(axis_names)} names. {received} Fix: one name per axis."
             )
         for name in axis_names:
-            if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
+            if not isinstance(name, str) or not AXIS_NAME.fullmatch(name):
                 raise InvalidMeshError(
                     f"Mesh axis names must be identifiers such as 'data' or 'model', since rules "
                     f"and mesh specs name them (Keras's DeviceMesh takes any name). "
@@ -249,7 +236,7 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
             ('data',)
         """
         return cls(
-            _parse_spec(spec),
+            parse_spec(spec),
             devices=devices,
             across_processes=across_processes,
             allow_split_across_processes=allow_split_across_processes,
@@ -414,75 +401,6 @@ def mesh_axis_sizes(mesh: Any) -> dict[str, int]:
     if isinstance(mesh.shape, Mapping):
         return {str(name): int(size) for name, size in mesh.shape.items()}
     return {name: int(size) for name, size in zip(mesh.axis_names, mesh.shape, strict=True)}
-
-
-def _parse_spec(spec: str) -> dict[str, int]:
-    """Turns a mesh spec string into ordered `{axis: size}`."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise InvalidMeshError(f"Mesh spec must be a non-empty string. Received: {spec!r}. {_SPEC_HELP}")
-    text = spec.replace(" ", "")
-    if "=" in text:
-        named: dict[str, int] = {}
-        for part in text.split(","):
-            name, sep, size = part.partition("=")
-            if not sep or not name:
-                raise InvalidMeshError(f"Mesh spec {spec!r} has a malformed entry {part!r}. {_SPEC_HELP}")
-            if name in named:
-                raise InvalidMeshError(
-                    f"Mesh spec {spec!r} names axis {name!r} twice. Each axis needs its own name."
-                )
-            named[name] = _parse_size(size, spec)
-        return named
-    sizes = [_parse_size(part, spec) for part in text.lower().split("x")]
-    if len(sizes) > len(POSITIONAL_AXIS_NAMES):
-        raise InvalidMeshError(
-            f"Mesh spec {spec!r} has {len(sizes)} positional axes, but only "
-            f"{len(POSITIONAL_AXIS_NAMES)} have default names {POSITIONAL_AXIS_NAMES}. "
-            'Name them instead, e.g. "data=2,model=2,expert=2".'
-        )
-    return dict(zip(POSITIONAL_AXIS_NAMES, sizes, strict=False))
-
-
-def _parse_size(text: str, spec: str) -> int:
-    if not re.fullmatch(r"-?[0-9]+", text):
-        raise InvalidMeshError(
-            f"Mesh spec {spec!r} has axis size {text!r}, which is not an integer. {_SPEC_HELP}"
-        )
-    return int(text)
-
-
-def _infer_sizes(named: Mapping[str, int], device_count: int) -> tuple[int, ...]:
-    """Checks the sizes and fills in a `-1` from the device count."""
-    for name, size in named.items():
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-            raise InvalidMeshError(f"Mesh axis {name!r} needs an integer size. Received: {name}={size!r}.")
-        if size < 1 and size != -1:
-            raise InvalidMeshError(
-                f"Mesh axis {name!r} has size {size}; sizes must be positive, or -1 "
-                f"to use the remaining devices. Received: {dict(named)!r}."
-            )
-    inferred = [name for name, size in named.items() if size == -1]
-    if len(inferred) > 1:
-        raise InvalidMeshError(
-            f"Only one mesh axis can have size -1, but {inferred} do. "
-            f"Received: {dict(named)!r}. Give all but one axis an explicit size."
-        )
-    known = math.prod(size for size in named.values() if size != -1)
-    if inferred:
-        if device_count % known:
-            raise InvalidMeshError(
-                f"Cannot infer the size of mesh axis {inferred[0]!r}: the other axes use "
-                f"{known} devices, which does not divide the {device_count} available. "
-                f"Received: {dict(named)!r}. Choose sizes whose product divides {device_count}."
-            )
-        return tuple(device_count // known if size == -1 else int(size) for size in named.values())
-    if known != device_count:
-        raise InvalidMeshError(
-            f"Mesh {dict(named)!r} needs {known} devices, but {device_count} are available. "
-            f"The axis sizes must multiply to the device count ({device_count}); "
-            f"use -1 for one axis to infer it, or {DEVICES_HINT}."
-        )
-    return tuple(int(size) for size in named.values())
 
 
 def process_layout_line(mesh: Any) -> str:
