@@ -90,9 +90,11 @@ def _plain():
 
 def _plan(mesh: kml.Mesh, layer: keras.layers.Layer) -> tuple[kml.Plan, list[warnings.WarningMessage]]:
     dist = kml.ModelParallel(mesh)
+    with dist.scope():  # built under the distribution: the plan is what runs (issue 23)
+        model = _model(layer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = dist.plan(_model(layer))
+        plan = dist.plan(model)
     return plan, [w for w in caught if issubclass(w.category, kml.GroupedConvWarning)]
 
 
