@@ -22,11 +22,12 @@ is read and each group on its devices before the next is read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,17 +76,30 @@ def _save_args(values: Sequence[Any]) -> Any:
     )
 
 
+@contextlib.contextmanager
+def _write_errors() -> Iterator[None]:
+    """Raises a failed write as an `OSError` (TensorStore reports a full disk as a `ValueError`)."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as err:
+        raise OSError(None, f"{type(err).__name__}: {err}") from err
+
+
 def save(directory: Path, arrays: Mapping[str, Sequence[Any]]) -> None:
     """Writes each kind's arrays (`jax.Array`s, any sharding) under `directory`; all processes call it.
 
-    Returns once every process's shards are on disk (Orbax's own barrier).
+    Returns once every process's shards are on disk (Orbax's own barrier). Raises `OSError`
+    when they cannot be written.
     """
     checkpointer = _checkpointer()
     try:
         for kind, values in arrays.items():
             if values:
-                checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
-                checkpointer.wait_until_finished()
+                with _write_errors():
+                    checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
+                    checkpointer.wait_until_finished()
     finally:
         checkpointer.close()
 
@@ -97,7 +111,8 @@ def start_save(directory: Path, kind: str, values: Sequence[Any]) -> Any:
     """
     checkpointer = _checkpointer()
     try:
-        checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
+        with _write_errors():
+            checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
     except BaseException:
         checkpointer.close()
         raise
@@ -105,9 +120,10 @@ def start_save(directory: Path, kind: str, values: Sequence[Any]) -> Any:
 
 
 def finish(checkpointer: Any) -> None:
-    """Waits until what `start_save` started is on disk (raising its error, if any)."""
+    """Waits until what `start_save` started is on disk (raising its error as an `OSError`, if any)."""
     try:
-        checkpointer.wait_until_finished()
+        with _write_errors():
+            checkpointer.wait_until_finished()
     finally:
         checkpointer.close()
 
