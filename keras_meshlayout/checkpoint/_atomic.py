@@ -22,7 +22,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -73,14 +73,15 @@ class _Sibling:
             return time.time() - newest < _FOREIGN_STALE_AFTER_S
         if self.pid == os.getpid():
             return self.path.name in IN_FLIGHT
-        return _process_alive(self.pid)
+        return process_alive(self.pid)
 
     def describe(self) -> str:
         writer = "" if self.host is None else f" (process {self.pid} on {self.host})"
         return f"{self.path.name}{writer}"
 
 
-def _process_alive(pid: int | None) -> bool:
+def process_alive(pid: int | None) -> bool:
+    """Whether process `pid` of this host is running (not ended, not a zombie)."""
     if pid is None:
         return False
     try:
@@ -213,12 +214,16 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def replace_directory(partial: Path, target: Path) -> None:
+#: Where to keep the checkpoint a save replaces (given the path it was moved aside to), or `None`.
+Keep = Callable[[Path], "Path | None"]
+
+
+def replace_directory(partial: Path, target: Path, keep: Keep | None = None) -> None:
     """Moves the complete `partial` directory to `target`, replacing any old one.
 
     Should the second move fail, the previous checkpoint is moved back; should the
     process be killed between the two, the next save or load finishes the job
-    (`recover`).
+    (`recover`). The previous checkpoint is then deleted, or moved to `keep(it)`.
     """
     old = None
     if target.exists():
@@ -235,7 +240,13 @@ def replace_directory(partial: Path, target: Path) -> None:
             IN_FLIGHT.discard(old.name)
         raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        kept = keep(old) if keep is not None else None
+        try:
+            if kept is None:
+                raise OSError
+            os.replace(old, kept)
+        except OSError:
+            shutil.rmtree(old, ignore_errors=True)
         IN_FLIGHT.discard(old.name)
 
 
@@ -293,10 +304,15 @@ class Writing:
             process); in a multi-process save, process 0's, for all.
         owner: Whether this process removes the partial directory on failure
             (in a multi-process save, only process 0 does).
+        keep: Where to keep the checkpoint this save replaces (see
+            `replace_directory`); by default it is deleted.
     """
 
-    def __init__(self, target: Path, name: str | None = None, *, owner: bool = True) -> None:
+    def __init__(
+        self, target: Path, name: str | None = None, *, owner: bool = True, keep: Keep | None = None
+    ) -> None:
         self.target = target
+        self.keep = keep
         self.partial = target.with_name(name or sibling_name(target, "partial"))
         self.owner = owner
         self.step = target.parent  # what is being written, for the error message
@@ -322,7 +338,7 @@ class Writing:
         write_json(self.at(self.partial / _manifest.MANIFEST), manifest)
         fsync(self.at(self.partial))
         self.at(self.target)
-        replace_directory(self.partial, self.target)
+        replace_directory(self.partial, self.target, self.keep)
 
     def failed(self, err: BaseException) -> BaseException:
         """Removes what this save wrote (if it is the owner); returns the error to raise for `err`."""
@@ -351,9 +367,11 @@ class Writing:
 
 
 @contextlib.contextmanager
-def writing(target: Path, name: str | None = None, *, owner: bool = True) -> Iterator[Writing]:
+def writing(
+    target: Path, name: str | None = None, *, owner: bool = True, keep: Keep | None = None
+) -> Iterator[Writing]:
     """A save to `target`, from start to end (see `Writing`)."""
-    save = Writing(target, name, owner=owner)
+    save = Writing(target, name, owner=owner, keep=keep)
     try:
         with save:
             yield save

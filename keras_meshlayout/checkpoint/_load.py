@@ -100,6 +100,8 @@ def load(
     recovered, removed = _atomic.recover(source)
     if recovered is not None:
         source = recovered
+    if source.is_file():
+        raise CheckpointError(_a_file(source))
     if not source.is_dir():
         raise CheckpointError(f"No checkpoint at {source}.{_atomic.siblings_hint(source, removed)}")
     manifest = _manifest.read_manifest(source)
@@ -140,6 +142,32 @@ def load(
     current = _manifest.current_plan(model, distribution)
     diff = None if saved_plan is None or current is None else _plan_diff.plan_diff(saved_plan, current)
     return manifest, diff
+
+
+def _a_file(source: Path) -> str:
+    """Why a file is no checkpoint (a checkpoint is a directory), and what loads it."""
+    try:
+        with open(source, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        head = b""
+    if source.name == _manifest.MANIFEST or source.parent.joinpath(_manifest.MANIFEST).is_file():
+        what = f"a file inside the checkpoint {source.parent}. Fix: pass the directory, {source.parent}."
+    elif source.name.endswith(".keras"):
+        what = (
+            "a Keras model file (.keras, written by model.save). Fix: load it with "
+            "keras.saving.load_model(path), or model.load_weights(path) into a model built under the "
+            "distribution; kml.load_checkpoint reads the directories kml.save_checkpoint writes."
+        )
+    elif head == b"\x89HDF\r\n\x1a\n":
+        what = (
+            "an HDF5 file: Keras weights (.weights.h5, written by model.save_weights). Fix: load it with "
+            "model.load_weights(path), into a model built (and compiled, for the optimizer state) under "
+            "the distribution; kml.load_checkpoint reads the directories kml.save_checkpoint writes."
+        )
+    else:
+        what = "a file. Fix: pass the directory kml.save_checkpoint wrote."
+    return f"{source} is not a checkpoint: a checkpoint is a directory, and this is {what}"
 
 
 def _check_arrays(source: Path, manifest: Mapping[str, Any]) -> None:

@@ -94,7 +94,7 @@ def _check_schema(manifest: Mapping[str, Any], path: Path) -> None:
     if training is not None:
         if not isinstance(training, dict):
             fail("training", '{"epoch": int, "batch": int}', training)
-        for key in ("epoch", "batch"):
+        for key in ("epoch", "batch", "step"):
             if not _natural(training.get(key, 0)):
                 fail(f"training.{key}", "a non-negative integer", training[key])
     if manifest.get("rng") is not None:

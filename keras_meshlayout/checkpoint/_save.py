@@ -8,6 +8,7 @@ gather every variable into one Keras `.weights.h5` in process 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,18 +100,21 @@ def save_everywhere(
     distribution: Any,
     training: Mapping[str, int] | None = None,
     storage: str = "orbax",
+    keep: _atomic.Keep | None = None,
 ) -> Path:
     """Saves with `storage` ("orbax" or "h5"); every process of a job calls it.
 
     With Orbax every process writes its own shards (`_save_orbax`); with h5 process 0 writes
-    the whole file (`_save_h5`) and the others wait for it.
+    the whole file (`_save_h5`) and the others wait for it. `keep`: where to keep the
+    checkpoint this one replaces (`_atomic.replace_directory`).
     """
     import jax
 
+    extras = _Extras(training, keep)
     if storage == "orbax":
-        return _save_orbax(model, target, distribution, training)
+        return _save_orbax(model, target, distribution, extras)
     if jax.process_count() == 1:
-        return _save_h5(model, target, distribution, training)
+        return _save_h5(model, target, distribution, extras)
     # Process 0 writes, with the distribution lifted: Keras's save_weights builds a throwaway
     # optimizer, whose variables would be a collective under a distribution spanning processes.
     from jax.experimental import multihost_utils
@@ -120,7 +124,7 @@ def save_everywhere(
     if jax.process_index() == 0:
         keras.distribution.set_distribution(None)
         try:
-            _save_h5(model, target, distribution if distribution is not None else current, training)
+            _save_h5(model, target, distribution if distribution is not None else current, extras)
         except Exception as err:  # every process must still reach the collective below
             failure = err
         finally:
@@ -172,14 +176,18 @@ def _orbax_manifest(partial: Path, manifest: Mapping[str, Any]) -> dict[str, Any
     return {**manifest, "files": listing, "weights_sha256": _orbax_store.digest(listing)}
 
 
-def _save_h5(
-    model: keras.Model,
-    target: Path,
-    distribution: Any,
-    training: Mapping[str, int] | None = None,
-) -> Path:
+@dataclasses.dataclass(frozen=True)
+class _Extras:
+    """What a save writes besides the model and its plan, and where the checkpoint it replaces goes."""
+
+    training: Mapping[str, int] | None = None  # the position in training, for the manifest
+    keep: _atomic.Keep | None = None  # see `_atomic.replace_directory`
+
+
+def _save_h5(model: keras.Model, target: Path, distribution: Any, extras: _Extras) -> Path:
     wait_for_background_saves(target)
-    with _atomic.writing(target) as save:
+    training = extras.training
+    with _atomic.writing(target, keep=extras.keep) as save:
         save.prepare()
         weights = save.at(save.partial / _manifest.WEIGHTS)
         model.save_weights(weights)
@@ -190,12 +198,7 @@ def _save_h5(
     return target
 
 
-def _save_orbax(
-    model: keras.Model,
-    target: Path,
-    distribution: Any,
-    training: Mapping[str, int] | None = None,
-) -> Path:
+def _save_orbax(model: keras.Model, target: Path, distribution: Any, extras: _Extras) -> Path:
     """A checkpoint whose arrays every process writes its own shards of, with Orbax; all processes call it.
 
     The procedure is `_atomic.writing`'s: everything goes to one hidden sibling directory (named by
@@ -208,7 +211,8 @@ def _save_orbax(
     primary = jax.process_index() == 0
     wait_for_background_saves(target)
     name = _common(_atomic.sibling_name(target, "partial"))
-    with _atomic.writing(target, name, owner=primary) as save:
+    training = extras.training
+    with _atomic.writing(target, name, owner=primary, keep=extras.keep) as save:
 
         def write_arrays() -> None:
             for kind, values in _arrays(model).items():
@@ -244,14 +248,19 @@ class BackgroundSave:
     """
 
     def __init__(
-        self, model: keras.Model, target: Path, distribution: Any, training: Mapping[str, int] | None
+        self,
+        model: keras.Model,
+        target: Path,
+        distribution: Any,
+        training: Mapping[str, int] | None,
+        keep: _atomic.Keep | None = None,
     ) -> None:
         import threading
 
         wait_for_background_saves(target)
         self.target = target
         self.error: BaseException | None = None
-        self._save = _atomic.Writing(target)
+        self._save = _atomic.Writing(target, keep=keep)
         try:
             with self._save:
                 self._save.prepare()

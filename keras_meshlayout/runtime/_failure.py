@@ -51,8 +51,27 @@ def report(
     if outcome.kind == "timeout":
         say(f"--timeout {timeout:g} s passed with {_ranks(survivors)} still running{stopped}.")
         return 124
-    say(f"received {_signal_name(outcome.signum)}{stopped}.")
+    say(_interrupted(outcome.signum, processes, survivors, killed, grace))
     return 128 + outcome.signum
+
+
+def _interrupted(
+    signum: int, processes: list[subprocess.Popen], survivors: list[int], killed: list[int], grace: float
+) -> str:
+    """What came of the SIGTERM the launcher forwarded to every process when it was told to stop."""
+    message = f"received {_signal_name(signum)}"
+    if not survivors:
+        return message + "."
+    message += (
+        f": sent SIGTERM to {_ranks(survivors)} as a preemption notice (a kml.ResumableCheckpoint "
+        "backs up after the step under way, then exits with status 143)"
+    )
+    ended = [r for r in survivors if r not in killed]
+    if ended:
+        message += "; " + ", ".join(f"rank {r} {describe_exit(processes[r].returncode)}" for r in ended)
+    if killed:
+        message += f"; {_ranks(killed)} still running after --grace {grace:g} s, stopped by SIGKILL"
+    return message + "."
 
 
 def _stopped(survivors: list[int], killed: list[int], grace: float) -> str:

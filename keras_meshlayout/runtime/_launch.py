@@ -8,7 +8,10 @@ read. Every line a process prints comes out prefixed with its rank, `[0] ...`.
 When a process fails, the launcher stops the others (SIGTERM, then SIGKILL
 after a grace period), says which rank failed first and how, and exits
 non-zero; a process that never reaches the others gives up after
-`--init-timeout`.
+`--init-timeout`. SIGTERM or SIGINT sent to the launcher is forwarded to every
+process as SIGTERM, a preemption notice (a `kml.ResumableCheckpoint` backs up
+after the step under way and exits with status 143), with `--grace` seconds
+to finish before SIGKILL.
 
 Each process runs the script under `_worker.py`, which ends a failing process
 at once instead of letting it wait in JAX's exit barrier. Each job holds a
@@ -135,7 +138,9 @@ def _parser(prog: str = PROG) -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_GRACE,
         metavar="S",
-        help=f"seconds between SIGTERM and SIGKILL when stopping processes (default {DEFAULT_GRACE:g})",
+        help="seconds between SIGTERM and SIGKILL when stopping processes; SIGTERM is a preemption "
+        "notice (a kml.ResumableCheckpoint backs up and exits), so leave it time to save, and keep it "
+        f"below the scheduler's own grace period (default {DEFAULT_GRACE:g})",
     )
     parser.add_argument(
         "--timeout", type=float, default=None, metavar="S", help="stop everything after S seconds"
