@@ -86,13 +86,29 @@ def state(model: keras.Model) -> list[np.ndarray]:
 
 
 def main() -> None:
+    args = _arguments()
+    if args.dir is not None:
+        run(args, args.dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="kml-checkpoint-") as workdir:  # removed afterwards
+        run(args, Path(workdir))
+
+
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2, help="epochs on each mesh (default: 2)")
     parser.add_argument("--steps", type=int, default=16, help="steps per epoch (default: 16)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--dir", type=Path, default=None, help="where to checkpoint (default: a temp dir)")
-    args = parser.parse_args()
-    workdir = args.dir or Path(tempfile.mkdtemp(prefix="kml-checkpoint-"))
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to checkpoint (default: a temporary directory, removed at the end)",
+    )
+    return parser.parse_args()
+
+
+def run(args: argparse.Namespace, workdir: Path) -> None:
     devices = pick_devices(8)
     x, y = make_dataset(args.steps * BATCH_SIZE, args.seed)
     fit = dict(batch_size=BATCH_SIZE, epochs=args.epochs, shuffle=False, verbose=2)
