@@ -243,6 +243,38 @@ def test_bad_options_are_clear_errors(option, value):
     assert str(raised.value) == f"{option} must be a positive integer. Received: {option}={value!r}."
 
 
+@pytest.mark.parametrize(("age_s", "refused"), [(10, True), (200, False)], ids=["fresh", "stale"])
+def test_a_lock_from_another_host_counts_while_it_is_refreshed(age_s, refused, tmp_path):
+    """A holder on another host cannot be asked if it lives: its lock counts for 120 s after a refresh."""
+    from keras_meshlayout.checkpoint import _lock
+
+    lock = tmp_path / ".kml-run.lock"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": 0}))
+    os.utime(lock, (time.time() - age_s,) * 2)
+    holder = _lock.DirectoryLock(tmp_path)
+    if refused:
+        with pytest.raises(
+            kml.CheckpointError, match="in use by another run: process 1 on elsewhere, started "
+        ):
+            holder.acquire()
+        return
+    holder.acquire()  # taken over
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    holder.release()
+    assert not lock.exists()
+
+
+def test_a_directory_that_cannot_be_created_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(kml.CheckpointError) as raised:
+        fit([kml.ResumableCheckpoint(tmp_path / "file" / "backup")])
+    assert str(raised.value) == (
+        f"Could not lock the backup directory {tmp_path / 'file' / 'backup'} "
+        f"({tmp_path / 'file' / 'backup' / '.kml-run.lock'}): Not a directory (errno 20). Nothing was "
+        "loaded or written. Fix: check that the directory can be created and written, or pass another one."
+    )
+
+
 def test_loading_a_keras_weights_file_says_what_it_is_and_what_loads_it(tmp_path):
     keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(data=2, model=4), RULES))
     model = build()

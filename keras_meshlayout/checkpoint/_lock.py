@@ -75,6 +75,16 @@ class DirectoryLock:
 
     def acquire(self) -> None:
         """Takes the lock, or raises `CheckpointError` naming the live run that holds it."""
+        try:
+            self._acquire()
+        except OSError as err:
+            raise CheckpointError(
+                f"Could not lock the backup directory {self.path.parent} ({self.path}): "
+                f"{_atomic.failure_reason(err)}. Nothing was loaded or written. Fix: check that the "
+                "directory can be created and written, or pass another one."
+            ) from err
+
+    def _acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         mine = {"host": _atomic.hostname(), "pid": os.getpid(), "started": time.time()}
         for _ in range(20):
