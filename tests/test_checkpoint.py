@@ -765,7 +765,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(
         monkeypatch.setattr(_atomic, "write_json", write_json_until_manifest)
     else:
 
-        def fail(partial, target):
+        def fail(partial, target, keep=None):
             raise failure
 
         monkeypatch.setattr(_atomic, "replace_directory", fail)
