@@ -86,6 +86,15 @@ def state(model: keras.Model) -> list[np.ndarray]:
 
 
 def main() -> None:
+    args = _arguments()
+    if args.dir is not None:
+        run(args, args.dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="kml-checkpoint-") as workdir:  # removed afterwards
+        run(args, Path(workdir))
+
+
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2, help="epochs on each mesh (default: 2)")
     parser.add_argument("--steps", type=int, default=16, help="steps per epoch (default: 16)")
@@ -94,18 +103,12 @@ def main() -> None:
         "--dir",
         type=Path,
         default=None,
-        help="where to checkpoint, kept (default: a temp dir, removed at the end)",
+        help="where to checkpoint (default: a temporary directory, removed at the end)",
     )
-    args = parser.parse_args()
-    if args.dir is not None:
-        run(args, args.dir)
-        return
-    with tempfile.TemporaryDirectory(prefix="kml-checkpoint-") as workdir:  # removed, even on failure
-        run(args, Path(workdir))
+    return parser.parse_args()
 
 
 def run(args: argparse.Namespace, workdir: Path) -> None:
-    """The three steps, checkpointing under `workdir`."""
     devices = pick_devices(8)
     x, y = make_dataset(args.steps * BATCH_SIZE, args.seed)
     fit = dict(batch_size=BATCH_SIZE, epochs=args.epochs, shuffle=False, verbose=2)

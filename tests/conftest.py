@@ -44,6 +44,14 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_smaller_budgets_never_send_less",
     ),
     "test_checkpoint.py": ("test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up",),  # kills a process
+    "test_checkpoint_faults.py": (  # real signals to real processes, a tmpfs; 2-3 fits each
+        "test_sigterm_at_a_random_step_backs_up_that_step_and_the_restart_is_bit_exact",
+        "test_a_second_job_on_a_held_directory_is_refused_until_the_holder_is_gone",
+        "test_a_full_disk_during_a_background_save_is_one_line_and_training_goes_on",
+        "test_a_nan_state_is_not_backed_up_and_the_restart_starts_from_the_last_finite_one",
+        "test_a_failed_save_then_a_good_one_resets_the_count",
+        "test_a_damaged_latest_backup_falls_back_to_the_one_before",
+    ),
     "test_checkpoint_processes.py": (  # one launcher run of 2 processes × 4 devices
         "test_variables_are_split_across_the_processes",
         "test_each_process_wrote_its_own_shards",

@@ -379,7 +379,7 @@ def test_a_background_save_holds_the_values_of_its_step_while_training_goes_on(t
         "step 4 moved"
     )
     manifest = json.loads((tmp_path / "latest" / "manifest.json").read_text())
-    assert manifest["training"] == {"epoch": 0, "batch": 3}
+    assert manifest["training"] == {"epoch": 0, "batch": 3, "step": 3}
     fresh = build(WIDE)
     kml.load_checkpoint(fresh, tmp_path / "latest")
     assert_bit_identical(fresh, recorded["values"])

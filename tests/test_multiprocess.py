@@ -29,7 +29,11 @@ from helpers import BATCH, MLP_RULES, assert_same_weights, build_mlp, train
 import keras_meshlayout as kml
 from keras_meshlayout import launch as launch_module
 from keras_meshlayout.runtime._cluster import INIT_TIMEOUT_EXIT_STATUS, cluster_config
-from keras_meshlayout.runtime._launch import _environment, _first_failure, _free_port, _GlooLines, _watch
+from keras_meshlayout.runtime._launch import _environment
+from keras_meshlayout.runtime._ports import free_port as _free_port
+from keras_meshlayout.runtime._relay import GlooLines as _GlooLines
+from keras_meshlayout.runtime._supervise import first_failure as _first_failure
+from keras_meshlayout.runtime._supervise import watch as _watch
 from keras_meshlayout.runtime._worker import _exit_status
 
 TESTS = Path(__file__).resolve().parent
@@ -914,7 +918,12 @@ CLUSTER_CONFIG_ERRORS = pytest.mark.parametrize(
             "A multi-process run needs the coordinator address, the number of processes and this "
             "process's id, but KML_PROCESS_ID is not set.",
         ),
-        ({}, {"num_processes": 2}, "but coordinator, process_id are not set."),
+        (
+            {},
+            {"num_processes": 2},
+            "A multi-process run needs the coordinator address, the number of processes and this "
+            "process's id, but coordinator, process_id are not set.",
+        ),
         (
             {**KML, "KML_PROCESS_ID": "2"},
             {},
@@ -941,7 +950,7 @@ CLUSTER_CONFIG_ERRORS = pytest.mark.parametrize(
 def test_cluster_config_errors(environ, arguments, message):
     with pytest.raises(kml.InvalidOptionError) as caught:
         cluster_config(environ, **arguments)
-    assert str(caught.value).startswith(message) or message in str(caught.value), str(caught.value)
+    assert str(caught.value).startswith(message), str(caught.value)
 
 
 @CLUSTER_CONFIG_ERRORS
@@ -957,7 +966,7 @@ def test_initialize_gives_the_cluster_config_errors(monkeypatch, environ, argume
     with pytest.raises(kml.InvalidOptionError) as caught:
         kml.initialize(**arguments)
     assert str(caught.value) == str(expected.value)
-    assert str(caught.value).startswith(message) or message in str(caught.value), str(caught.value)
+    assert str(caught.value).startswith(message), str(caught.value)
     assert not jax.distributed.is_initialized()
 
 

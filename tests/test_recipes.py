@@ -50,29 +50,22 @@ def test_recipe_runs(recipe: Path, tmp_path: Path):
     assert_ran_with_plan(result)
 
 
-def test_the_checkpoint_recipe_cleans_up_after_itself(tmp_path: Path):
-    """Issue 23: recipes/checkpoint_resume.py left its checkpoint in the temp directory."""
-    recipe = next(path for path in RECIPES if path.name == "checkpoint_resume.py")
+def test_checkpoint_recipe_leaves_nothing_in_the_temporary_directory(tmp_path: Path):
+    """Regression (issue 23): recipes/checkpoint_resume.py left its checkpoint in the temp directory."""
     temp = tmp_path / "tmp"
     temp.mkdir()
+    recipe = next(path for path in RECIPES if path.name == "checkpoint_resume.py")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
-    args = [sys.executable, str(recipe), "--epochs", "1", "--steps", "2"]
     result = subprocess.run(
-        args,
+        [sys.executable, str(recipe), "--epochs", "1", "--steps", "2"],
         cwd=tmp_path,
         env={**env, "TMPDIR": str(temp)},
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
     )
-    assert result.returncode == 0, result.stderr
-    assert [path.name for path in temp.iterdir() if path.name.startswith("kml-checkpoint-")] == []
-    kept = tmp_path / "kept"
-    result = subprocess.run(
-        [*args, "--dir", str(kept)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    assert result.returncode == 0, result.stderr
-    assert (kept / "step_1").is_dir()  # a directory given is the user's: kept
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p.name for p in temp.iterdir() if p.name.startswith("kml-checkpoint-")] == []
 
 
 def test_multi_process_recipe_under_the_launcher_with_its_defaults(tmp_path: Path):

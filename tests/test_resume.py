@@ -183,7 +183,7 @@ def test_resumable_checkpoint_with_several_steps_per_execution(reference, tmp_pa
         # Reports every 2 steps: backups after steps 4, 8 and 12, then the crash at the 6th report.
         fit("2x4", reference["initial"], [kml.ResumableCheckpoint(backup, save_freq=3), Crash(6)], 2)
     manifest = json.loads((backup / "latest" / "manifest.json").read_text())
-    assert manifest["training"] == {"epoch": 1, "batch": 4}
+    assert manifest["training"] == {"epoch": 1, "batch": 4, "step": STEPS + 4}
     model = fit("1x8", reference["initial"], [kml.ResumableCheckpoint(backup, save_freq=3)], 2)
     assert_same(model, reference["trained"], 1e-5)
 
@@ -214,7 +214,7 @@ def test_resumable_checkpoint_records_where_it_stopped(reference, tmp_path):
         fit("2x4", reference["initial"], [kml.ResumableCheckpoint(backup, save_freq=3), Crash(STEPS + 5)])
     manifest = json.loads((backup / "latest" / "manifest.json").read_text())
     # Backups after steps 3, 6, 9 and 12: the last one is epoch 2 (index 1), 4 batches in.
-    assert manifest["training"] == {"epoch": 1, "batch": 4}
+    assert manifest["training"] == {"epoch": 1, "batch": 4, "step": 12}
     assert manifest["format"] == 2, "backups are stored with Orbax by default"
     assert sorted(p.name for p in (backup / "latest").iterdir()) == [
         "manifest.json",
@@ -236,7 +236,7 @@ def test_resumable_checkpoint_discards_half_written_backups(reference, tmp_path)
         "2x4", reference["initial"], [kml.ResumableCheckpoint(backup, save_freq=4, delete_on_end=False)]
     )
     assert_same(model, reference["trained"], 1e-6)
-    assert sorted(p.name for p in backup.iterdir()) == ["latest"]
+    assert sorted(p.name for p in backup.iterdir()) == ["latest", "step-000000020"]
 
 
 def test_resumable_checkpoint_touches_nothing_else_in_its_directory(reference, tmp_path):
@@ -303,6 +303,14 @@ CHILD = """
 
         def on_train_batch_begin(self, batch, logs=None):
             if kill_at and self.steps == kill_at and kill == "mid-epoch":
+                if kind == "resumable_async":
+                    # The kill comes once the last background save is in place, so that it finds
+                    # one state (the other states of a save are the other kill points).
+                    deadline = time.monotonic() + 60
+                    while time.monotonic() < deadline and any(
+                        name.startswith(".latest.") for name in os.listdir(work / "backup")
+                    ):
+                        time.sleep(0.01)
                 (work / "marker").touch()
                 time.sleep(120)
 
@@ -399,18 +407,15 @@ def test_training_killed_with_sigkill_resumes_exactly(
     assert (tmp_path / "backup").is_dir() and not (tmp_path / "final.npz").exists()
     if kind != "backup_and_restore":
         left = sorted(p.name.split("-")[0] for p in (tmp_path / "backup").iterdir())
+        # ".kml-run.lock": the killed run's lock, taken over by the rerun; "step-*": the backup kept
+        # before the last one (max_to_keep=2).
         expected = {
-            "mid-epoch": ["latest"],
-            "save in flight": [".latest.partial", "latest"],  # the previous backup, intact
-            "between the renames": [".latest.old", ".latest.partial"],  # no "latest": the bug's window
-            "after moving into place": [".latest.old", "latest"],
+            "mid-epoch": [".kml", "latest", "step"],
+            "save in flight": [".kml", ".latest.partial", "latest", "step"],  # the previous backup, intact
+            "between the renames": [".kml", ".latest.old", ".latest.partial", "step"],  # no "latest"
+            "after moving into place": [".kml", ".latest.old", "latest", "step"],
         }
-        if kind == "resumable_async" and kill == "mid-epoch":
-            # The background save may be anywhere when the kill comes: not started, writing,
-            # between the renames or just moved into place. Every state must resume exactly.
-            assert left == ["latest"] or left in expected.values(), left
-        else:
-            assert left == expected[kill]
+        assert left == expected[kill]
 
     rerun = subprocess.run([*command, "0"], env=child_env(), capture_output=True, text=True, timeout=180)
     assert rerun.returncode == 0, rerun.stderr
@@ -572,7 +577,7 @@ def test_resumable_checkpoint_resumes_exactly_mid_epoch_from_either_storage(
         )
     manifest = json.loads((backup / "latest" / "manifest.json").read_text())
     assert manifest["format"] == (2 if before == "orbax" else 1)
-    assert manifest["training"] == {"epoch": 1, "batch": 2}
+    assert manifest["training"] == {"epoch": 1, "batch": 2, "step": STEPS + 2}
     model = fit(resume_on, reference["initial"], [kml.ResumableCheckpoint(backup, 2, storage=after)])
     assert_same(model, reference["trained"], TOLERANCE[resume_on])
     assert not backup.exists()
@@ -610,8 +615,9 @@ def test_a_background_save_in_flight_when_fit_ends_completes(reference, tmp_path
     fit("2x4", reference["initial"], [backup])
     assert backup._pending is None
     manifest = json.loads((tmp_path / "latest" / "manifest.json").read_text())
-    assert manifest["format"] == 2 and manifest["training"] == {"epoch": EPOCHS, "batch": 0}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    assert manifest["format"] == 2 and manifest["training"] == {"epoch": EPOCHS, "batch": 0, "step": 24}
+    # The backup before the last one is kept too (max_to_keep=2), named by its step.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000000021"]
 
 
 def test_a_background_save_needs_orbax():

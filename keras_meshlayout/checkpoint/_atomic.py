@@ -2,14 +2,18 @@
 
 A save writes `.NAME.partial-HOST-PID-TAG`, moves the previous checkpoint
 aside to `.NAME.old-HOST-PID-TAG`, moves the new one into place, then deletes
-the old one. `recover` finishes what a save killed between those steps left
-undone (the newest complete, verified checkpoint wins) and removes what dead
-writers left behind; a sibling a live process may still be writing is never
-touched.
+the old one. `writing(target)` is that procedure, once for every kind of save
+(h5, Orbax, in the background): it records what is being written, writes the
+plan and the manifest last, and turns an `OSError` into one `CheckpointError`
+that names the file and says what happened to the previous checkpoint.
+`recover` finishes what a save killed between those steps left undone (the
+newest complete, verified checkpoint wins) and removes what dead writers left
+behind; a sibling a live process may still be writing is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -18,11 +22,14 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Literal
 
+from ..core._errors import CheckpointError
 from . import _manifest
+from ._orbax_store import sha256
 
 #: Hidden directories of saves this process has under way (by name): never stale.
 IN_FLIGHT: set[str] = set()
@@ -66,14 +73,15 @@ class _Sibling:
             return time.time() - newest < _FOREIGN_STALE_AFTER_S
         if self.pid == os.getpid():
             return self.path.name in IN_FLIGHT
-        return _process_alive(self.pid)
+        return process_alive(self.pid)
 
     def describe(self) -> str:
         writer = "" if self.host is None else f" (process {self.pid} on {self.host})"
         return f"{self.path.name}{writer}"
 
 
-def _process_alive(pid: int | None) -> bool:
+def process_alive(pid: int | None) -> bool:
+    """Whether process `pid` of this host is running (not ended, not a zombie)."""
     if pid is None:
         return False
     try:
@@ -206,12 +214,16 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def replace_directory(partial: Path, target: Path) -> None:
+#: Where to keep the checkpoint a save replaces (given the path it was moved aside to), or `None`.
+Keep = Callable[[Path], "Path | None"]
+
+
+def replace_directory(partial: Path, target: Path, keep: Keep | None = None) -> None:
     """Moves the complete `partial` directory to `target`, replacing any old one.
 
     Should the second move fail, the previous checkpoint is moved back; should the
     process be killed between the two, the next save or load finishes the job
-    (`recover`).
+    (`recover`). The previous checkpoint is then deleted, or moved to `keep(it)`.
     """
     old = None
     if target.exists():
@@ -228,15 +240,39 @@ def replace_directory(partial: Path, target: Path) -> None:
             IN_FLIGHT.discard(old.name)
         raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        kept = keep(old) if keep is not None else None
+        try:
+            if kept is None:
+                raise OSError
+            os.replace(old, kept)
+        except OSError:
+            shutil.rmtree(old, ignore_errors=True)
         IN_FLIGHT.discard(old.name)
 
 
+#: Where the error code stands in what TensorStore ("[os_error_code='28']") and HDF5 ("errno = 28") say.
+_ERROR_CODE = re.compile(r"os_error_code='?(\d+)|errno = (\d+)")
+
+
+def failure_reason(err: OSError) -> str:
+    """Why a write failed, on one line: the system's words for its error code where one is known.
+
+    HDF5 and TensorStore wrap a full disk in a paragraph of their own (file descriptors, offsets,
+    database paths); the error code says it all.
+    """
+    code = err.errno
+    text = err.strerror or f"{type(err).__name__}: {err}"
+    if code is None:
+        found = _ERROR_CODE.search(text)
+        code = None if found is None else int(found[1] or found[2])
+    if code is not None:
+        return f"{os.strerror(code)} (errno {code})"
+    return " ".join(text.split())
+
+
 def save_failed(target: Path, step: Path, err: OSError) -> str:
-    if err.strerror and err.errno is not None:
-        reason = f"{err.strerror} (errno {err.errno})"
-    else:
-        reason = err.strerror or f"{type(err).__name__}: {err}"
+    """The message of a save that failed while writing `step`, saying what happened to `target`."""
+    why = failure_reason(err)
     if _manifest.complete(target):
         previous = f"The previous checkpoint at {target} is intact."
     elif target.exists():
@@ -244,7 +280,100 @@ def save_failed(target: Path, step: Path, err: OSError) -> str:
     else:
         previous = f"Nothing was written at {target} (there was no checkpoint there before)."
     return (
-        f"Saving checkpoint {target} failed while writing {step}: {reason}. {previous} "
+        f"Saving checkpoint {target} failed while writing {step}: {why}. {previous} "
         "What this save had written was removed. Fix: free space on that disk, or check that the "
         "directory is writable, and save again."
     )
+
+
+class Writing:
+    """One save to `target` under way: its hidden partial directory and what it is writing now.
+
+    Every save (h5, Orbax in every process, Orbax in the background) goes
+    through these steps: `prepare`, its own arrays (recording each file with
+    `at`), then `finish`. Used as a context manager (`with writing:`, possibly
+    several times, as the background save does, in two threads), an error
+    inside removes the partial directory and an `OSError` comes out as one
+    `CheckpointError` saying which file was being written and that the previous
+    checkpoint is intact. `close` ends the save (the partial directory is then
+    no longer in flight).
+
+    Args:
+        target: The checkpoint directory the save replaces.
+        name: The partial directory's name (default: a new one, naming this
+            process); in a multi-process save, process 0's, for all.
+        owner: Whether this process removes the partial directory on failure
+            (in a multi-process save, only process 0 does).
+        keep: Where to keep the checkpoint this save replaces (see
+            `replace_directory`); by default it is deleted.
+    """
+
+    def __init__(
+        self, target: Path, name: str | None = None, *, owner: bool = True, keep: Keep | None = None
+    ) -> None:
+        self.target = target
+        self.keep = keep
+        self.partial = target.with_name(name or sibling_name(target, "partial"))
+        self.owner = owner
+        self.step = target.parent  # what is being written, for the error message
+        IN_FLIGHT.add(self.partial.name)
+
+    def at(self, path: Path) -> Path:
+        """Records that `path` is being written now; returns it."""
+        self.step = path
+        return path
+
+    def prepare(self) -> None:
+        """Creates the partial directory, after finishing a save killed between its renames."""
+        self.at(self.target.parent).mkdir(parents=True, exist_ok=True)
+        recover(self.target)
+        self.at(self.partial).mkdir()
+
+    def finish(self, manifest: Mapping[str, Any], plan: Mapping[str, Any] | None) -> None:
+        """Writes the plan and the manifest (last), flushes, and moves the checkpoint into place."""
+        manifest = dict(manifest)
+        if plan is not None:
+            write_json(self.at(self.partial / _manifest.PLAN), plan)
+            manifest["plan_sha256"] = sha256(self.partial / _manifest.PLAN)
+        write_json(self.at(self.partial / _manifest.MANIFEST), manifest)
+        fsync(self.at(self.partial))
+        self.at(self.target)
+        replace_directory(self.partial, self.target, self.keep)
+
+    def failed(self, err: BaseException) -> BaseException:
+        """Removes what this save wrote (if it is the owner); returns the error to raise for `err`."""
+        if self.owner:
+            shutil.rmtree(self.partial, ignore_errors=True)
+        if not isinstance(err, OSError):
+            return err
+        error = CheckpointError(save_failed(self.target, self.step, err))
+        error.__cause__ = err
+        return error
+
+    def close(self) -> None:
+        IN_FLIGHT.discard(self.partial.name)
+
+    def __enter__(self) -> Writing:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if err is None:
+            return
+        mapped = self.failed(err)
+        if mapped is not err:
+            raise mapped from err
+
+
+@contextlib.contextmanager
+def writing(
+    target: Path, name: str | None = None, *, owner: bool = True, keep: Keep | None = None
+) -> Iterator[Writing]:
+    """A save to `target`, from start to end (see `Writing`)."""
+    save = Writing(target, name, owner=owner, keep=keep)
+    try:
+        with save:
+            yield save
+    finally:
+        save.close()

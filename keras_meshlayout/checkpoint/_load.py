@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -10,8 +11,7 @@ import keras
 import numpy as np
 
 from ..core._errors import CheckpointError
-from . import _atomic, _manifest, _plan_diff, _rng, _save
-from ._orbax_store import sha256 as _sha256  # imports no Orbax until a save or load uses it
+from . import _atomic, _manifest, _orbax_store, _plan_diff, _rng, _save  # _orbax_store: no Orbax until used
 
 if TYPE_CHECKING:
     from ..core._distribution import ModelParallel
@@ -100,24 +100,14 @@ def load(
     recovered, removed = _atomic.recover(source)
     if recovered is not None:
         source = recovered
+    if source.is_file():
+        raise CheckpointError(_a_file(source))
     if not source.is_dir():
         raise CheckpointError(f"No checkpoint at {source}.{_atomic.siblings_hint(source, removed)}")
     manifest = _manifest.read_manifest(source)
     weights = source / _manifest.WEIGHTS
     orbax = manifest["format"] == _manifest.ORBAX_FORMAT
-    if orbax:
-        problem = _manifest.orbax_damage(source, manifest)
-        if problem is not None:
-            raise CheckpointError(
-                f"Checkpoint {source}: its arrays are missing, truncated or corrupt: {problem}. Nothing was "
-                "loaded; the model is unchanged. Fix: use an earlier checkpoint."
-            )
-    elif not weights.is_file() or _sha256(weights) != manifest["weights_sha256"]:
-        raise CheckpointError(
-            f"Checkpoint {source}: {_manifest.WEIGHTS} is missing, truncated or corrupt (its checksum "
-            "does not match the manifest). Nothing was loaded; the model is unchanged. Fix: use an "
-            "earlier checkpoint."
-        )
+    _check_arrays(source, manifest)
     saved_plan = _manifest.read_plan(source, manifest)
 
     saved = manifest["variables"]
@@ -148,19 +138,69 @@ def load(
                 variable.assign(value)
         if not isinstance(err, Exception):
             raise
-        outcome = (
-            "Every variable was put back as it was; the model is unchanged."
-            if values is not None
-            else "The model is partly loaded (rollback=False): load it again, or rebuild it."
-        )
-        memory = "memory" in str(err).lower() or "resource_exhausted" in str(err).lower()
-        hint = " If memory ran out, rollback=False holds one copy of the model fewer." if memory else ""
-        raise CheckpointError(
-            f"Loading checkpoint {source} failed part-way ({type(err).__name__}: {err}). {outcome}{hint}"
-        ) from err
+        raise _load_failed(source, err, rolled_back=values is not None) from err
     current = _manifest.current_plan(model, distribution)
     diff = None if saved_plan is None or current is None else _plan_diff.plan_diff(saved_plan, current)
     return manifest, diff
+
+
+def _a_file(source: Path) -> str:
+    """Why a file is no checkpoint (a checkpoint is a directory), and what loads it."""
+    try:
+        with open(source, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        head = b""
+    if source.name == _manifest.MANIFEST or source.parent.joinpath(_manifest.MANIFEST).is_file():
+        what = f"a file inside the checkpoint {source.parent}. Fix: pass the directory, {source.parent}."
+    elif source.name.endswith(".keras"):
+        what = (
+            "a Keras model file (.keras, written by model.save). Fix: load it with "
+            "keras.saving.load_model(path), or model.load_weights(path) into a model built under the "
+            "distribution; kml.load_checkpoint reads the directories kml.save_checkpoint writes."
+        )
+    elif head == b"\x89HDF\r\n\x1a\n":
+        what = (
+            "an HDF5 file: Keras weights (.weights.h5, written by model.save_weights). Fix: load it with "
+            "model.load_weights(path), into a model built (and compiled, for the optimizer state) under "
+            "the distribution; kml.load_checkpoint reads the directories kml.save_checkpoint writes."
+        )
+    else:
+        what = "a file. Fix: pass the directory kml.save_checkpoint wrote."
+    return f"{source} is not a checkpoint: a checkpoint is a directory, and this is {what}"
+
+
+def _check_arrays(source: Path, manifest: Mapping[str, Any]) -> None:
+    """Raises `CheckpointError` if the checkpoint's arrays are missing, truncated or corrupt."""
+    if manifest["format"] == _manifest.ORBAX_FORMAT:
+        problem = _manifest.orbax_damage(source, manifest)
+        if problem is not None:
+            raise CheckpointError(
+                f"Checkpoint {source}: its arrays are missing, truncated or corrupt: {problem}. Nothing was "
+                "loaded; the model is unchanged. Fix: use an earlier checkpoint."
+            )
+        return
+    weights = source / _manifest.WEIGHTS
+    if not weights.is_file() or _orbax_store.sha256(weights) != manifest["weights_sha256"]:
+        raise CheckpointError(
+            f"Checkpoint {source}: {_manifest.WEIGHTS} is missing, truncated or corrupt (its checksum "
+            "does not match the manifest). Nothing was loaded; the model is unchanged. Fix: use an "
+            "earlier checkpoint."
+        )
+
+
+def _load_failed(source: Path, err: Exception, *, rolled_back: bool) -> CheckpointError:
+    """The error of a load that failed part-way, saying what became of the model."""
+    outcome = (
+        "Every variable was put back as it was; the model is unchanged."
+        if rolled_back
+        else "The model is partly loaded (rollback=False): load it again, or rebuild it."
+    )
+    memory = "memory" in str(err).lower() or "resource_exhausted" in str(err).lower()
+    hint = " If memory ran out, rollback=False holds one copy of the model fewer." if memory else ""
+    return CheckpointError(
+        f"Loading checkpoint {source} failed part-way ({type(err).__name__}: {err}). {outcome}{hint}"
+    )
 
 
 def _load_orbax(model: keras.Model, source: Path, with_optimizer: bool, rollback: bool) -> None:
@@ -171,8 +211,6 @@ def _load_orbax(model: keras.Model, source: Path, with_optimizer: bool, rollback
     it goes, so that the load holds at most one group beside the model.
     """
     import jax
-
-    from . import _orbax_store
 
     kinds = {"model": list(model.weights)}
     if with_optimizer:

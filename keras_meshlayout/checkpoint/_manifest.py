@@ -15,14 +15,14 @@ import json
 import re
 import warnings
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import keras
 
 from ..core._errors import CheckpointError, MeshLayoutWarning
-from ._orbax_store import sha256 as _sha256  # imports no Orbax until a save or load uses it
+from . import _orbax_store  # imports no Orbax until a save or load uses it
 
 if TYPE_CHECKING:
     from ..core._plan import Plan
@@ -77,31 +77,48 @@ def _check_schema(manifest: Mapping[str, Any], path: Path) -> None:
             "copy (kml.save_checkpoint writes it)."
         )
 
-    def text(value: Any) -> bool:
-        return isinstance(value, str)
-
-    def shape(value: Any) -> bool:
-        return isinstance(value, list) and all(map(count, value))
-
-    def count(value: Any, below: int | None = None) -> bool:
-        return (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and value >= 0
-            and (below is None or value < below)
-        )
-
-    if not (text(manifest["weights_sha256"]) and re.fullmatch(r"[0-9a-f]{64}", manifest["weights_sha256"])):
+    if not (_text(manifest["weights_sha256"]) and re.fullmatch(r"[0-9a-f]{64}", manifest["weights_sha256"])):
         fail("weights_sha256", "a SHA-256 digest (64 hexadecimal digits)", manifest["weights_sha256"])
     for key in ("plan_sha256", "model", "keras"):
-        if manifest.get(key) is not None and not text(manifest[key]):
+        if manifest.get(key) is not None and not _text(manifest[key]):
             fail(key, "a string or null", manifest[key])
     optimizer = manifest.get("optimizer")
     if optimizer is not None and not (
-        isinstance(optimizer, dict) and all(text(optimizer.get(k)) for k in ("name", "class"))
+        isinstance(optimizer, dict) and all(_text(optimizer.get(k)) for k in ("name", "class"))
     ):
         fail("optimizer", 'null or {"name": str, "class": str}', optimizer)
-    variables = manifest["variables"]
+    _check_variables_field(manifest["variables"], fail)
+    if manifest["format"] == ORBAX_FORMAT:
+        _check_files_field(manifest.get("files", _MISSING), fail)
+    training = manifest.get("training")
+    if training is not None:
+        if not isinstance(training, dict):
+            fail("training", '{"epoch": int, "batch": int}', training)
+        for key in ("epoch", "batch", "step"):
+            if not _natural(training.get(key, 0)):
+                fail(f"training.{key}", "a non-negative integer", training[key])
+    if manifest.get("rng") is not None:
+        _check_rng_field(manifest["rng"], fail)
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _natural(value: Any, below: int | None = None) -> bool:
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= 0
+        and (below is None or value < below)
+    )
+
+
+def _shape_field(value: Any) -> bool:
+    return isinstance(value, list) and all(map(_natural, value))
+
+
+def _check_variables_field(variables: Any, fail: Callable[[str, str, Any], None]) -> None:
     if not isinstance(variables, list):
         fail("variables", "a list of {path, shape, dtype, kind} entries", variables)
     for i, entry in enumerate(variables):
@@ -109,45 +126,39 @@ def _check_schema(manifest: Mapping[str, Any], path: Path) -> None:
         if not isinstance(entry, dict):
             fail(where, "a {path, shape, dtype, kind} entry", entry)
         for key, expected, ok in (
-            ("path", "a string", text),
-            ("dtype", "a string", text),
-            ("shape", "a list of non-negative integers", shape),
+            ("path", "a string", _text),
+            ("dtype", "a string", _text),
+            ("shape", "a list of non-negative integers", _shape_field),
         ):
             if not ok(entry.get(key, _MISSING)):
                 fail(f"{where}.{key}", expected, entry.get(key, _MISSING))
         if entry.get("kind", "model") not in ("model", "optimizer"):
             fail(f"{where}.kind", '"model" or "optimizer"', entry["kind"])
-    if manifest["format"] == ORBAX_FORMAT:
-        files = manifest.get("files", _MISSING)
-        if not isinstance(files, dict):
-            fail("files", "a {name: {bytes, sha256}} mapping (an Orbax checkpoint's files)", files)
-        for name, entry in files.items():
-            if not (
-                isinstance(entry, dict)
-                and count(entry.get("bytes", _MISSING))
-                and (entry.get("sha256") is None or text(entry["sha256"]))
-            ):
-                fail(f"files[{name!r}]", '{"bytes": int, "sha256": str or null}', entry)
-    training = manifest.get("training")
-    if training is not None:
-        if not isinstance(training, dict):
-            fail("training", '{"epoch": int, "batch": int}', training)
-        for key in ("epoch", "batch"):
-            if not count(training.get(key, 0)):
-                fail(f"training.{key}", "a non-negative integer", training[key])
-    rng = manifest.get("rng")
-    if rng is not None:
 
-        def seed(value: Any) -> bool:
-            return isinstance(value, list) and len(value) == 2 and all(count(x, 1 << 32) for x in value)
 
-        if not isinstance(rng, dict) or not isinstance(rng.get("seed_generators"), list):
-            fail("rng", '{"seed_generators": [...], "global": ...}', rng)
-        for i, entry in enumerate(rng["seed_generators"]):
-            if not isinstance(entry, dict) or not seed(entry.get("state", _MISSING)):
-                fail(f"rng.seed_generators[{i}]", '{"path": str, "state": [two uint32]}', entry)
-        if rng.get("global") is not None and not seed(rng["global"]):
-            fail("rng.global", "null or [two uint32]", rng["global"])
+def _check_files_field(files: Any, fail: Callable[[str, str, Any], None]) -> None:
+    if not isinstance(files, dict):
+        fail("files", "a {name: {bytes, sha256}} mapping (an Orbax checkpoint's files)", files)
+    for name, entry in files.items():
+        if not (
+            isinstance(entry, dict)
+            and _natural(entry.get("bytes", _MISSING))
+            and (entry.get("sha256") is None or _text(entry["sha256"]))
+        ):
+            fail(f"files[{name!r}]", '{"bytes": int, "sha256": str or null}', entry)
+
+
+def _check_rng_field(rng: Any, fail: Callable[[str, str, Any], None]) -> None:
+    def seed(value: Any) -> bool:
+        return isinstance(value, list) and len(value) == 2 and all(_natural(x, 1 << 32) for x in value)
+
+    if not isinstance(rng, dict) or not isinstance(rng.get("seed_generators"), list):
+        fail("rng", '{"seed_generators": [...], "global": ...}', rng)
+    for i, entry in enumerate(rng["seed_generators"]):
+        if not isinstance(entry, dict) or not seed(entry.get("state", _MISSING)):
+            fail(f"rng.seed_generators[{i}]", '{"path": str, "state": [two uint32]}', entry)
+    if rng.get("global") is not None and not seed(rng["global"]):
+        fail("rng.global", "null or [two uint32]", rng["global"])
 
 
 _MISSING = object()
@@ -159,7 +170,7 @@ def read_plan(source: Path, manifest: Mapping[str, Any]) -> dict[str, Any] | Non
     if expected is None:
         return None
     try:
-        if _sha256(path) != expected:
+        if _orbax_store.sha256(path) != expected:
             raise ValueError("its checksum does not match the manifest")
         return json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as err:
@@ -227,8 +238,6 @@ def _check_manifest_against_weights(manifest: Mapping[str, Any], source: Path) -
     stored: Counter[tuple[int, ...]] = Counter()
     where = WEIGHTS
     if manifest["format"] == ORBAX_FORMAT:
-        from . import _orbax_store
-
         found = _orbax_store.stored_shapes(source)
         if found is None:
             return  # unreadable: the load reports it
@@ -330,8 +339,6 @@ def current_plan(model: keras.Model, distribution: Any = None) -> Plan | None:
 
 def orbax_damage(source: Path, manifest: Mapping[str, Any]) -> str | None:
     """What is wrong with an Orbax checkpoint's files, or `None` (sizes everywhere, checksums of metadata)."""
-    from . import _orbax_store
-
     listing = manifest["files"]
     if _orbax_store.digest(listing) != manifest["weights_sha256"]:
         return f'the file list in {MANIFEST} does not match its "weights_sha256" (edited or damaged)'
@@ -349,9 +356,9 @@ def verified(path: Path) -> bool:
         if manifest.get("format") == ORBAX_FORMAT:
             if orbax_damage(path, manifest) is not None:
                 return False
-        elif _sha256(path / WEIGHTS) != manifest["weights_sha256"]:
+        elif _orbax_store.sha256(path / WEIGHTS) != manifest["weights_sha256"]:
             return False
         plan = manifest.get("plan_sha256")
-        return plan is None or _sha256(path / PLAN) == plan
+        return plan is None or _orbax_store.sha256(path / PLAN) == plan
     except (OSError, ValueError, KeyError, TypeError):
         return False

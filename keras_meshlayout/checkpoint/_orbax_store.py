@@ -22,11 +22,16 @@ is read and each group on its devices before the next is read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import sys
+import threading
+import traceback
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,19 +80,113 @@ def _save_args(values: Sequence[Any]) -> Any:
     )
 
 
+class _OrbaxErrors(logging.Filter):
+    """Drops Orbax's own error records (a failed write's traceback, some 150 lines) during our saves.
+
+    The save reports the failure itself, as one `CheckpointError` naming the file; Orbax's
+    warnings, and its errors outside our saves, pass.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if record.name == "asyncio":  # "Task exception was never retrieved": one of Orbax's writes
+            return "/orbax/" not in record.getMessage()
+        return "orbax" not in Path(record.pathname).parts
+
+
+_QUIET = _OrbaxErrors()
+_SAVES = [0]  # saves in flight, while which `_QUIET` filters the loggers Orbax writes to ("absl", "asyncio")
+_SAVES_LOCK = threading.Lock()
+
+
+def _late_callback(unraisable: Any) -> bool:
+    """Whether an unraisable error is a write callback reaching Orbax's event loop after it closed.
+
+    When one write of an Orbax save fails (a full disk), Orbax ends its event loop; TensorStore's
+    callbacks for the writes still in flight then find it closed (`RuntimeError: Event loop is
+    closed`, raised in `call_soon_threadsafe`, one traceback per write). Nothing is left to do
+    for them: the save has failed and says so.
+    """
+    frames = [frame.name for frame in traceback.extract_tb(unraisable.exc_traceback)]
+    return (
+        isinstance(unraisable.exc_value, RuntimeError)
+        and str(unraisable.exc_value) == "Event loop is closed"
+        and frames[:1] == ["call_soon_threadsafe"]
+    )
+
+
+def _drop_late_callbacks() -> None:
+    """Installs (once) an unraisable-error hook that drops `_late_callback`s, passing on the rest."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_kml_late_callbacks", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _late_callback(unraisable):
+            previous(unraisable)
+
+    hook._kml_late_callbacks = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _quiet(begin: bool) -> None:
+    """Counts a save in (`begin`) or out; the filter is on while any is in flight."""
+    if begin:
+        _drop_late_callbacks()
+    with _SAVES_LOCK:
+        _SAVES[0] += 1 if begin else -1
+        if _SAVES[0] == (1 if begin else 0):
+            for name in ("absl", "asyncio"):
+                logger = logging.getLogger(name)
+                (logger.addFilter if begin else logger.removeFilter)(_QUIET)
+
+
+@contextlib.contextmanager
+def _write_errors() -> Iterator[None]:
+    """Raises a failed write as an `OSError` (TensorStore reports a full disk as a `ValueError`)."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as err:
+        raise OSError(None, f"{type(err).__name__}: {err}") from err
+
+
+def release_host_memory() -> None:
+    """Hands the host memory freed by a save or load back to the system (glibc's `malloc_trim`).
+
+    A save copies every shard to the host, in Orbax's threads, and a load reads them there: once
+    freed, glibc keeps those pages in its per-thread arenas, so that a process that backs up in
+    the background held about 2.6 times the model's bytes more after `fit` (measured on a 54 MiB
+    MLP: 263 MiB, none after trimming). Elsewhere than glibc, nothing is done.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def save(directory: Path, arrays: Mapping[str, Sequence[Any]]) -> None:
     """Writes each kind's arrays (`jax.Array`s, any sharding) under `directory`; all processes call it.
 
-    Returns once every process's shards are on disk (Orbax's own barrier).
+    Returns once every process's shards are on disk (Orbax's own barrier). Raises `OSError`
+    when they cannot be written.
     """
     checkpointer = _checkpointer()
+    _quiet(True)
     try:
         for kind, values in arrays.items():
             if values:
-                checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
-                checkpointer.wait_until_finished()
+                with _write_errors():
+                    checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
+                    checkpointer.wait_until_finished()
     finally:
         checkpointer.close()
+        _quiet(False)
+        release_host_memory()
 
 
 def start_save(directory: Path, kind: str, values: Sequence[Any]) -> Any:
@@ -96,20 +195,26 @@ def start_save(directory: Path, kind: str, values: Sequence[Any]) -> Any:
     The files are written in the background: call `finish` on what this returns.
     """
     checkpointer = _checkpointer()
+    _quiet(True)  # until `finish`
     try:
-        checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
+        with _write_errors():
+            checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
     except BaseException:
         checkpointer.close()
+        _quiet(False)
         raise
     return checkpointer
 
 
 def finish(checkpointer: Any) -> None:
-    """Waits until what `start_save` started is on disk (raising its error, if any)."""
+    """Waits until what `start_save` started is on disk (raising its error as an `OSError`, if any)."""
     try:
-        checkpointer.wait_until_finished()
+        with _write_errors():
+            checkpointer.wait_until_finished()
     finally:
         checkpointer.close()
+        _quiet(False)
+        release_host_memory()
 
 
 def restore(directory: Path, targets: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
@@ -245,6 +350,7 @@ def restore_into(
                 jax.block_until_ready([tree[key(i)] for i in group])
     finally:
         checkpointer.close()
+        release_host_memory()
 
 
 def stored_shapes(directory: Path) -> Counter[tuple[int, ...]] | None:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
-import shutil
+import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import keras
+import numpy as np
 
 from .. import _compat
-from ..core._errors import InvalidOptionError
-from . import _atomic, _load, _rng, _save
+from ..core._errors import CheckpointError, InvalidOptionError, MeshLayoutWarning
+from . import _atomic, _backups, _finite, _load, _lock, _preemption, _rng, _save
 
 __all__ = ["ResumableCheckpoint"]
 
@@ -49,14 +51,32 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     Metrics of the resumed epoch count only the batches trained after
     resuming; while batches are skipped, other callbacks get empty logs.
 
+    Preemption: while `fit` runs, SIGTERM and SIGINT (what spot VMs,
+    Kubernetes and SLURM send before they stop a job, and Ctrl-C) are caught:
+    the current step finishes, every process saves a backup after the same
+    step, and the process exits with status 128 + the signal's number (143
+    for SIGTERM, 130 for SIGINT), so at most the step under way is lost. A
+    second signal of the same kind stops at once.
+
+    One directory, one run: while it trains, a run holds a lock on
+    `directory` (`.kml-run.lock`, naming its host, process and start time);
+    another run started on it meanwhile is refused with a `CheckpointError`
+    naming the holder. Once the holder's process is gone, the next run takes
+    the lock over and resumes.
+
     Args:
-        directory: The backup directory. The backup itself is the checkpoint
+        directory: The backup directory. The newest backup is the checkpoint
             `directory/latest` (readable with `load_checkpoint`), replaced
-            atomically at each save; nothing else there is touched.
+            atomically at each save; the ones before it are kept as
+            `directory/step-NNNNNNNNN` (see `max_to_keep`); nothing else there
+            is touched.
         save_freq: `"epoch"` (at the end of every epoch) or a number of
             batches (across epochs).
-        delete_on_end: Delete the backup once `fit` completes (and `directory`,
-            if that leaves it empty). Defaults to `True`, like `BackupAndRestore`.
+        delete_on_end: Delete the backups once `fit` has completed every epoch
+            (and `directory`, if that leaves it empty). Defaults to `True`, like
+            `BackupAndRestore`. A run that ends early (`model.stop_training`, as
+            `EarlyStopping` and `TerminateOnNaN` set it, an exception, a
+            signal) keeps them, its last steps backed up, so that it can resume.
         storage: How each backup stores its arrays: `"orbax"` (the default,
             every process writing its own shards) or `"h5"`, as for
             `save_checkpoint`. A backup in either format is resumed from,
@@ -69,11 +89,30 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             (the next save waits for the last), so the extra memory is one host
             copy of the training state. Until a backup is complete the previous
             one stays in place, and a process killed meanwhile resumes from it.
-            A background save that fails is raised at the next save or when
-            `fit` ends. In a multi-process run, saves are synchronous.
+            A background save that fails is reported at the next save or when
+            `fit` ends (see `max_save_failures`). In a multi-process run, saves
+            are synchronous.
+        max_to_keep: How many complete backups to keep, the newest at `latest`
+            and the ones before it as `step-NNNNNNNNN` (their training step).
+            A run resumes from the newest complete one whose files match their
+            checksums. At least 1; defaults to 2.
+        check_finite: Before each save, check that no weight or optimizer
+            variable holds NaN or infinity; a state that does is not saved (a
+            `MeshLayoutWarning` names its first such variable), so the backups
+            keep the last finite state to resume from. `False` saves whatever
+            the state holds.
+        max_save_failures: A save that fails (a full disk, a read-only
+            directory) is a `MeshLayoutWarning` of one line, and training goes
+            on with the previous backups in place; the next save tries again.
+            After this many failures in a row, the `CheckpointError` is raised
+            and training stops. At least 1; defaults to 3.
+        preemption: Catch SIGTERM and SIGINT while training, as described
+            above. `False` leaves signals alone.
 
     Raises:
-        InvalidOptionError: `save_freq` is neither `"epoch"` nor a positive integer.
+        InvalidOptionError: `save_freq` is neither `"epoch"` nor a positive integer,
+            or `max_to_keep` or `max_save_failures` is not a positive integer.
+        CheckpointError: (from `fit`) another live run holds `directory`.
 
     Example:
         >>> import keras, keras_meshlayout as kml, numpy as np, tempfile
@@ -94,34 +133,33 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         delete_on_end: bool = True,
         storage: Literal["orbax", "h5"] = "orbax",
         asynchronous: bool = False,
+        max_to_keep: int = 2,
+        check_finite: bool = True,
+        max_save_failures: int = 3,
+        preemption: bool = True,
     ) -> None:
         super().__init__()
-        if storage not in ("orbax", "h5"):
-            raise InvalidOptionError(
-                f'storage must be "orbax" (the default) or "h5". Received: storage={storage!r}.'
-            )
-        if asynchronous and storage != "orbax":
-            raise InvalidOptionError(
-                "asynchronous=True writes backups with Orbax in the background: leave storage at its "
-                f'default, "orbax". Received: storage={storage!r}.'
-            )
+        _check_options(save_freq, storage, asynchronous, max_to_keep, max_save_failures)
         self.storage = storage
         self.asynchronous = asynchronous
-        self._pending: _save.BackgroundSave | None = None
-        if save_freq != "epoch" and (
-            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
-        ):
-            raise InvalidOptionError(
-                'save_freq must be "epoch" or a positive number of batches. '
-                f"Received: save_freq={save_freq!r}."
-            )
         self.directory = Path(directory)
-        self.path = self.directory / "latest"
+        self.path = self.directory / _backups.LATEST
         self.save_freq = save_freq
         self.delete_on_end = delete_on_end
+        self.max_to_keep = max_to_keep
+        self.check_finite = check_finite
+        self.max_save_failures = max_save_failures
+        self.preemption = preemption
+        self._backups = _backups.Backups(self.directory, max_to_keep)
+        self._lock = _lock.DirectoryLock(self.directory)
+        self._notice = _preemption.Notice()
+        self._pending: _save.BackgroundSave | None = None
+        self._failures = 0  # saves failed in a row
         self._epoch = 0
         self._done = 0  # batches done in the current epoch
         self._since_save = 0
+        self._epochs_done = 0  # epochs completed, every batch trained
+        self._stopped_by: int | None = None  # the signal that stopped training
         self._resume: tuple[int, int] | None = None  # (epoch, batches to skip in it)
         self._train_function = None
         self._skip_now = False
@@ -131,11 +169,26 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._wait_for_save()  # a backup this callback started in a fit that died
         self._restore_train_function()  # left in place if the last fit died while skipping
         self._since_save = 0
+        self._epochs_done = 0
+        self._stopped_by = None
         self._resume = None
         self._global_seed = None
+        self._failures = 0
+        self._take_lock()
+        try:
+            self._resume_from_backup()
+        except BaseException:
+            self._release_lock()  # a fit that fails to start holds nothing
+            raise
+        if self.preemption:
+            self._notice.install(self._model)
+
+    def _resume_from_backup(self) -> None:
         # A save killed midway is finished (or removed) here: after a kill between its two renames,
         # the newest complete backup is moved into place rather than lost.
-        source, _ = _atomic.recover(self.path)
+        recovered, _ = _atomic.recover(self.path)
+        # A sibling that could not be moved into place (a read-only directory) is read where it is.
+        source = recovered if recovered not in (None, self.path) else self._backups.newest()
         if source is None:
             return
         # No rollback: a model about to train has nothing worth keeping, and a failed load fails fit.
@@ -143,6 +196,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         training = manifest.get("training") or {}
         epoch, batch = int(training.get("epoch", 0)), int(training.get("batch", 0))
         _compat.set_initial_epoch(self.model, epoch)  # read by fit right after on_train_begin
+        self._epochs_done = epoch
         if batch:
             self._resume = (epoch, batch)
             self._train_function = self.model.train_function
@@ -171,49 +225,161 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self._skip_now:
             self._skip_now = False
             return
-        if self.save_freq == "epoch":
-            return
         self._since_save += self._done - done
-        if self._since_save >= self.save_freq:
-            self._since_save = 0
-            steps = self.params.get("steps") if self.params else None
-            if steps and self._done >= steps:
-                self._save(self._epoch + 1, 0)
-            else:
-                self._save(self._epoch, self._done)
+        signum = self._notice.requested() if self.preemption else None
+        if signum is not None:  # every process saw it after this step: save it, and stop
+            self._stopped_by = signum
+            self._save_here()
+            self.model.stop_training = True
+            return
+        if self.save_freq != "epoch" and self._since_save >= self.save_freq:
+            self._save_here()
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
-        if self.save_freq == "epoch":
+        steps = self.params.get("steps") if self.params else None
+        if self._stopped_by is None and (self._done >= steps if steps else not self.model.stop_training):
+            self._epochs_done = epoch + 1
+        if self.save_freq == "epoch" and self._epochs_done == epoch + 1:
+            self._since_save = 0
             self._save(epoch + 1, 0)
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
-        self._wait_for_save()
-        self._restore_train_function()
-        _compat.set_initial_epoch(self.model, None)  # BackupAndRestore leaves it set for the next fit
-        if self.delete_on_end:
-            shutil.rmtree(self.path, ignore_errors=True)
+        self._notice.uninstall()
+        epochs = self.params.get("epochs") if self.params else None
+        completed = self._stopped_by is None and (epochs is None or self._epochs_done >= epochs)
+        if not completed and self._since_save and self._stopped_by is None:
+            self._save_here()  # stopped early (stop_training): its last steps are backed up too
+        try:
+            self._wait_for_save()
+        finally:
+            self._restore_train_function()
+            _compat.set_initial_epoch(self.model, None)  # BackupAndRestore leaves it set for the next fit
+            if completed and self.delete_on_end:
+                self._backups.delete()
+            self._release_lock()
+        if completed and self.delete_on_end:
             try:
                 self.directory.rmdir()  # only if empty
             except OSError:
                 pass
+        if self._stopped_by is not None:
+            self._exit_preempted(self._stopped_by)
 
-    def _wait_for_save(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
+    def _save_here(self) -> None:
+        """Backs up the state after the batch just trained."""
+        self._since_save = 0
+        steps = self.params.get("steps") if self.params else None
+        if steps and self._done >= steps:
+            self._save(self._epoch + 1, 0)
+        else:
+            self._save(self._epoch, self._done)
 
     def _save(self, epoch: int, batch: int) -> None:
         import jax
 
-        if self.asynchronous and jax.process_count() == 1:
-            self._wait_for_save()
-            self._pending = _save.BackgroundSave(
-                self.model, self.path, None, {"epoch": epoch, "batch": batch}
+        if self.check_finite:
+            bad = _finite.first_nonfinite(self.model)
+            if bad is not None:
+                warnings.warn(
+                    f"Not backing up epoch {epoch}, batch {batch}: {bad} holds NaN or infinity. The "
+                    f"backups keep the last finite state ({self.path}). Fix: lower the learning rate, "
+                    "clip gradients, or stop with keras.callbacks.TerminateOnNaN; pass check_finite=False "
+                    "to back up such states anyway.",
+                    MeshLayoutWarning,
+                    stacklevel=2,
+                )
+                return
+        training = {"epoch": epoch, "batch": batch, "step": self._step()}
+        self._wait_for_save()
+        try:
+            if self.asynchronous and jax.process_count() == 1:
+                self._pending = _save.BackgroundSave(
+                    self.model, self.path, None, training, self._backups.keep
+                )
+                return
+            _save.save_everywhere(
+                self.model, self.path, None, training, storage=self.storage, keep=self._backups.keep
             )
+        except CheckpointError as err:
+            self._save_failed(err)
+        else:
+            self._failures = 0
+
+    def _step(self) -> int:
+        optimizer = getattr(self.model, "optimizer", None)
+        iterations = getattr(optimizer, "iterations", None)
+        if iterations is None:
+            return 0
+        value = iterations.value
+        if not getattr(value, "is_fully_addressable", True):
+            value = value.addressable_data(0)
+        return int(np.asarray(value))
+
+    def _wait_for_save(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        _save.save_everywhere(
-            self.model, self.path, None, training={"epoch": epoch, "batch": batch}, storage=self.storage
+        try:
+            pending.wait()
+        except CheckpointError as err:
+            self._save_failed(err)
+        else:
+            self._failures = 0
+
+    def _save_failed(self, err: CheckpointError) -> None:
+        """One line, and training goes on; after `max_save_failures` in a row, the error."""
+        self._failures += 1
+        if self._failures >= self.max_save_failures:
+            raise CheckpointError(
+                f"{err} That is {self._failures} failed saves in a row (max_save_failures="
+                f"{self.max_save_failures}): training stops."
+            ) from err
+        warnings.warn(
+            f"{err} Training goes on; the next backup tries again ({self._failures} of "
+            f"max_save_failures={self.max_save_failures} failures in a row).",
+            MeshLayoutWarning,
+            stacklevel=2,
         )
+
+    def _take_lock(self) -> None:
+        """Locks the directory in process 0; every process fails alike if another run holds it."""
+        import jax
+
+        failure: CheckpointError | None = None
+        if jax.process_index() == 0:
+            try:
+                self._lock.acquire()
+            except CheckpointError as err:
+                failure = err
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            held = int(multihost_utils.broadcast_one_to_all(np.int32(failure is not None)))
+            if held and failure is None:
+                failure = CheckpointError(
+                    f"The backup directory {self.directory} is in use by another run (process 0's error "
+                    "names it). Fix: give this run its own directory, or wait until that run ends."
+                )
+        if failure is not None:
+            raise failure
+
+    def _release_lock(self) -> None:
+        import jax
+
+        if jax.process_index() == 0:
+            self._lock.release()
+
+    def _exit_preempted(self, signum: int) -> None:
+        status = _preemption.PREEMPTED_EXIT_BASE + signum
+        name = _preemption.signal_name(signum)
+        print(
+            f"keras_meshlayout: {name} received: training stopped after epoch {self._epoch}, batch "
+            f"{self._done}, backed up at {self.path}. Exiting with status {status}; run the same "
+            "script again to resume.",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(status)
 
     def _train_or_skip(self, state: Any, iterator: Iterator[Any]) -> tuple[dict, Any]:
         """The model's train function while resuming: reads past a batch trained before the crash.
@@ -235,3 +401,28 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             if self._model.train_function == self._train_or_skip:
                 self._model.train_function = self._train_function
             self._train_function = None
+
+
+def _check_options(
+    save_freq: Any, storage: Any, asynchronous: bool, max_to_keep: Any, max_save_failures: Any
+) -> None:
+    if storage not in ("orbax", "h5"):
+        raise InvalidOptionError(
+            f'storage must be "orbax" (the default) or "h5". Received: storage={storage!r}.'
+        )
+    if asynchronous and storage != "orbax":
+        raise InvalidOptionError(
+            "asynchronous=True writes backups with Orbax in the background: leave storage at its "
+            f'default, "orbax". Received: storage={storage!r}.'
+        )
+    if save_freq != "epoch" and not _positive(save_freq):
+        raise InvalidOptionError(
+            f'save_freq must be "epoch" or a positive number of batches. Received: save_freq={save_freq!r}.'
+        )
+    for name, value in (("max_to_keep", max_to_keep), ("max_save_failures", max_save_failures)):
+        if not _positive(value):
+            raise InvalidOptionError(f"{name} must be a positive integer. Received: {name}={value!r}.")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

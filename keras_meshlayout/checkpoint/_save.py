@@ -8,8 +8,8 @@ gather every variable into one Keras `.weights.h5` in process 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -18,8 +18,7 @@ import keras
 import numpy as np
 
 from ..core._errors import CheckpointError, InvalidOptionError
-from . import _atomic, _manifest, _rng
-from ._orbax_store import sha256 as _sha256  # imports no Orbax until a save or load uses it
+from . import _atomic, _manifest, _orbax_store, _rng  # _orbax_store imports no Orbax until it is used
 
 if TYPE_CHECKING:
     from ..core._distribution import ModelParallel
@@ -101,18 +100,21 @@ def save_everywhere(
     distribution: Any,
     training: Mapping[str, int] | None = None,
     storage: str = "orbax",
+    keep: _atomic.Keep | None = None,
 ) -> Path:
     """Saves with `storage` ("orbax" or "h5"); every process of a job calls it.
 
     With Orbax every process writes its own shards (`_save_orbax`); with h5 process 0 writes
-    the whole file (`_save_h5`) and the others wait for it.
+    the whole file (`_save_h5`) and the others wait for it. `keep`: where to keep the
+    checkpoint this one replaces (`_atomic.replace_directory`).
     """
     import jax
 
+    extras = _Extras(training, keep)
     if storage == "orbax":
-        return _save_orbax(model, target, distribution, training)
+        return _save_orbax(model, target, distribution, extras)
     if jax.process_count() == 1:
-        return _save_h5(model, target, distribution, training)
+        return _save_h5(model, target, distribution, extras)
     # Process 0 writes, with the distribution lifted: Keras's save_weights builds a throwaway
     # optimizer, whose variables would be a collective under a distribution spanning processes.
     from jax.experimental import multihost_utils
@@ -122,7 +124,7 @@ def save_everywhere(
     if jax.process_index() == 0:
         keras.distribution.set_distribution(None)
         try:
-            _save_h5(model, target, distribution if distribution is not None else current, training)
+            _save_h5(model, target, distribution if distribution is not None else current, extras)
         except Exception as err:  # every process must still reach the collective below
             failure = err
         finally:
@@ -139,133 +141,91 @@ def save_everywhere(
     return target
 
 
-def _save_h5(
-    model: keras.Model,
-    target: Path,
-    distribution: Any,
-    training: Mapping[str, int] | None = None,
-) -> Path:
-    step = target.parent
+def _manifest_of(
+    model: keras.Model, storage_format: int, training: Mapping[str, int] | None
+) -> dict[str, Any]:
+    """The manifest's fields every save writes (the files' checksums are added by each kind of save)."""
+    manifest: dict[str, Any] = {
+        "format": storage_format,
+        "keras": keras.__version__,
+        "model": model.name,
+        "optimizer": _manifest.optimizer_info(model),
+        "variables": _manifest.describe(model),
+        "rng": _rng.rng_state(model),
+    }
+    if training is not None:
+        manifest["training"] = dict(training)
+    return manifest
+
+
+def _plan_of(model: keras.Model, distribution: Any) -> dict[str, Any] | None:
+    plan = _manifest.current_plan(model, distribution)
+    return None if plan is None else plan.to_dict()
+
+
+def _arrays(model: keras.Model) -> dict[str, list[Any]]:
+    """The arrays to store, by kind: the model's variables and the optimizer's (once built)."""
+    optimizer = getattr(model, "optimizer", None)
+    slots = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+    return {"model": [v.value for v in model.weights], "optimizer": [v.value for v in slots]}
+
+
+def _orbax_manifest(partial: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """`manifest` with the listing (and its digest) of the arrays Orbax wrote under `partial`."""
+    listing = _orbax_store.files(partial)
+    return {**manifest, "files": listing, "weights_sha256": _orbax_store.digest(listing)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Extras:
+    """What a save writes besides the model and its plan, and where the checkpoint it replaces goes."""
+
+    training: Mapping[str, int] | None = None  # the position in training, for the manifest
+    keep: _atomic.Keep | None = None  # see `_atomic.replace_directory`
+
+
+def _save_h5(model: keras.Model, target: Path, distribution: Any, extras: _Extras) -> Path:
     wait_for_background_saves(target)
-    partial = target.with_name(_atomic.sibling_name(target, "partial"))
-    _atomic.IN_FLIGHT.add(partial.name)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _atomic.recover(target)  # a save killed between its renames is finished before this one starts
-        step = partial
-        partial.mkdir()
-        step = partial / _manifest.WEIGHTS
-        model.save_weights(partial / _manifest.WEIGHTS)
-        _atomic.fsync(partial / _manifest.WEIGHTS)
-        manifest: dict[str, Any] = {
-            "format": _manifest.H5_FORMAT,
-            "keras": keras.__version__,
-            "model": model.name,
-            "optimizer": _manifest.optimizer_info(model),
-            "variables": _manifest.describe(model),
-            "weights_sha256": _sha256(partial / _manifest.WEIGHTS),
-            "rng": _rng.rng_state(model),
-        }
-        plan = _manifest.current_plan(model, distribution)
-        if plan is not None:
-            step = partial / _manifest.PLAN
-            _atomic.write_json(partial / _manifest.PLAN, plan.to_dict())
-            manifest["plan_sha256"] = _sha256(partial / _manifest.PLAN)
-        if training is not None:
-            manifest["training"] = dict(training)
-        step = partial / _manifest.MANIFEST
-        _atomic.write_json(partial / _manifest.MANIFEST, manifest)
-        step = partial
-        _atomic.fsync(partial)
-        step = target
-        _atomic.replace_directory(partial, target)
-    except BaseException as err:
-        shutil.rmtree(partial, ignore_errors=True)
-        if isinstance(err, OSError):
-            raise CheckpointError(_atomic.save_failed(target, step, err)) from err
-        raise
-    finally:
-        _atomic.IN_FLIGHT.discard(partial.name)
+    training = extras.training
+    with _atomic.writing(target, keep=extras.keep) as save:
+        save.prepare()
+        weights = save.at(save.partial / _manifest.WEIGHTS)
+        model.save_weights(weights)
+        _atomic.fsync(weights)
+        manifest = _manifest_of(model, _manifest.H5_FORMAT, training)
+        manifest["weights_sha256"] = _orbax_store.sha256(weights)
+        save.finish(manifest, _plan_of(model, distribution))
     return target
 
 
-def _save_orbax(
-    model: keras.Model,
-    target: Path,
-    distribution: Any,
-    training: Mapping[str, int] | None = None,
-) -> Path:
+def _save_orbax(model: keras.Model, target: Path, distribution: Any, extras: _Extras) -> Path:
     """A checkpoint whose arrays every process writes its own shards of, with Orbax; all processes call it.
 
-    The protocol is `_save_h5`'s (`_atomic`): everything goes to one hidden sibling directory (named by
+    The procedure is `_atomic.writing`'s: everything goes to one hidden sibling directory (named by
     process 0, for all), which process 0 moves into place once every process's shards are on
     disk (Orbax's barrier) and it has written the plan and the manifest. A failure in any
     process is raised in every process, after each of the three steps.
     """
     import jax
 
-    from . import _orbax_store
-
     primary = jax.process_index() == 0
     wait_for_background_saves(target)
-    partial = target.with_name(_common(_atomic.sibling_name(target, "partial")))
-    step = [partial]  # what is being written, for the error message
+    name = _common(_atomic.sibling_name(target, "partial"))
+    training = extras.training
+    with _atomic.writing(target, name, owner=primary, keep=extras.keep) as save:
 
-    def prepare() -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _atomic.recover(target)  # a save killed between its renames is finished before this one starts
-        partial.mkdir()
+        def write_arrays() -> None:
+            for kind, values in _arrays(model).items():
+                save.at(save.partial / _orbax_store.DIRECTORIES[kind])
+                _orbax_store.save(save.partial, {kind: values})
 
-    def write_arrays() -> None:
-        optimizer = getattr(model, "optimizer", None)
-        slots = list(optimizer.variables) if optimizer is not None and optimizer.built else []
-        for kind, variables in (("model", model.weights), ("optimizer", slots)):
-            step[0] = partial / _orbax_store.DIRECTORIES[kind]
-            try:
-                _orbax_store.save(partial, {kind: [v.value for v in variables]})
-            except Exception as err:  # TensorStore reports a write error (a full disk) as a ValueError
-                if isinstance(err, OSError):
-                    raise
-                raise OSError(None, f"{type(err).__name__}: {err}") from err
+        def finish() -> None:
+            manifest = _manifest_of(model, _manifest.ORBAX_FORMAT, training)
+            save.finish(_orbax_manifest(save.partial, manifest), _plan_of(model, distribution))
 
-    def complete() -> None:
-        listing = _orbax_store.files(partial)
-        manifest: dict[str, Any] = {
-            "format": _manifest.ORBAX_FORMAT,
-            "keras": keras.__version__,
-            "model": model.name,
-            "optimizer": _manifest.optimizer_info(model),
-            "variables": _manifest.describe(model),
-            "files": listing,
-            "weights_sha256": _orbax_store.digest(listing),
-            "rng": _rng.rng_state(model),
-        }
-        plan = _manifest.current_plan(model, distribution)
-        if plan is not None:
-            step[0] = partial / _manifest.PLAN
-            _atomic.write_json(partial / _manifest.PLAN, plan.to_dict())
-            manifest["plan_sha256"] = _sha256(partial / _manifest.PLAN)
-        if training is not None:
-            manifest["training"] = dict(training)
-        step[0] = partial / _manifest.MANIFEST
-        _atomic.write_json(partial / _manifest.MANIFEST, manifest)
-        step[0] = partial
-        _atomic.fsync(partial)
-        step[0] = target
-        _atomic.replace_directory(partial, target)
-
-    _atomic.IN_FLIGHT.add(partial.name)
-    try:
-        for run, everywhere in ((prepare, False), (write_arrays, True), (complete, False)):
-            failure = _attempt(run) if everywhere or primary else None
-            try:
-                _agree(failure, target, step[0])
-            except BaseException:
-                if primary:
-                    shutil.rmtree(partial, ignore_errors=True)
-                raise
-    finally:
-        _atomic.IN_FLIGHT.discard(partial.name)
+        _agree(_attempt(save.prepare) if primary else None, target)
+        _agree(_attempt(write_arrays), target)
+        _agree(_attempt(finish) if primary else None, target)
     return target
 
 
@@ -281,90 +241,56 @@ class BackgroundSave:
     """An Orbax save, in one process, whose files are written while training goes on.
 
     Starting it (the constructor) copies the arrays off the devices and snapshots the
-    manifest; a thread then waits for Orbax's writes, writes the plan and the manifest and
-    moves the checkpoint into place, as `_save_orbax` does. Until then the previous
-    checkpoint stays in place; a process killed meanwhile leaves a hidden partial directory,
-    which the next save or load removes.
+    manifest and the plan; a thread then waits for Orbax's writes and finishes the save
+    (`_atomic.Writing.finish`), as `_save_orbax` does. Until then the previous checkpoint
+    stays in place; a process killed meanwhile leaves a hidden partial directory, which the
+    next save or load removes.
     """
 
     def __init__(
-        self, model: keras.Model, target: Path, distribution: Any, training: Mapping[str, int] | None
+        self,
+        model: keras.Model,
+        target: Path,
+        distribution: Any,
+        training: Mapping[str, int] | None,
+        keep: _atomic.Keep | None = None,
     ) -> None:
         import threading
 
-        from . import _orbax_store
-
         wait_for_background_saves(target)
         self.target = target
-        self.partial = target.with_name(_atomic.sibling_name(target, "partial"))
-        self.error: CheckpointError | None = None
-        self._step = self.partial
-        _atomic.IN_FLIGHT.add(self.partial.name)
+        self.error: BaseException | None = None
+        self._save = _atomic.Writing(target, keep=keep)
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _atomic.recover(target)
-            self.partial.mkdir()
-            plan = _manifest.current_plan(model, distribution)
-            self._plan = None if plan is None else plan.to_dict()
-            self._manifest: dict[str, Any] = {
-                "format": _manifest.ORBAX_FORMAT,
-                "keras": keras.__version__,
-                "model": model.name,
-                "optimizer": _manifest.optimizer_info(model),
-                "variables": _manifest.describe(model),
-                "rng": _rng.rng_state(model),
-            }
-            if training is not None:
-                self._manifest["training"] = dict(training)
-            optimizer = getattr(model, "optimizer", None)
-            slots = list(optimizer.variables) if optimizer is not None and optimizer.built else []
-            self._writes = []
-            for kind, variables in (("model", model.weights), ("optimizer", slots)):
-                if variables:
-                    self._step = self.partial / _orbax_store.DIRECTORIES[kind]
-                    self._writes.append(
-                        (kind, _orbax_store.start_save(self.partial, kind, [v.value for v in variables]))
-                    )
-        except BaseException as err:
-            self._fail(err)
-            if self.error is None:
-                raise
-            raise self.error from err
+            with self._save:
+                self._save.prepare()
+                self._manifest = _manifest_of(model, _manifest.ORBAX_FORMAT, training)
+                self._plan = _plan_of(model, distribution)
+                self._writes = []
+                for kind, values in _arrays(model).items():
+                    if values:
+                        self._save.at(self._save.partial / _orbax_store.DIRECTORIES[kind])
+                        self._writes.append((kind, _orbax_store.start_save(self._save.partial, kind, values)))
+        except BaseException:
+            self._save.close()
+            raise
         self._thread = threading.Thread(target=self._complete, name=f"kml-save-{target.name}", daemon=True)
         _BACKGROUND[_key(target)] = self
         self._thread.start()
 
     def _complete(self) -> None:
-        from . import _orbax_store
-
+        save = self._save
         try:
-            for kind, write in self._writes:
-                self._step = self.partial / _orbax_store.DIRECTORIES[kind]
-                _orbax_store.finish(write)
-            listing = _orbax_store.files(self.partial)
-            manifest = {**self._manifest, "files": listing, "weights_sha256": _orbax_store.digest(listing)}
-            if self._plan is not None:
-                self._step = self.partial / _manifest.PLAN
-                _atomic.write_json(self.partial / _manifest.PLAN, self._plan)
-                manifest["plan_sha256"] = _sha256(self.partial / _manifest.PLAN)
-            self._step = self.partial / _manifest.MANIFEST
-            _atomic.write_json(self.partial / _manifest.MANIFEST, manifest)
-            self._step = self.partial
-            _atomic.fsync(self.partial)
-            self._step = self.target
-            _atomic.replace_directory(self.partial, self.target)
+            with save:
+                for kind, write in self._writes:
+                    save.at(save.partial / _orbax_store.DIRECTORIES[kind])
+                    _orbax_store.finish(write)
+                save.finish(_orbax_manifest(save.partial, self._manifest), self._plan)
         except BaseException as err:  # reported by wait(), in the thread that trains
-            self._fail(err)
+            self.error = err
         finally:
-            _atomic.IN_FLIGHT.discard(self.partial.name)
-
-    def _fail(self, err: BaseException) -> None:
-        shutil.rmtree(self.partial, ignore_errors=True)
-        _atomic.IN_FLIGHT.discard(self.partial.name)
-        if isinstance(err, Exception):
-            cause = err if isinstance(err, OSError) else OSError(None, f"{type(err).__name__}: {err}")
-            self.error = CheckpointError(_atomic.save_failed(self.target, self._step, cause))
-            self.error.__cause__ = err
+            self._writes = []
+            save.close()
 
     def wait(self) -> None:
         """Blocks until the checkpoint is in place; raises `CheckpointError` if it could not be written."""
@@ -390,10 +316,11 @@ def _common(name: str) -> str:
     return bytes(shared).rstrip(b"\0").decode()
 
 
-def _agree(failure: BaseException | None, target: Path, step: Path) -> None:
+def _agree(failure: BaseException | None, target: Path) -> None:
     """Raises `failure` here, and a `CheckpointError` in every other process, if any process failed.
 
-    With several processes, a collective: every process calls it at the same point.
+    With several processes, a collective: every process calls it at the same point. An `OSError`
+    is turned into a `CheckpointError` by the save's `_atomic.writing`.
     """
     import jax
 
@@ -404,8 +331,6 @@ def _agree(failure: BaseException | None, target: Path, step: Path) -> None:
         flags = multihost_utils.process_allgather(np.int32(failure is not None))
         failed = [i for i, flag in enumerate(np.asarray(flags).reshape(-1)) if flag]
     if failure is not None:
-        if isinstance(failure, OSError):
-            raise CheckpointError(_atomic.save_failed(target, step, failure)) from failure
         raise failure
     if failed:
         raise CheckpointError(

@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 
+
 @dataclasses.dataclass(frozen=True)
 class SlotModel:
     """What an optimizer keeps per trainable parameter: the one model of optimizer memory.

@@ -152,6 +152,17 @@ def cluster_config(
             # Keras takes every job's address; JAX needs only the first, the coordinator's.
             settings["coordinator"] = settings["coordinator"].split(",")[0].strip()
 
+    return _checked(settings, names, source, devices, timeout)
+
+
+def _checked(
+    settings: Mapping[str, Any],
+    names: Mapping[str, str | None],
+    source: str,
+    devices: int | None,
+    timeout: float,
+) -> ClusterConfig:
+    """The `ClusterConfig` of the three settings (coordinator, number of processes, id), once checked."""
     count = _integer(settings["num_processes"], names["num_processes"] or "num_processes")
     rank = _integer(settings["process_id"], names["process_id"] or "process_id")
     address = settings["coordinator"]
