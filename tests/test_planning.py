@@ -336,7 +336,22 @@ def test_transformer_preset_norms_and_routers(path, note):
 # The planner's stages (issue 11, item 5): each module imports only earlier stages, at load time
 # and nowhere else (no import inside a function), so trace → units → costs → search → rules
 # reads one way.
-PLANNER_ORDER = ["_trace", "_units", "_layers", "_presets", "_costs", "_search", "_auto"]
+PLANNER_ORDER = [
+    "_trace",
+    "_units",
+    "_layers",
+    "_presets",
+    "_notes",
+    "_ledger",
+    "_by_layers",
+    "_by_name",
+    "_by_trace",
+    "_candidates",
+    "_one_weight",
+    "_costs",
+    "_search",
+    "_auto",
+]
 
 
 @pytest.mark.parametrize("module", PLANNER_ORDER)
@@ -348,10 +363,11 @@ def test_planner_stages_import_only_earlier_stages(module):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     earlier = set(PLANNER_ORDER[: PLANNER_ORDER.index(module)])
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            assert node.module in earlier, f"{module} imports {node.module}, a later stage or itself"
-            assert node in tree.body, f"{module} imports {node.module} inside a function (line {node.lineno})"
+        if isinstance(node, ast.ImportFrom) and node.level == 1:  # `from ._x import y`, `from . import _x`
+            for stage in [node.module] if node.module else [alias.name for alias in node.names]:
+                assert stage in earlier, f"{module} imports {stage}, a later stage or itself"
+                assert node in tree.body, f"{module} imports {stage} inside a function (line {node.lineno})"
         elif isinstance(node, ast.ImportFrom) and node.level == 2:  # below: the seam, core, report
-            module = node.module or ".".join(alias.name for alias in node.names)
-            assert module == "_compat" or module.startswith(("core.", "report.")), module
+            below = node.module or ".".join(alias.name for alias in node.names)
+            assert below == "_compat" or below.startswith(("core.", "report.")), f"{module} imports {below}"
     assert sorted(p.stem for p in path.parent.glob("_*.py") if p.stem != "__init__") == sorted(PLANNER_ORDER)
