@@ -371,3 +371,20 @@ def test_planner_stages_import_only_earlier_stages(module):
             below = node.module or ".".join(alias.name for alias in node.names)
             assert below == "_compat" or below.startswith(("core.", "report.")), f"{module} imports {below}"
     assert sorted(p.stem for p in path.parent.glob("_*.py") if p.stem != "__init__") == sorted(PLANNER_ORDER)
+
+
+# Issue 20: the presets' bad input raises the project's own errors, saying how to fix it.
+def test_an_unknown_embeddings_layout_is_an_invalid_option():
+    with pytest.raises(kml.InvalidOptionError) as error:
+        kml.transformer_rules(embeddings="rows")
+    for fragment in ("embeddings must be 'replicated', 'vocab' or 'hidden'", "embeddings='rows'", "Fix: "):
+        assert fragment in str(error.value)
+
+
+def test_a_preset_registered_twice_is_an_invalid_option():
+    from keras_meshlayout.planner import _presets
+
+    before = dict(_presets.PRESETS)
+    with pytest.raises(kml.InvalidOptionError, match="A preset named 'conv' is already registered"):
+        _presets._register("conv", summary="a second conv")(kml.conv_rules)
+    assert _presets.PRESETS == before
