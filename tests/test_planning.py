@@ -106,7 +106,9 @@ def test_auto_rules_match_the_transformer_preset(mesh):
     assert notes["attention/attention_output/kernel"].startswith("attention output: heads split")
     assert notes["head/kernel"].startswith("final layer")
     auto_report = compiled_traffic(build_encoder, auto, mesh)
-    preset_report = compiled_traffic(build_encoder, kml.transformer_rules(), mesh)
+    # The token table is vocab-parallel in the auto plan (issue 19, item 1), as the preset's "vocab".
+    assert auto.match("token_embedding/embeddings").axes == ("model", None)
+    preset_report = compiled_traffic(build_encoder, kml.transformer_rules(embeddings="vocab"), mesh)
     assert collective_totals(auto_report) == collective_totals(preset_report)
     assert auto_report.count("all-gather") == 0
     # Keras's documentation map, every Dense kernel (None, "model"), moves weights or
@@ -346,6 +348,8 @@ PLANNER_ORDER = [
     "_by_layers",
     "_by_name",
     "_by_trace",
+    "_embeddings",
+    "_experts",
     "_candidates",
     "_one_weight",
     "_costs",

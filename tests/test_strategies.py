@@ -205,9 +205,11 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
     assert [s.__module__.rsplit(".", 1)[1] + "." + s.__name__ for s in STRATEGIES] == [
         "_by_layers.attention_layers",
         "_by_name.attention_blocks",
+        "_experts.expert_banks",
         "_by_trace.traced_units",
         "_by_trace.final_layers",
         "_by_layers.projection_pairs",
+        "_embeddings.vocab_parallel_tables",
         "_by_name.named_weights",
         "_by_trace.lone_projections",
     ]

@@ -34,8 +34,9 @@ from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
 from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
-from . import _by_layers, _by_name, _by_trace
+from . import _by_layers, _by_name, _by_trace, _embeddings, _experts
 from ._costs import CostTable, cost_units
+from ._layers import auto_named
 from ._ledger import Ledger, Setting
 from ._search import explain, plan_cost, search
 from ._trace import Trace, abstract_batch, trace_model
@@ -49,9 +50,11 @@ Strategy = Callable[[Ledger, Setting], None]
 STRATEGIES: tuple[Strategy, ...] = (
     _by_layers.attention_layers,  # Keras attention layers, over heads
     _by_name.attention_blocks,  # attention blocks in custom layers, by their projections' names
+    _experts.expert_banks,  # mixture-of-experts weights split on their expert dimension
     _by_trace.traced_units,  # column → row pairs and attention heads in the dataflow
     _by_trace.final_layers,  # a language model's head, split when it is the largest kernel
     _by_layers.projection_pairs,  # pairs along the layer graph when nothing was traced
+    _embeddings.vocab_parallel_tables,  # large look-up tables split over their vocabulary
     _by_name.named_weights,  # the rest by name (`transformer_rules`)
     _by_trace.lone_projections,  # the projections no unit took, noted
 )
@@ -165,7 +168,8 @@ def auto_rules(
     chosen_policy = resolve_policy("auto_rules()", policy, replicate_below=replicate_below)
     trace = _trace(model, batch)
     setting = Setting(model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace)
-    ledger = Ledger(model.name, model_axis, batch_axis)
+    paths = tuple(v.path for v in model.weights)
+    ledger = Ledger(model.name, model_axis, batch_axis, auto_named(model), paths)
     for strategy in STRATEGIES:
         strategy(ledger, setting)
     if batch is None:

@@ -31,7 +31,7 @@ class Candidate:
     """One layout a unit can take, and what it costs per device.
 
     Attributes:
-        layout: `"replicated"`, `"tensor-parallel"`, `"2-D"`, `"vocab-parallel"`,
+        layout: `"replicated"`, `"tensor-parallel"`, `"expert-parallel"`, `"2-D"`, `"vocab-parallel"`,
             `"fully sharded"` or `"split, unused"`.
         axes: Per variable path of the unit, its axes under this layout.
         state: Per-device bytes of its parameters, gradients and optimizer slots.

@@ -43,6 +43,7 @@ class Proposal:
         whole_outputs: Layer paths whose output a rule keeps whole over the model axis.
         whole_kv: Key/value weights kept whole beside a traced attention
             unit's split query heads: weight path → unit.
+        expert_units: Units that are expert banks split on their expert dimension.
     """
 
     model_axis: str
@@ -54,6 +55,7 @@ class Proposal:
     kv_heads: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     whole_outputs: frozenset[str] = frozenset()
     whole_kv: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    expert_units: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +101,21 @@ class Decision:
 class Ledger:
     """The decisions of one `auto_rules` call, in the order they were first made."""
 
-    def __init__(self, model_name: str, axis: str, batch_axis: str | None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        axis: str,
+        batch_axis: str | None,
+        auto_named: frozenset[str] = frozenset(),
+        paths: tuple[str, ...] = (),
+    ) -> None:
         self.model_name = model_name
         self.axis = axis
         self.batch_axis = batch_axis
+        #: Paths of the layers whose names Keras generated, and every variable path of the model:
+        #: a rule's numbered segment is relaxed where that still matches one variable only.
+        self.auto_named = auto_named
+        self.paths = paths
         #: Per variable path (or `("output", layer path)`), its decision, in first-decided order.
         self._entries: dict[object, Decision] = {}
         #: Facts the costs read beside the axes.
@@ -110,6 +123,7 @@ class Ledger:
         self.kv_heads: dict[str, int] = {}
         self.whole_outputs: set[str] = set()
         self.whole_kv: dict[str, str] = {}
+        self.expert_units: set[str] = set()
 
     # -- writing --------------------------------------------------------------------------
 
@@ -172,8 +186,29 @@ class Ledger:
         return [p for p, d in self._variables() if self.axis in d.axes]
 
     def rules(self) -> list[tuple[str, Axes, str]]:
-        """`(pattern, axes, note)` per decision, in the order they were first made."""
-        return [(d.pattern, d.axes, d.note) for d in self._entries.values()]
+        r"""`(pattern, axes, note)` per decision, in the order they were first made.
+
+        A path through a layer Keras named (`mixtral_sparse_moe_block_2`) gets
+        a pattern that takes any number there (`mixtral_sparse_moe_block(?:_\d+)?`),
+        so the rules still match the model rebuilt in the same session, as
+        long as the relaxed pattern matches no other variable of this model.
+        """
+        return [(self._tolerant(key, d.pattern), d.axes, d.note) for key, d in self._entries.items()]
+
+    def _tolerant(self, key: object, pattern: str) -> str:
+        path = key if isinstance(key, str) else f"{key[1]}/output"
+        parts = path.split("/")
+        relaxed = [
+            re.escape(re.sub(r"_\d+$", "", part)) + r"(?:_\d+)?"
+            if "/".join(parts[: i + 1]) in self.auto_named
+            else re.escape(part)
+            for i, part in enumerate(parts)
+        ]
+        if relaxed == [re.escape(part) for part in parts]:
+            return pattern
+        candidate = self._prefixed(path, "/".join(relaxed))
+        others = [p for p in self.paths if p != path and re.fullmatch(candidate, p)]
+        return pattern if others else candidate
 
     def proposal(self) -> Proposal:
         """The decisions, frozen: what the costs (`_costs`) read."""
@@ -188,6 +223,7 @@ class Ledger:
             kv_heads=MappingProxyType(dict(self.kv_heads)),
             whole_outputs=frozenset(self.whole_outputs),
             whole_kv=MappingProxyType(dict(self.whole_kv)),
+            expert_units=frozenset(self.expert_units),
         )
 
     def pattern(self, path: str) -> str:
@@ -196,10 +232,14 @@ class Ledger:
         A Sequential model built in code puts its name first (`mlp/fc1/kernel`);
         the same model loaded from a `.keras` file does not (`fc1/kernel`).
         """
-        prefix = self.model_name + "/"
-        if path.startswith(prefix):
-            return f"(?:{re.escape(prefix)})?{re.escape(path[len(prefix) :])}"
-        return re.escape(path)
+        return self._prefixed(path, re.escape(path))
+
+    def _prefixed(self, path: str, escaped: str) -> str:
+        """`escaped` (a pattern for `path`) with the model-name scope made optional."""
+        prefix = re.escape(self.model_name + "/")
+        if path.startswith(self.model_name + "/") and escaped.startswith(prefix):
+            return f"(?:{prefix})?{escaped[len(prefix) :]}"
+        return escaped
 
     def _variables(self):
         return ((p, d) for p, d in self._entries.items() if isinstance(p, str))

@@ -135,6 +135,32 @@ def final_split(name: str, count: int, largest: int, axis: str) -> str:
     )
 
 
+# -- look-up tables ----------------------------------------------------------------------
+
+
+def vocab_parallel(rows: int, width: int, axis: str) -> str:
+    """A look-up table split over its vocabulary."""
+    return (
+        f"embedding, vocab-parallel: {rows:,} rows of {width} split over {axis!r}; each device looks up "
+        "its rows, one all-reduce of the looked-up vectors forward"
+    )
+
+
+# -- experts ----------------------------------------------------------------------------
+
+
+def experts_split(bank: str, count: int, axis: str) -> str:
+    """A weight of an expert bank split on its expert dimension."""
+    return (
+        f"expert-parallel: {bank}, {count} experts split over {axis!r}; each device runs its experts, "
+        "their weighted sum is all-reduced forward"
+    )
+
+
+def experts_indivisible(bank: str, count: int, axis: str, size: int) -> str:
+    return f"experts {bank}: {count} experts do not divide by {axis!r} ({size}), replicated"
+
+
 # -- by name ------------------------------------------------------------------------------
 
 

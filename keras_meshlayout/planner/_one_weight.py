@@ -18,6 +18,7 @@ import keras
 
 from ..report._collectives import wire_bytes
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
+from ._layers import lookup_table
 
 __all__ = ["OneWeightCosts"]
 
@@ -27,19 +28,8 @@ class OneWeightCosts(Bytes):
 
     def _embedding_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
         """A look-up table: a Keras `Embedding`, or a custom layer's weight read only by one `take`."""
-        if isinstance(owner, keras.layers.Embedding):
-            if variable is not owner.embeddings:
-                return None
-        elif type(owner).__module__.startswith(("keras.", "keras_hub.")):
-            return None  # Keras and keras-hub tables other than embeddings (relative position biases)
         calls = self.uses.get(variable.path, ())
-        if (
-            len(calls) != 1
-            or calls[0].kind != "gather"
-            or len(variable.shape) != 2
-            or variable.shape[0] % self.m
-            or not variable.trainable
-        ):
+        if not lookup_table(owner, variable, calls, self.m):
             return None  # a tied embedding used twice, or one that does not divide: kept whole
         output, dtype = calls[0].output, calls[0].dtype
         wire: dict[str, float] = {}
@@ -62,7 +52,9 @@ class OneWeightCosts(Bytes):
         ):
             if sharded is not None:
                 candidates.append(sharded)
-        return UnitCosts(getattr(owner, "path", variable.path), tuple(candidates), frozen(note))
+        proposed = 1 if self.tp_axes.get(variable.path) == (self.model_axis, None) else 0
+        name = getattr(owner, "path", variable.path)
+        return UnitCosts(name, tuple(candidates), frozen(note), proposed=proposed)
 
     def _sharded_table(
         self, variable: keras.Variable, vocab_wire: Mapping[str, float], looked_up: float

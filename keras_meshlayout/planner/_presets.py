@@ -218,8 +218,8 @@ def transformer_rules(
     if embeddings not in ("replicated", "vocab", "hidden"):
         raise InvalidOptionError(
             f"transformer_rules: embeddings must be 'replicated', 'vocab' or 'hidden'. Received: "
-            f"embeddings={embeddings!r}. Fix: transformer_rules(embeddings=\"vocab\") splits the "
-            "vocabulary over the model axis, \"hidden\" the hidden features."
+            f'embeddings={embeddings!r}. Fix: transformer_rules(embeddings="vocab") splits the '
+            'vocabulary over the model axis, "hidden" the hidden features.'
         )
     column = "(?:" + "|".join(FFN_COLUMN) + ")"
     row = "(?:" + "|".join(FFN_ROW) + ")"
