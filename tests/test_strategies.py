@@ -210,6 +210,7 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_by_trace.final_layers",
         "_by_layers.projection_pairs",
         "_embeddings.vocab_parallel_tables",
+        "_by_trace.unused_weights",
         "_by_name.named_weights",
         "_by_trace.lone_projections",
     ]

@@ -55,6 +55,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_trace.final_layers,  # a language model's head, split when it is the largest kernel
     _by_layers.projection_pairs,  # pairs along the layer graph when nothing was traced
     _embeddings.vocab_parallel_tables,  # large look-up tables split over their vocabulary
+    _by_trace.unused_weights,  # trainable weights the step never reads, split at no cost
     _by_name.named_weights,  # the rest by name (`transformer_rules`)
     _by_trace.lone_projections,  # the projections no unit took, noted
 )
@@ -167,7 +168,8 @@ def auto_rules(
     _check_budget_args(memory_budget, batch)
     chosen_policy = resolve_policy("auto_rules()", policy, replicate_below=replicate_below)
     trace = _trace(model, batch)
-    setting = Setting(model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace)
+    batch_size = mesh_axis_sizes(mesh).get(batch_axis, 1) if batch_axis else 1
+    setting = Setting(model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace, batch_size)
     paths = tuple(v.path for v in model.weights)
     ledger = Ledger(model.name, model_axis, batch_axis, auto_named(model), paths)
     for strategy in STRATEGIES:

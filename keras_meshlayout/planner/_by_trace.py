@@ -5,6 +5,9 @@
 - `final_layers`: a final projection as large as the largest kernel the plan
   splits (a language model's head) has its output features split, a smaller
   one stays whole;
+- `unused_weights`: a trainable weight the traced step never reads (an untied
+  output embedding while a backbone is fine-tuned) is split over both axes:
+  it gets no gradient, so that costs no traffic;
 - `lone_projections`: every projection weight no unit took is noted as
   replicated, with the reason.
 
@@ -17,11 +20,12 @@ import math
 from typing import Any
 
 from . import _notes
+from ._layers import idle_axes
 from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import find_added, find_units
 
-__all__ = ["final_layers", "lone_projections", "traced_units"]
+__all__ = ["final_layers", "lone_projections", "traced_units", "unused_weights"]
 
 
 def traced_units(ledger: Ledger, setting: Setting) -> None:
@@ -108,6 +112,19 @@ def final_layers(ledger: Ledger, setting: Setting) -> None:
         note = _notes.final_replicated(count, largest)
         ledger.record(path, (None,) * 2, note)
         ledger.replicate(biases, note)
+
+
+def unused_weights(ledger: Ledger, setting: Setting) -> None:
+    """Splits the trainable weights the step never reads over the model and batch axes."""
+    if setting.trace is None:
+        return
+    sizes = ((setting.axis, setting.size), (setting.batch_axis, setting.batch_size))
+    for variable in setting.model.trainable_weights:
+        if ledger.decided(variable.path) or variable.path in setting.trace.read:
+            continue
+        axes, shards = idle_axes(tuple(variable.shape), sizes)
+        if shards > 1 and math.prod(variable.shape) >= max(setting.replicate_below, 1):
+            ledger.record(variable.path, axes, _notes.unused(axes))
 
 
 def lone_projections(ledger: Ledger, setting: Setting) -> None:

@@ -13,7 +13,7 @@ import keras
 
 from .. import _compat
 
-__all__ = ["auto_named", "features", "heads_dim", "labels", "lookup_table", "owners"]
+__all__ = ["auto_named", "features", "heads_dim", "idle_axes", "labels", "lookup_table", "owners"]
 
 
 def heads_dim(layer: Any) -> tuple[int, str] | None:
@@ -85,6 +85,22 @@ def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
         and variable.shape[0] % size == 0
         and bool(variable.trainable)
     )
+
+
+def idle_axes(shape: tuple[int, ...], axes_and_sizes: tuple[tuple[str | None, int], ...]) -> tuple:
+    """How a weight the step never reads is split: each axis in turn on the largest dimension it divides.
+
+    `((axes), shards)`; `shards == 1` when no axis divides any dimension.
+    """
+    dims = sorted(range(len(shape)), key=lambda i: -shape[i])
+    axes: list[str | None] = [None] * len(shape)
+    shards = 1
+    for axis, size in axes_and_sizes:
+        free = [i for i in dims if axes[i] is None and size > 1 and shape[i] % size == 0]
+        if axis is not None and free:
+            axes[free[0]] = axis
+            shards *= size
+    return tuple(axes), shards
 
 
 def owners(model: keras.Model) -> dict[int, Any]:

@@ -69,6 +69,7 @@ class Setting:
         replicate_below: Kernels with fewer elements stay replicated.
         batch_axis: The axis the batch is split over, or `None`.
         trace: The traced forward pass, or `None` (a subclassed model never called).
+        batch_size: The size of `batch_axis` (1 without one).
     """
 
     model: keras.Model
@@ -77,6 +78,7 @@ class Setting:
     replicate_below: int
     batch_axis: str | None
     trace: Trace | None = None
+    batch_size: int = 1
 
     @property
     def variables(self) -> dict[str, keras.Variable]:

@@ -161,6 +161,12 @@ def experts_indivisible(bank: str, count: int, axis: str, size: int) -> str:
     return f"experts {bank}: {count} experts do not divide by {axis!r} ({size}), replicated"
 
 
+def unused(axes: tuple) -> str:
+    """A trainable weight the traced step never reads."""
+    over = " and ".join(repr(a) for a in axes if a is not None)
+    return f"not read by the training step: split over {over}; it gets no gradient, so no traffic"
+
+
 # -- by name ------------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ import keras
 
 from ..report._collectives import wire_bytes
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
-from ._layers import lookup_table
+from ._layers import idle_axes, lookup_table
 
 __all__ = ["OneWeightCosts"]
 
@@ -119,22 +119,17 @@ class OneWeightCosts(Bytes):
 
         It gets no gradient, so splitting it over both axes costs no traffic.
         """
-        shape = tuple(variable.shape)
-        dims = sorted(range(len(shape)), key=lambda i: -shape[i])
-        axes: list[str | None] = [None] * len(shape)
-        shards = 1
-        for axis, size in ((self.model_axis, self.m), (self.batch_axis, self.d)):
-            free = [i for i in dims if axes[i] is None and size > 1 and shape[i] % size == 0]
-            if axis is not None and free:
-                axes[free[0]] = axis
-                shards *= size
+        axes, shards = idle_axes(
+            tuple(variable.shape), ((self.model_axis, self.m), (self.batch_axis, self.d))
+        )
         if shards == 1:
             return None
-        split = candidate(
-            "split, unused", {variable.path: tuple(axes)}, self._state(variable, shards, True), {}
-        )
+        split = candidate("split, unused", {variable.path: axes}, self._state(variable, shards, True), {})
         note = {variable.path: "the training step never reads it: no gradient, so no traffic"}
-        return UnitCosts(variable.path, (self._replicated([variable]), split), frozen(note))
+        proposed = 1 if self.tp_axes.get(variable.path) == axes else 0
+        return UnitCosts(
+            variable.path, (self._replicated([variable]), split), frozen(note), proposed=proposed
+        )
 
     def _fully_sharded_unit(self, variable: keras.Variable) -> UnitCosts | None:
         """A weight outside every unit, split over the batch axis and gathered when used (ZeRO-3).
