@@ -76,6 +76,28 @@ AGREEMENT = [
     ("gemma", "4x2", 0.8),  # 2-D kernels of 128 KiB and more, gathered again for the backward pass
 ]
 
+#: What each budgeted case of AGREEMENT chooses, unit by unit (issue 20: one outcome, not "2-D or
+#: vocab-parallel"): the budgets are tight enough that some kernels go 2-D and the token table
+#: vocab-parallel, loose enough that most units stay as the least-traffic plan has them.
+CHOSEN_LAYOUTS = {
+    ("llama", "2x4", 0.8): {
+        "replicated": 8,
+        "2-D": 2,
+        "tensor-parallel": 1,
+        "vocab-parallel": 1,
+        "split, unused": 1,
+    },
+    ("llama", "4x2", 0.6): {
+        "replicated": 6,
+        "2-D": 3,
+        "tensor-parallel": 1,
+        "vocab-parallel": 1,
+        "split, unused": 1,
+    },
+    ("gemma", "2x4", 0.9): {"replicated": 8, "2-D": 2, "tensor-parallel": 1, "vocab-parallel": 1},
+    ("gemma", "4x2", 0.8): {"replicated": 6, "2-D": 1, "tensor-parallel": 3, "vocab-parallel": 1},
+}
+
 
 @pytest.mark.parametrize(("arch", "mesh_name", "fraction"), AGREEMENT)
 def test_predicted_bytes_match_the_compiled_step(arch, mesh_name, fraction):
@@ -97,7 +119,7 @@ def test_predicted_bytes_match_the_compiled_step(arch, mesh_name, fraction):
     assert cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
     if budget is not None and fraction < 1:
         assert cost.memory_bytes <= budget
-        assert "2-D" in cost.layouts() or "vocab-parallel" in cost.layouts()
+        assert cost.layouts() == CHOSEN_LAYOUTS[arch, mesh_name, fraction]
 
 
 def test_no_budget_keeps_todays_rules():

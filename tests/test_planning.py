@@ -106,7 +106,9 @@ def test_auto_rules_match_the_transformer_preset(mesh):
     assert notes["attention/attention_output/kernel"].startswith("attention output: heads split")
     assert notes["head/kernel"].startswith("final layer")
     auto_report = compiled_traffic(build_encoder, auto, mesh)
-    preset_report = compiled_traffic(build_encoder, kml.transformer_rules(), mesh)
+    # The token table is vocab-parallel in the auto plan (issue 19, item 1), as the preset's "vocab".
+    assert auto.match("token_embedding/embeddings").axes == ("model", None)
+    preset_report = compiled_traffic(build_encoder, kml.transformer_rules(embeddings="vocab"), mesh)
     assert collective_totals(auto_report) == collective_totals(preset_report)
     assert auto_report.count("all-gather") == 0
     # Keras's documentation map, every Dense kernel (None, "model"), moves weights or
@@ -336,7 +338,24 @@ def test_transformer_preset_norms_and_routers(path, note):
 # The planner's stages (issue 11, item 5): each module imports only earlier stages, at load time
 # and nowhere else (no import inside a function), so trace → units → costs → search → rules
 # reads one way.
-PLANNER_ORDER = ["_trace", "_units", "_layers", "_presets", "_costs", "_search", "_auto"]
+PLANNER_ORDER = [
+    "_trace",
+    "_units",
+    "_layers",
+    "_presets",
+    "_notes",
+    "_ledger",
+    "_by_layers",
+    "_by_name",
+    "_by_trace",
+    "_embeddings",
+    "_experts",
+    "_candidates",
+    "_one_weight",
+    "_costs",
+    "_search",
+    "_auto",
+]
 
 
 @pytest.mark.parametrize("module", PLANNER_ORDER)
@@ -348,10 +367,28 @@ def test_planner_stages_import_only_earlier_stages(module):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     earlier = set(PLANNER_ORDER[: PLANNER_ORDER.index(module)])
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            assert node.module in earlier, f"{module} imports {node.module}, a later stage or itself"
-            assert node in tree.body, f"{module} imports {node.module} inside a function (line {node.lineno})"
+        if isinstance(node, ast.ImportFrom) and node.level == 1:  # `from ._x import y`, `from . import _x`
+            for stage in [node.module] if node.module else [alias.name for alias in node.names]:
+                assert stage in earlier, f"{module} imports {stage}, a later stage or itself"
+                assert node in tree.body, f"{module} imports {stage} inside a function (line {node.lineno})"
         elif isinstance(node, ast.ImportFrom) and node.level == 2:  # below: the seam, core, report
-            module = node.module or ".".join(alias.name for alias in node.names)
-            assert module == "_compat" or module.startswith(("core.", "report.")), module
+            below = node.module or ".".join(alias.name for alias in node.names)
+            assert below == "_compat" or below.startswith(("core.", "report.")), f"{module} imports {below}"
     assert sorted(p.stem for p in path.parent.glob("_*.py") if p.stem != "__init__") == sorted(PLANNER_ORDER)
+
+
+# Issue 20: the presets' bad input raises the project's own errors, saying how to fix it.
+def test_an_unknown_embeddings_layout_is_an_invalid_option():
+    with pytest.raises(kml.InvalidOptionError) as error:
+        kml.transformer_rules(embeddings="rows")
+    for fragment in ("embeddings must be 'replicated', 'vocab' or 'hidden'", "embeddings='rows'", "Fix: "):
+        assert fragment in str(error.value)
+
+
+def test_a_preset_registered_twice_is_an_invalid_option():
+    from keras_meshlayout.planner import _presets
+
+    before = dict(_presets.PRESETS)
+    with pytest.raises(kml.InvalidOptionError, match="A preset named 'conv' is already registered"):
+        _presets._register("conv", summary="a second conv")(kml.conv_rules)
+    assert _presets.PRESETS == before

@@ -83,7 +83,17 @@ class IndivisibleBatchError(MeshLayoutError):
 
 
 class MemoryBudgetError(MeshLayoutError):
-    """A plan keeps too much replicated, or its training state does not fit a device."""
+    """A plan keeps too much replicated, or its training state does not fit a device.
+
+    Attributes:
+        smallest_bytes: From `kml.auto_rules(memory_budget=...)`, the per-device
+            bytes its smallest plan needs (a budget that fits it); `None` from
+            `plan.check()`.
+    """
+
+    def __init__(self, message: str, *, smallest_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes
 
 
 class CheckpointError(MeshLayoutError):

@@ -4,29 +4,33 @@
    flat dataflow graph, a `Trace`, whose inputs are the model's variables.
 2. `find_units` (`_units`): the weights that split over the model axis together
    (column → row projection pairs, attention heads), as `Unit`s, read off the
-   dataflow whatever style wrote the model. The rule writer (`_auto`) turns
-   them, and what it reads off Keras layers (`_layers`) and names
-   (`_presets`), into a frozen `Proposal`: per variable its tensor-parallel
-   axes, note and unit.
-3. `cost_units` (`_costs`): per unit, its candidate layouts (replicated,
-   tensor-parallel, 2-D, vocab-parallel, ...), each a `Candidate` with its
-   bytes per device (the one memory model, `core._memory.SlotModel`) and its
-   bytes on the wire per step (the ring formulas of `kml.comm_report`), in a
-   `CostTable`.
+   dataflow whatever style wrote the model. The rule writer runs its
+   strategies, in the order `_auto.STRATEGIES` lists them, over one ledger
+   (`_ledger.Ledger`: one decision per variable, `record(path, axes, note,
+   unit)`): Keras layers (`_by_layers`), names (`_by_name`, with
+   `_presets`), the traced units (`_by_trace`); every note text is in
+   `_notes`. The ledger's decisions, frozen, are the `Proposal`: per variable
+   its tensor-parallel axes, note and unit.
+3. `cost_units` (`_costs`, over `_candidates` and `_one_weight`): per unit,
+   its candidate layouts (replicated, tensor-parallel, 2-D, vocab-parallel,
+   ...), each a `Candidate` with its bytes per device (the one memory model,
+   `core._memory.SlotModel`) and its bytes on the wire per step (the ring
+   formulas of `kml.comm_report`, `report._collectives`), in a `CostTable`.
 4. `search` (`_search`): per unit, the index of the candidate at the least
    traffic within the memory budget (the proposal's own without one), and
    `plan_cost`, the public `kml.PlanCost`.
 5. Rules (`_auto`): the chosen candidates become one exact rule per variable,
    each with a note that says why.
 
-Imports run one way, 1 → 5: no stage imports a later one.
+Imports run one way, 1 → 5: no stage imports a later one
+(`tests/test_planning.py` holds the module order).
 """
 
-from ._costs import Candidate as Candidate
-from ._costs import CostTable as CostTable
-from ._costs import Proposal as Proposal
-from ._costs import UnitCosts as UnitCosts
+from ._candidates import Candidate as Candidate
+from ._candidates import CostTable as CostTable
+from ._candidates import UnitCosts as UnitCosts
 from ._costs import cost_units as cost_units
+from ._ledger import Proposal as Proposal
 from ._search import plan_cost as plan_cost
 from ._search import search as search
 from ._trace import Node as Node

@@ -6,13 +6,14 @@ other planner module.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import keras
 
 from .. import _compat
 
-__all__ = ["features", "heads_dim", "labels", "owners"]
+__all__ = ["auto_named", "features", "heads_dim", "idle_axes", "labels", "lookup_table", "owners"]
 
 
 def heads_dim(layer: Any) -> tuple[int, str] | None:
@@ -62,6 +63,46 @@ def features(layer: Any) -> tuple[int, int] | None:
     return None
 
 
+def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
+    """Whether `variable` is a look-up table the vocabulary of which can split `size` ways.
+
+    A Keras `Embedding`'s table (keras-hub's `ReversibleEmbedding` too), or a
+    custom layer's trainable 2-D weight, read by exactly one look-up
+    (`gather`) and nothing else, whose rows divide by `size`. Keras and
+    keras-hub weights other than an `Embedding`'s table (relative position
+    biases) are not tables here; a table also read by a projection (a tied
+    language-model head) is not either.
+    """
+    if isinstance(owner, keras.layers.Embedding):
+        if variable is not owner.embeddings:
+            return False
+    elif owner is None or type(owner).__module__.startswith(("keras.", "keras_hub.")):
+        return False
+    return (
+        len(uses) == 1
+        and uses[0].kind == "gather"
+        and len(variable.shape) == 2
+        and variable.shape[0] % size == 0
+        and bool(variable.trainable)
+    )
+
+
+def idle_axes(shape: tuple[int, ...], axes_and_sizes: tuple[tuple[str | None, int], ...]) -> tuple:
+    """How a weight the step never reads is split: each axis in turn on the largest dimension it divides.
+
+    `((axes), shards)`; `shards == 1` when no axis divides any dimension.
+    """
+    dims = sorted(range(len(shape)), key=lambda i: -shape[i])
+    axes: list[str | None] = [None] * len(shape)
+    shards = 1
+    for axis, size in axes_and_sizes:
+        free = [i for i in dims if axes[i] is None and size > 1 and shape[i] % size == 0]
+        if axis is not None and free:
+            axes[free[0]] = axis
+            shards *= size
+    return tuple(axes), shards
+
+
 def owners(model: keras.Model) -> dict[int, Any]:
     """The layer that created each variable of `model`, by the variable's `id`."""
     found = {}
@@ -69,3 +110,24 @@ def owners(model: keras.Model) -> dict[int, Any]:
         for variable in _compat.own_variables(layer):
             found[id(variable)] = layer
     return found
+
+
+def auto_named(model: keras.Model) -> frozenset[str]:
+    """The paths of `model`'s layers whose names Keras generated (`dense`, `mixtral_sparse_moe_block_2`).
+
+    A layer built without `name=` is named after its class in snake case,
+    numbered from the second one on in the session; a model rebuilt in the
+    same session gets other numbers, so rules must not pin them.
+    """
+    found = set()
+    for layer in _compat.sublayers(model):
+        path = getattr(layer, "path", None)
+        if path and re.fullmatch(re.escape(_snake_case(type(layer).__name__)) + r"(?:_\d+)?", layer.name):
+            found.add(path)
+    return frozenset(found)
+
+
+def _snake_case(name: str) -> str:
+    """`MixtralSparseMoeBlock` → `mixtral_sparse_moe_block`, `GRU` → `gru`, as Keras names layers."""
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()

@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+from ..core._errors import InvalidOptionError
 from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
 
@@ -75,7 +76,10 @@ def _register(
     def register(rules: Callable[..., LayoutRules]) -> Callable[..., LayoutRules]:
         if name in PRESETS:
             taken = PRESETS[name].rules.__name__
-            raise ValueError(f"A preset named {name!r} is already registered ({taken}).")
+            raise InvalidOptionError(
+                f"A preset named {name!r} is already registered ({taken}). "
+                "Fix: give the new preset another name in its @_register(...) line."
+            )
         PRESETS[name] = Preset(name, rules, takes_layers, summary)
         return rules
 
@@ -212,8 +216,10 @@ def transformer_rules(
         ('model', None)
     """
     if embeddings not in ("replicated", "vocab", "hidden"):
-        raise ValueError(
-            f"embeddings must be 'replicated', 'vocab' or 'hidden'. Received: embeddings={embeddings!r}."
+        raise InvalidOptionError(
+            f"transformer_rules: embeddings must be 'replicated', 'vocab' or 'hidden'. Received: "
+            f'embeddings={embeddings!r}. Fix: transformer_rules(embeddings="vocab") splits the '
+            'vocabulary over the model axis, "hidden" the hidden features.'
         )
     column = "(?:" + "|".join(FFN_COLUMN) + ")"
     row = "(?:" + "|".join(FFN_ROW) + ")"

@@ -28,7 +28,7 @@ class UnitChoice:
 
     Attributes:
         unit: The unit: a layer path, a projection pair or an attention block.
-        layout: `"replicated"`, `"tensor-parallel"`, `"2-D"`, `"vocab-parallel"`,
+        layout: `"replicated"`, `"tensor-parallel"`, `"expert-parallel"`, `"2-D"`, `"vocab-parallel"`,
             `"fully sharded"` or `"split, unused"`.
         state_bytes: Per-device bytes of its parameters, gradients and optimizer slots.
         wire_bytes: Bytes each device sends for it per training step.
@@ -120,14 +120,13 @@ def search(table: CostTable, budget: int | None) -> tuple[int, ...]:
                 if score > best_score or (score == best_score and saved > best_saved):
                     best, best_score, best_saved = (position, index), score, saved
         if best is None:
-            error = MemoryBudgetError(
+            raise MemoryBudgetError(
                 f"auto_rules: the smallest plan needs {format_bytes(memory())} per device "
                 f"({format_bytes(table.reserve)} of it the activation reserve), over the memory budget of "
                 f"{format_bytes(budget)}. Fix: a larger budget, a mesh with a larger model axis, a "
-                "smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor)."
+                "smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor).",
+                smallest_bytes=memory(),
             )
-            error.smallest_bytes = memory()  # what the smallest plan needs, for callers that search
-            raise error
         chosen[best[0]] = best[1]
     # Walk back: any unit whose cheaper-traffic candidate still fits takes it.
     improved = True

@@ -1,6 +1,7 @@
 """Reports: the compiled HLO's traffic, the communication report, terminal views.
 
-- `_hlo`: collectives read from compiled HLO text, bytes on the wire.
+- `_collectives`: what a collective sends (the ring formulas), for the report and the planner.
+- `_hlo`: collectives read from compiled HLO text.
 - `_comm`: `comm_report`, one compiled training step's communication.
 - `_pictures`: terminal pictures of a mesh and of one variable's shards.
 

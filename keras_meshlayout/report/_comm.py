@@ -18,7 +18,8 @@ import numpy as np
 from .. import _compat
 from ..core._format import Displayed, format_bytes, to_text
 from ..core._mesh import mesh_axis_sizes
-from ._hlo import Collective, parse_collectives, wire_bytes
+from ._collectives import wire_bytes
+from ._hlo import Collective, parse_collectives
 
 if TYPE_CHECKING:
     import keras

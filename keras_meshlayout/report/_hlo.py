@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..core._errors import HloFormatError
+from ._collectives import wire_bytes
 
 __all__ = ["Collective", "Payload", "parse_collectives", "wire_bytes"]
 
@@ -133,32 +134,6 @@ class Collective:
     def wire_bytes(self) -> float:
         """Bytes each device sends per execution (ring algorithms)."""
         return wire_bytes(self.kind, self.nbytes, self.group_size)
-
-
-def wire_bytes(kind: str, result_bytes: float, group_size: int) -> float:
-    """Bytes sent per device by one collective, by its kind and result size.
-
-    Ring all-reduce sends 2(n-1)/n of its bytes; all-gather (n-1)/n of the
-    gathered result; reduce-scatter (n-1)/n of its input, which is n times the
-    scattered result; all-to-all (n-1)/n; a collective-permute sends its
-    buffer once.
-
-    Example:
-        >>> wire_bytes("all-reduce", 1024, 4)
-        1536.0
-        >>> wire_bytes("reduce-scatter", 256, 4)
-        768.0
-    """
-    n = group_size
-    if kind == "collective-permute":
-        return float(result_bytes) if n > 1 else 0.0
-    if n <= 1:
-        return 0.0
-    if kind == "all-reduce":
-        return 2 * (n - 1) / n * result_bytes
-    if kind == "reduce-scatter":
-        return float((n - 1) * result_bytes)
-    return (n - 1) / n * result_bytes  # all-gather, all-to-all
 
 
 def parse_collectives(hlo_text: str, device_count: int) -> list[Collective]:

@@ -1,0 +1,159 @@
+"""Strategies that read the traced computation: units, final layers and the projections left alone.
+
+- `traced_units`: the column → row pairs and attention heads `find_units`
+  reads off the dataflow, whatever style wrote them;
+- `final_layers`: a final projection as large as the largest kernel the plan
+  splits (a language model's head) has its output features split, a smaller
+  one stays whole;
+- `unused_weights`: a trainable weight the traced step never reads (an untied
+  output embedding while a backbone is fine-tuned) is split over both axes:
+  it gets no gradient, so that costs no traffic;
+- `lone_projections`: every projection weight no unit took is noted as
+  replicated, with the reason.
+
+Each does nothing without a trace (a subclassed model never called).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from . import _notes
+from ._layers import idle_axes
+from ._ledger import Ledger, Setting
+from ._trace import Trace
+from ._units import find_added, find_units
+
+__all__ = ["final_layers", "lone_projections", "traced_units", "unused_weights"]
+
+
+def traced_units(ledger: Ledger, setting: Setting) -> None:
+    """Units read off the traced computation: column → row pairs and attention heads.
+
+    A weight an earlier strategy decided (an attention layer split over its
+    heads, grouped-query key/value projections kept whole) keeps that
+    decision, and a unit that holds one is left whole.
+    """
+    if setting.trace is None:
+        return
+    variables = setting.variables
+    for unit in find_units(setting.trace, setting.size):
+        members = [(variables[m.path], m) for m in unit.members if m.path in variables]
+        if len(members) != len(unit.members) or any(ledger.decided(v.path) for v, _ in members):
+            continue
+        name = setting.display(unit.name)
+        reason = _whole_because(setting, members, name)
+        if reason is not None:
+            for variable, _ in members:
+                ledger.revise(variable.path, (None,) * len(variable.shape), reason)
+            continue
+        for variable, member in members:
+            axes = tuple(setting.axis if i == member.dim else None for i in range(len(variable.shape)))
+            ledger.revise(variable.path, axes, _notes.traced(unit.kind, member.role, name), unit=name)
+        for path in unit.after:
+            if path in variables and not ledger.decided(path):
+                note = _notes.after_all_reduce(unit.kind, name)
+                ledger.revise(path, (None,) * len(variables[path].shape), note)
+        for path in unit.whole:
+            if path in variables and not ledger.decided(path):
+                note = _notes.traced_kv_whole(setting.axis, setting.size, name)
+                ledger.revise(path, (None,) * len(variables[path].shape), note)
+                ledger.whole_kv[path] = name
+
+
+def _whole_because(setting: Setting, members: list[tuple[Any, Any]], name: str) -> str | None:
+    """Why a traced unit stays whole (a split that does not divide, a kernel too small), or `None`."""
+    for variable, member in members:
+        if variable.shape[member.dim] % setting.size:
+            return _notes.indivisible_pair(name, variable.shape[member.dim], setting.axis, setting.size)
+    for variable, member in members:
+        if member.role != "bias" and math.prod(variable.shape) < setting.replicate_below:
+            label = setting.display(_weight_name(variable.path))
+            return _notes.too_small(label, math.prod(variable.shape), setting.replicate_below)
+    return None
+
+
+def final_layers(ledger: Ledger, setting: Setting) -> None:
+    """Final projections: size decides whether they split, not their position.
+
+    A final layer whose kernel is at least as large as the largest kernel
+    the plan splits (a language model's head over its vocabulary) has its
+    output features split over the model axis like any unit: the loss
+    reduces the split logits with a few small all-reduces, and its input
+    gradient is all-reduced. A smaller one stays whole, so its output
+    needs no gathering.
+    """
+    trace = setting.trace
+    if trace is None:
+        return
+    variables = setting.variables
+    largest = max((math.prod(variables[p].shape) for p in ledger.split_paths()), default=0)
+    for path, uses in trace.uses.items():
+        variable = variables.get(path)
+        if variable is None or ledger.decided(path) or len(variable.shape) != 2 or len(uses) != 1:
+            continue
+        (use,) = uses
+        output = trace.nodes[use.node].outputs[0]
+        if use.kind != "matmul" or use.contracted != (0,) or not _reaches_output(trace, output):
+            continue
+        count = math.prod(variable.shape)
+        biases = [variables[b] for b in find_added(trace, [output]) if b in variables]
+        divides = not variable.shape[1] % setting.size
+        if largest and count >= max(largest, setting.replicate_below) and divides:
+            note = _notes.final_split(setting.display(_weight_name(path)), count, largest, setting.axis)
+            unit = f"{setting.display(_weight_name(path))} (final layer)"
+            ledger.revise(path, (None, setting.axis), note, unit=unit)
+            ledger.final_units.add(unit)
+            for bias in biases:
+                if len(bias.shape) == 1 and not ledger.decided(bias.path):
+                    ledger.revise(bias.path, (setting.axis,), note, unit=unit)
+            continue
+        note = _notes.final_replicated(count, largest)
+        ledger.record(path, (None,) * 2, note)
+        ledger.replicate(biases, note)
+
+
+def unused_weights(ledger: Ledger, setting: Setting) -> None:
+    """Splits the trainable weights the step never reads over the model and batch axes."""
+    if setting.trace is None:
+        return
+    sizes = ((setting.axis, setting.size), (setting.batch_axis, setting.batch_size))
+    for variable in setting.model.trainable_weights:
+        if ledger.decided(variable.path) or variable.path in setting.trace.read:
+            continue
+        axes, shards = idle_axes(tuple(variable.shape), sizes)
+        if shards > 1 and math.prod(variable.shape) >= max(setting.replicate_below, 1):
+            ledger.record(variable.path, axes, _notes.unused(axes))
+
+
+def lone_projections(ledger: Ledger, setting: Setting) -> None:
+    """Notes the projection weights no unit took, in custom layers as in Keras ones."""
+    trace = setting.trace
+    if trace is None:
+        return
+    variables = setting.variables
+    for path, uses in trace.uses.items():
+        if ledger.decided(path) or path not in variables or any(u.kind != "matmul" for u in uses):
+            continue
+        final = any(_reaches_output(trace, trace.nodes[u.node].outputs[0]) for u in uses)
+        note = _notes.FINAL_REPLICATED if final else _notes.NO_PARTNER
+        ledger.record(path, (None,) * len(variables[path].shape), note)
+
+
+def _reaches_output(trace: Trace, value: int) -> bool:
+    """Whether `value` is a model output, a bias add or cast at most away."""
+    for _ in range(4):
+        if value in trace.outputs:
+            return True
+        readers = trace.consumers.get(value, ())
+        if len(readers) != 1 or trace.nodes[readers[0]].primitive not in ("add", "convert_element_type"):
+            return False
+        value = trace.nodes[readers[0]].outputs[0]
+    return value in trace.outputs
+
+
+def _weight_name(path: str) -> str:
+    """A weight's readable name: its layer's path for `.../kernel`, else the path."""
+    head, _, tail = path.rpartition("/")
+    return head if head and tail in ("kernel", "embeddings") else path

@@ -1,0 +1,204 @@
+"""The costs' values and byte counts: `Candidate`, `UnitCosts`, `CostTable`, and the per-device bytes.
+
+`Bytes` holds what every cost formula reads (the axis sizes, the traced uses,
+the memory model) and counts the bytes of one variable's state, of an
+activation, of a gradient all-reduce; `_one_weight` and `_costs` build the
+candidates on top of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import keras
+import numpy as np
+
+from ..core._memory import slot_model
+from ..core._axes import Axes
+from ..report._collectives import wire_bytes
+from ._ledger import Proposal
+from ._trace import Trace
+
+__all__ = ["Bytes", "Candidate", "CostTable", "UnitCosts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout a unit can take, and what it costs per device.
+
+    Attributes:
+        layout: `"replicated"`, `"tensor-parallel"`, `"expert-parallel"`, `"2-D"`, `"vocab-parallel"`,
+            `"fully sharded"` or `"split, unused"`.
+        axes: Per variable path of the unit, its axes under this layout.
+        state: Per-device bytes of its parameters, gradients and optimizer slots.
+        wire: Bytes each device sends per step for it, by mesh axis.
+        notes: Per variable path, how this layout splits it, where that differs
+            from the unit's own note.
+    """
+
+    layout: str
+    axes: Mapping[str, Axes]
+    state: int
+    wire: Mapping[str, float]
+    notes: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def total(self) -> float:
+        """Bytes each device sends per step, over every axis."""
+        return float(sum(self.wire.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCosts:
+    """A unit of weights and its candidate layouts.
+
+    Attributes:
+        name: The unit: a layer path, a projection pair or an attention block.
+        candidates: Its layouts; the first is always `replicated`.
+        notes: Per variable path, the proposal's note for its split (shown
+            beside the layout the search picks).
+        proposed: The index of the proposal's own layout (the plan without a budget).
+    """
+
+    name: str
+    candidates: tuple[Candidate, ...]
+    notes: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    proposed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Every unit's candidates and the activation reserve: what the search chooses from.
+
+    Attributes:
+        units: One `UnitCosts` per unit; the last holds everything that has one layout.
+        reserve: The activation reserve per device, in bytes.
+    """
+
+    units: tuple[UnitCosts, ...]
+    reserve: int
+
+
+def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping))
+
+
+def candidate(
+    layout: str,
+    axes: Mapping[str, Axes],
+    state: int,
+    wire: Mapping[str, float],
+    notes: Mapping[str, str] | None = None,
+) -> Candidate:
+    frozen_axes = frozen({p: tuple(a) for p, a in axes.items()})
+    return Candidate(layout, frozen_axes, int(state), frozen(wire), frozen(notes or {}))
+
+
+class Bytes:
+    """The byte counts every cost reads: the mesh, the traced uses, the memory model."""
+
+    def __init__(
+        self,
+        model: keras.Model,
+        proposal: Proposal,
+        trace: Trace,
+        axis_sizes: Mapping[str, int],
+        optimizer: str | keras.optimizers.Optimizer | None,
+    ) -> None:
+        self.model = model
+        self.proposal = proposal
+        self.model_axis = proposal.model_axis
+        self.batch_axis = proposal.batch_axis
+        self.m = axis_sizes[self.model_axis]
+        self.d = axis_sizes.get(self.batch_axis, 1) if self.batch_axis else 1
+        self.trace = trace
+        self.used = dict(trace.read)
+        self.uses = trace.uses
+        self.memory = slot_model(optimizer)
+        self.tp_axes = proposal.axes
+        #: The label `kml.comm_report` gives a collective over both axes (`"data×model"`).
+        self.both = "×".join(a for a in axis_sizes if a in (self.batch_axis, self.model_axis))
+
+    # -- bytes ---------------------------------------------------------------------
+
+    def _grad_sync(self, variable: keras.Variable, shards: int) -> float:
+        # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it.
+        read = nbytes(variable) * self.used.get(variable.path, 0.0)
+        return wire_bytes("all-reduce", read / shards, self.d)
+
+    def _state(self, variable: keras.Variable, shards: int, trainable: bool) -> int:
+        return self.memory.state_bytes(tuple(variable.shape), str(variable.dtype), shards, trainable)
+
+    def _activation(self, shape: Sequence[int], dtype: str) -> float:
+        """Per-device bytes of an activation whose first dimension is the batch."""
+        return math.prod(shape) / self.d * np.dtype(dtype).itemsize
+
+    def _summed(self, shape: Sequence[int], dtype: str) -> float:
+        """Per-device bytes of an activation a collective moves.
+
+        Partial sums travel in float32 even when the layer computes in
+        bfloat16 or float16 (measured under `mixed_bfloat16` on XLA:CPU: the
+        matmul accumulates in float32 and the all-reduce comes before the cast).
+        """
+        return math.prod(shape) / self.d * max(np.dtype(dtype).itemsize, 4)
+
+    def calls(self, path: str) -> list[tuple[tuple, tuple, bool, str]]:
+        """`(activation shape, output shape, reads a model input, dtype)` of each projection by `path`."""
+        return [
+            (use.inputs, use.output, use.from_input, use.dtype)
+            for use in self.uses.get(path, ())
+            if use.kind == "matmul"
+        ]
+
+    def side(self, path: str, axes: Axes) -> str:
+        """`"column"` when a kernel's split dimension is an output one, `"row"` when it is summed over."""
+        if self.model_axis not in axes:
+            return ""
+        uses = [use for use in self.uses.get(path, ()) if use.kind == "matmul"]
+        if not uses:
+            return ""
+        return "row" if axes.index(self.model_axis) in uses[0].contracted else "column"
+
+    def _replicated(self, variables: Sequence[keras.Variable]) -> Candidate:
+        wire: dict[str, float] = {}
+        for variable in variables:
+            add_wire(wire, self.batch_axis, self._grad_sync(variable, 1))
+        return candidate(
+            "replicated",
+            {v.path: (None,) * len(v.shape) for v in variables},
+            sum(self._state(v, 1, v.trainable) for v in variables),
+            wire,
+        )
+
+
+# -- helpers shared by the costs ----------------------------------------------------------------------------
+
+
+def second_axis(axes: Axes, shape: Sequence[int], batch_axis: str | None, size: int) -> Axes:
+    """`axes` with the largest whole dimension also split over the batch axis, when one divides."""
+    if batch_axis is None or size <= 1 or len(shape) < 2 or batch_axis in axes or not any(axes):
+        return tuple(axes)
+    free = [i for i, a in enumerate(axes) if a is None and shape[i] % size == 0]
+    if not free:
+        return tuple(axes)
+    widest = max(free, key=lambda i: shape[i])
+    return tuple(batch_axis if i == widest else a for i, a in enumerate(axes))
+
+
+def nbytes(variable: keras.Variable) -> int:
+    return math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
+
+
+def add_wire(wire: dict[str, float], axis: str | None, amount: float) -> None:
+    if axis is not None and amount:
+        wire[axis] = wire.get(axis, 0.0) + amount
+
+
+def plus_wire(wire: Mapping[str, float], axis: str | None, amount: float) -> dict[str, float]:
+    out = dict(wire)
+    add_wire(out, axis, amount)
+    return out

@@ -1,0 +1,40 @@
+"""Strategy: look-up tables split over their vocabulary (vocab-parallel), Megatron's embedding.
+
+A table read by one look-up (`lookup_table`: a Keras `Embedding`, keras-hub's
+`ReversibleEmbedding`, a custom layer's weight read by one `take`) with at
+least `replicate_below` entries and rows that divide by the model axis has
+its rows split over it: each device looks up the ids that fall in its rows
+(zeros for the others) and one all-reduce over the model axis sums the
+looked-up vectors forward; its gradient stays local to the rows, all-reduced
+over the batch axis at 1/model of the table's size. Smaller tables, tables
+that do not divide and tables also read as a projection (a tied
+language-model head) are left to the later strategies (by name).
+"""
+
+from __future__ import annotations
+
+import math
+
+from . import _notes
+from ._layers import lookup_table, owners
+from ._ledger import Ledger, Setting
+
+__all__ = ["vocab_parallel_tables"]
+
+
+def vocab_parallel_tables(ledger: Ledger, setting: Setting) -> None:
+    """Splits every large look-up table's rows over the model axis."""
+    trace = setting.trace
+    if trace is None:
+        return
+    owner_of = owners(setting.model)
+    for variable in setting.model.weights:
+        uses = trace.uses.get(variable.path, ())
+        if ledger.decided(variable.path) or not lookup_table(
+            owner_of.get(id(variable)), variable, uses, setting.size
+        ):
+            continue
+        if math.prod(variable.shape) < max(setting.replicate_below, 1):
+            continue
+        rows, width = variable.shape
+        ledger.record(variable.path, (setting.axis, None), _notes.vocab_parallel(rows, width, setting.axis))

@@ -1,0 +1,184 @@
+"""Every note the rule writer puts on a rule, in one place.
+
+A note says why a variable has its layout; users read it in
+`dist.plan(model)` and in the `keras-meshlayout plan` table, and tests and
+docs quote it, so its wording is part of the behaviour. The strategies
+(`_by_layers`, `_by_name`, `_by_trace`) only ever call these functions.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
+
+# -- attention --------------------------------------------------------------------------
+
+NOT_A_HEAD_PROJECTION = "attention: not a projection over heads"
+ATTENTION_OUTPUT = "attention output: heads split on its input side; one all-reduce each way"
+ATTENTION_OUTPUT_BIAS = "attention output bias: added after the all-reduce"
+KV_OUTPUT_WHOLE = "grouped-query attention: key/value output kept whole over the model axis"
+
+
+def heads_split(layer: str, count: int, head_dim: int | None = None) -> str:
+    """A query/key/value projection split over its heads."""
+    if head_dim is None:
+        return f"attention {layer}: heads split ({count} heads)"
+    return f"attention {layer}: heads split ({count} heads of {head_dim}, output features)"
+
+
+def kv_heads_replicated(count: int, axis: str, size: int) -> str:
+    """Grouped-query key/value heads too few to divide the model axis."""
+    return (
+        f"grouped-query attention: {count} key/value heads do not divide by "
+        f"{axis!r} ({size}), so every device keeps them all"
+    )
+
+
+def heads_indivisible(heads: int, axis: str, size: int) -> str:
+    return f"attention replicated: {heads} heads do not divide by {axis!r} ({size})"
+
+
+def heads_unknown(block: str) -> str:
+    return f"attention {block}: its head count is unknown, so replicated"
+
+
+def no_output_projection(block: str) -> str:
+    return f"attention {block}: no output projection beside it, so replicated"
+
+
+def fused_heads(block: str, shape: tuple[int, ...]) -> str:
+    return (
+        f"attention {block}: a fused query/key/value kernel of shape {shape} holds its heads inside "
+        "one feature axis, so a split would cut across query, key and value: replicated"
+    )
+
+
+def not_whole_heads_of_query(block: str, width: int, heads: int) -> str:
+    return f"attention {block}: {width} query features do not make {heads} heads"
+
+
+def not_whole_heads(width: int, head_dim: int) -> str:
+    return f"attention: {width} features are not whole heads of {head_dim}"
+
+
+def unreadable_projection(block: str, layer: str, shape: tuple[int, ...]) -> str:
+    return (
+        f"attention {block}: {layer} of kernel shape {shape} is not a projection over heads the "
+        "planner can read"
+    )
+
+
+def traced_kv_whole(axis: str, size: int, unit: str) -> str:
+    return (
+        f"grouped-query attention: key/value heads too few to divide by {axis!r} "
+        f"({size}); kept whole beside the split query heads of {unit}"
+    )
+
+
+# -- projection pairs ---------------------------------------------------------------------
+
+
+def column(pair: str) -> str:
+    return f"column-parallel: {pair}, output features split"
+
+
+def row(pair: str) -> str:
+    return f"row-parallel: {pair}, input features split; one all-reduce forward, one backward"
+
+
+def row_bias(pair: str) -> str:
+    return f"row-parallel: {pair}, bias added after the all-reduce"
+
+
+def traced(kind: str, role: str, name: str) -> str:
+    """The note of a weight in a unit found in the traced computation."""
+    if kind == "attention":
+        if role == "row":
+            return f"attention output: {name}, heads split on its input side; one all-reduce each way"
+        return f"attention {name}: heads split (output features)"
+    return row(name) if role == "row" else column(name)
+
+
+def after_all_reduce(kind: str, name: str) -> str:
+    """A bias added to a unit's all-reduced output."""
+    after = "row-parallel" if kind == "pair" else "attention output"
+    return f"{after}: {name}, bias added after the all-reduce"
+
+
+def indivisible_pair(pair: str, width: int, axis: str, size: int) -> str:
+    return f"pair {pair}: {width} features do not divide by {axis!r} ({size})"
+
+
+def too_small(name: str, count: int, replicate_below: int) -> str:
+    return f"too small to split: {name} has {count} weights < replicate_below={replicate_below}"
+
+
+FINAL_REPLICATED = "final layer: replicated, so its output needs no gathering"
+NO_PARTNER = "no row-parallel partner follows: replicated, so no activation has to be gathered"
+
+
+def final_replicated(count: int, largest: int) -> str:
+    """A final projection smaller than the largest split kernel."""
+    why = (
+        f"{count:,} weights, fewer than the {largest:,} of the largest split kernel"
+        if largest
+        else "the plan splits no other kernel"
+    )
+    return f"{FINAL_REPLICATED} ({why})"
+
+
+def final_split(name: str, count: int, largest: int, axis: str) -> str:
+    """A final projection as large as the largest split kernel: its output features split."""
+    return (
+        f"final layer {name}, vocab-parallel: {count:,} weights, at least the {largest:,} of "
+        f"the largest split kernel, so its output features split over {axis!r}; the loss "
+        "reduces the split outputs with small all-reduces, its input gradient is all-reduced"
+    )
+
+
+# -- look-up tables ----------------------------------------------------------------------
+
+
+def vocab_parallel(rows: int, width: int, axis: str) -> str:
+    """A look-up table split over its vocabulary."""
+    return (
+        f"embedding, vocab-parallel: {rows:,} rows of {width} split over {axis!r}; each device looks up "
+        "its rows, one all-reduce of the looked-up vectors forward"
+    )
+
+
+# -- experts ----------------------------------------------------------------------------
+
+
+def experts_split(bank: str, count: int, axis: str) -> str:
+    """A weight of an expert bank split on its expert dimension."""
+    return (
+        f"expert-parallel: {bank}, {count} experts split over {axis!r}; each device runs its experts, "
+        "their weighted sum is all-reduced forward"
+    )
+
+
+def experts_indivisible(bank: str, count: int, axis: str, size: int) -> str:
+    return f"experts {bank}: {count} experts do not divide by {axis!r} ({size}), replicated"
+
+
+def unused(axes: tuple) -> str:
+    """A trainable weight the traced step never reads."""
+    over = " and ".join(repr(a) for a in axes if a is not None)
+    return f"not read by the training step: split over {over}; it gets no gradient, so no traffic"
+
+
+# -- by name ------------------------------------------------------------------------------
+
+
+def by_name(rule_note: str) -> str:
+    return f"by name: {rule_note}"
+
+
+def by_name_misfit(rule_note: str) -> str:
+    return f"by name ({rule_note}), but its shape does not fit: replicated"
+
+
+def without_partner(note: str, role: str) -> str:
+    """A by-name column (or row) layer with no partner of the other kind in its scope."""
+    other = "row" if role == "column" else "column"
+    return f"{note}; no {other}-parallel partner beside it, so replicated"

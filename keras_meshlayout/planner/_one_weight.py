@@ -1,0 +1,255 @@
+"""Costs of units of one weight: look-up tables, weights outside every unit, weights never read.
+
+- a look-up table (`Embedding`, or a custom layer's weight read by one
+  `take`): vocab-parallel, or fully sharded over the batch axis or both;
+- a weight outside every unit (a norm's scale, a small head): fully
+  sharded (ZeRO-3), gathered when used;
+- a trainable weight the step never reads: split over both axes, no traffic.
+
+Each candidate's traffic is what XLA:CPU's partitioner was measured to emit
+(`tests/test_budget.py` holds them against the compiled HLO).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import keras
+
+from ..report._collectives import wire_bytes
+from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
+from ._layers import idle_axes, lookup_table
+
+__all__ = ["OneWeightCosts"]
+
+
+class OneWeightCosts(Bytes):
+    """The candidates of units of one weight, over the byte counts of `Bytes`."""
+
+    def _embedding_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
+        """A look-up table: a Keras `Embedding`, or a custom layer's weight read only by one `take`."""
+        calls = self.uses.get(variable.path, ())
+        if not lookup_table(owner, variable, calls, self.m):
+            return None  # a tied embedding used twice, or one that does not divide: kept whole
+        output, dtype = calls[0].output, calls[0].dtype
+        wire: dict[str, float] = {}
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
+        add_wire(wire, self.model_axis, wire_bytes("all-reduce", self._summed(output, dtype), self.m))
+        split = candidate(
+            "vocab-parallel",
+            {variable.path: (self.model_axis, None)},
+            self._state(variable, self.m, True),
+            wire,
+        )
+        note = {
+            variable.path: f"embedding: vocabulary split over {self.model_axis!r}, one all-reduce forward"
+        }
+        candidates = [self._replicated([variable]), split]
+        looked_up = self._activation(output, dtype)
+        for sharded in (
+            self._sharded_table(variable, wire, looked_up),
+            self._both_axes_table(variable, wire, looked_up),
+        ):
+            if sharded is not None:
+                candidates.append(sharded)
+        proposed = 1 if self.tp_axes.get(variable.path) == (self.model_axis, None) else 0
+        name = getattr(owner, "path", variable.path)
+        return UnitCosts(name, tuple(candidates), frozen(note), proposed=proposed)
+
+    def _sharded_table(
+        self, variable: keras.Variable, vocab_wire: Mapping[str, float], looked_up: float
+    ) -> Candidate | None:
+        """A look-up table split over the batch axis on its vocabulary (fully sharded).
+
+        Offered only with a batch axis larger than the model axis, where it
+        holds less than vocab-parallel, and only while one model-axis block
+        of the table is no larger than the looked-up activations on a device
+        (`looked_up`): there XLA:CPU was measured to move each device's rows
+        to the vocab-parallel layout (a collective-permute of its shard over
+        both axes, then an all-gather over the batch-axis devices that hold
+        one model-axis block), look up vocab-parallel, and move the gradient
+        back the same way (a second permute). A larger table makes XLA move
+        the activations instead, which no formula here predicts.
+        `tests/test_budget.py` holds this against the compiled HLO on 4×2.
+        """
+        d, m, rows = self.d, self.m, variable.shape[0]
+        size = nbytes(variable)
+        if d <= m or d % m or rows % d or size / m > looked_up:
+            return None
+        wire = dict(vocab_wire)
+        add_wire(wire, self.batch_axis, wire_bytes("all-gather", size / m, d // m))
+        add_wire(wire, self.both, 2 * size / d)
+        note = {
+            variable.path: f"embedding: vocabulary split over {self.batch_axis!r}, moved to a split over "
+            f"{self.model_axis!r} for the look-up"
+        }
+        axes = {variable.path: (self.batch_axis, None)}
+        return candidate("fully sharded", axes, self._state(variable, d, True), wire, note)
+
+    def _both_axes_table(
+        self, variable: keras.Variable, vocab_wire: Mapping[str, float], looked_up: float
+    ) -> Candidate | None:
+        """A look-up table split on its vocabulary over the model axis, then the batch axis.
+
+        Each device holds `1/(model·batch)` of the table. Measured on XLA:CPU
+        (2×4 and 4×2) with a model-axis block of 1/32 of the looked-up
+        activations on a device: vocab-parallel, plus an all-gather of the
+        device's model-axis block over the batch axis before the look-up; the
+        gradient is reduced as vocab-parallel's. With a block as large as the
+        activations (1× and 4× measured) XLA moves the activations instead
+        (the ids gathered, the looked-up rows all-reduced over both axes),
+        which no formula here predicts; where between the two it switches is
+        not pinned, so the layout is offered only up to a quarter.
+        """
+        d, m, rows = self.d, self.m, variable.shape[0]
+        size = nbytes(variable)
+        if d <= 1 or rows % (d * m) or 4 * size / m > looked_up:
+            return None
+        wire = plus_wire(vocab_wire, self.batch_axis, wire_bytes("all-gather", size / m, d))
+        note = {
+            variable.path: f"embedding: vocabulary split {d * m} ways over {self.model_axis!r} and "
+            f"{self.batch_axis!r}, gathered over {self.batch_axis!r} for the look-up, one all-reduce "
+            f"over {self.model_axis!r} forward"
+        }
+        axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
+        return candidate("fully sharded", axes, self._state(variable, d * m, True), wire, note)
+
+    def _idle_unit(self, variable: keras.Variable) -> UnitCosts | None:
+        """A trainable weight the step never reads (an untied output embedding, say).
+
+        It gets no gradient, so splitting it over both axes costs no traffic.
+        """
+        axes, shards = idle_axes(
+            tuple(variable.shape), ((self.model_axis, self.m), (self.batch_axis, self.d))
+        )
+        if shards == 1:
+            return None
+        split = candidate("split, unused", {variable.path: axes}, self._state(variable, shards, True), {})
+        note = {variable.path: "the training step never reads it: no gradient, so no traffic"}
+        proposed = 1 if self.tp_axes.get(variable.path) == axes else 0
+        return UnitCosts(
+            variable.path, (self._replicated([variable]), split), frozen(note), proposed=proposed
+        )
+
+    def _fully_sharded_unit(self, variable: keras.Variable) -> UnitCosts | None:
+        """A weight outside every unit, split over the batch axis and gathered when used (ZeRO-3).
+
+        Two kinds of weight get the candidate, each with what XLA:CPU's
+        partitioner was measured to do with it (`tests/test_budget.py` holds
+        these against the compiled HLO on 2×4 and 4×2):
+
+        - a weight read only element-wise (a norm's scale or offset, 1-D):
+          all-gathered over the batch axis forward, and once more backward
+          when it multiplies (the input gradient needs it); its gradient is
+          all-reduced as if replicated;
+        - a projection kernel `x @ w` read once, split on its input features:
+          with a batch axis at least as large as the model axis, all-gathered
+          over the batch axis forward, its gradient all-reduced whole. With a
+          smaller batch axis XLA moves each device's shard to the model-axis
+          layout (a collective-permute over both axes of 1/model of the
+          kernel), then either all-gathers it over the model axis or, when
+          that sends no less, all-reduces the projection's output over the
+          model axis forward and gathers the kernel backward; its gradient is
+          all-reduced over the batch axis in batch-axis shards, then permuted
+          back.
+
+        Either kind whose first dimension divides by both axes' product also
+        gets a split over the batch and model axes together, `d × m` pieces:
+        XLA all-gathers it over both axes at each read (as often as above)
+        and all-reduces its gradient whole over the batch axis. The search
+        takes whichever of the two fits the budget at the least traffic.
+        """
+        shape, d, m = tuple(variable.shape), self.d, self.m
+        if d <= 1 or not shape or shape[0] % d:
+            return None
+        size = nbytes(variable)
+        wire: dict[str, float] | None = {}
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, 1))
+        uses = self.uses.get(variable.path, ())
+        both = dict(wire)  # split over every axis: the same gradient all-reduce, gathers over both
+        if not uses and len(shape) == 1:
+            gathers = self._elementwise_gathers(variable.path)
+            if not gathers:
+                return None
+            add_wire(wire, self.batch_axis, gathers * wire_bytes("all-gather", size, d))
+            add_wire(both, self.both, gathers * wire_bytes("all-gather", size, d * m))
+            when = "forward" + (" and backward" if gathers > 1 else "")
+            how = f"gathered over {self.batch_axis!r} {when}"
+        elif (
+            len(uses) == 1
+            and uses[0].kind == "matmul"
+            and len(shape) == 2
+            and uses[0].contracted == (0,)
+            and not uses[0].batch
+        ):
+            (use,) = uses
+            add_wire(both, self.both, wire_bytes("all-gather", size, d * m))
+            when = "before its projection"
+            if d >= m:
+                add_wire(wire, self.batch_axis, wire_bytes("all-gather", size, d))
+            else:
+                wire = None if shape[0] % m else self._permuted_kernel(size, use)
+            how = f"gathered over {self.batch_axis!r} {when}"
+        else:
+            return None
+        rest = (None,) * (len(shape) - 1)
+        candidates = [self._replicated([variable])]
+        notes: dict[str, str] = {}
+        if wire is not None:
+            axes = {variable.path: (self.batch_axis, *rest)}
+            candidates.append(candidate("fully sharded", axes, self._state(variable, d, True), wire))
+            notes[variable.path] = f"split over {self.batch_axis!r}, {how}; its gradient reduced over it"
+        if m > 1 and shape[0] % (d * m) == 0:
+            # Measured on XLA:CPU (2×4 and 4×2): one all-gather over both axes per read, the
+            # gradient all-reduced whole over the batch axis, as replicated.
+            axes = {variable.path: ((self.batch_axis, self.model_axis), *rest)}
+            note = (
+                f"split {d * m} ways over {self.batch_axis!r} and {self.model_axis!r}, gathered over "
+                f"both {when}; its gradient reduced over {self.batch_axis!r}"
+            )
+            state = self._state(variable, d * m, True)
+            candidates.append(candidate("fully sharded", axes, state, both, {variable.path: note}))
+        if len(candidates) == 1:
+            return None
+        return UnitCosts(variable.path, tuple(candidates), frozen(notes))
+
+    def _permuted_kernel(self, size: float, use) -> dict[str, float]:
+        """The traffic of a kernel split over a batch axis smaller than the model axis (see above)."""
+        d, m = self.d, self.m
+        wire: dict[str, float] = {}
+        add_wire(wire, self.batch_axis, wire_bytes("all-reduce", size / d, d))
+        add_wire(wire, self.both, size / m + size / d)
+        gather = wire_bytes("all-gather", size, m)
+        reduce = wire_bytes("all-reduce", self._summed(use.output, use.dtype), m)
+        if gather < reduce:
+            add_wire(wire, self.model_axis, gather)
+        else:
+            add_wire(wire, self.model_axis, reduce + (0.0 if use.from_input else gather))
+        return wire
+
+    def _elementwise_gathers(self, path: str) -> int:
+        """How often a weight read only element-wise is gathered per step: 2 if it multiplies, else 1.
+
+        0 when something other than a broadcast, reshape or cast leads it to
+        anything but an add, subtract, multiply or divide.
+        """
+        values = [v for v, name in self.trace.variables.items() if name == path]
+        multiplies = False
+        while values:
+            value = values.pop()
+            for index in self.trace.consumers.get(value, ()):
+                node = self.trace.nodes[index]
+                if node.primitive in ("broadcast_in_dim", "reshape", "convert_element_type", "squeeze"):
+                    values.extend(node.outputs)
+                elif node.primitive in ("mul", "div"):
+                    multiplies = True
+                elif node.primitive not in ("add", "add_any", "sub"):
+                    return 0
+        return 2 if multiplies else 1
+
+    def activation_reserve(self) -> int:
+        total = 0.0
+        for uses in self.uses.values():
+            for use in uses:
+                total += self._activation(use.output, use.dtype)
+        return int(total)

@@ -1,0 +1,88 @@
+"""Vocabulary-parallel embeddings in the plan without a budget (issue 19, item 1).
+
+A table read by one look-up is split over its rows (`planner/_embeddings.py`),
+and the cost the planner predicts for it is what the compiled step sends,
+at the vocabulary sizes of real models (32K, 128K, 256K rows).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_meshlayout as kml
+
+BATCH, LENGTH, WIDTH, CLASSES = 16, 8, 8, 10
+
+
+def build(vocab: int, width: int = WIDTH) -> keras.Model:
+    tokens = keras.Input((LENGTH,), dtype="int32", name="token_ids")
+    x = keras.layers.Embedding(vocab, width, name="token_embedding")(tokens)
+    x = keras.layers.Dense(64, activation="gelu", name="up")(x)
+    x = keras.layers.Dense(width, name="down")(x)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    return keras.Model(tokens, keras.layers.Dense(CLASSES, name="head")(pooled), name="lm")
+
+
+def tokens(vocab: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, vocab, (BATCH, LENGTH)).astype("int32")
+
+
+def test_a_large_table_is_vocab_parallel_without_a_budget():
+    rules = kml.auto_rules(build(32768), kml.Mesh(data=2, model=4))
+    table = rules.match("token_embedding/embeddings")
+    assert table.axes == ("model", None)
+    assert table.note == (
+        "embedding, vocab-parallel: 32,768 rows of 8 split over 'model'; each device looks up its rows, "
+        "one all-reduce of the looked-up vectors forward"
+    )
+
+
+@pytest.mark.parametrize(
+    ("vocab", "width", "replicate_below", "note"),
+    [
+        (30, WIDTH, 0, "by name: token embeddings replicated"),  # 30 rows do not divide by 4
+        (256, WIDTH, None, "by name: token embeddings replicated"),  # 2,048 entries < 4,096
+    ],
+    ids=["indivisible", "small"],
+)
+def test_a_table_that_cannot_split_stays_whole(vocab, width, replicate_below, note):
+    rules = kml.auto_rules(build(vocab, width), kml.Mesh(data=2, model=4), replicate_below=replicate_below)
+    table = rules.match("token_embedding/embeddings")
+    assert table.axes == (None, None) and table.note.startswith(note)
+
+
+def test_a_table_read_twice_stays_whole():
+    """A tied table (looked up, and read again by the language-model head) is no plain look-up table."""
+    import keras_hub
+
+    tokens_in = keras.Input((LENGTH,), dtype="int32")
+    embedding = keras_hub.layers.ReversibleEmbedding(32768, WIDTH, tie_weights=True, name="token_embedding")
+    x = keras.layers.Dense(WIDTH, name="mix")(embedding(tokens_in))
+    model = keras.Model(tokens_in, embedding(x, reverse=True), name="tied")
+    rules = kml.auto_rules(model, kml.Mesh(data=2, model=4))
+    assert rules.match("token_embedding/embeddings").axes == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "mesh_shape"),
+    [(32768, (2, 4)), (131072, (2, 4)), (262144, (4, 2))],
+    ids=["32K-2x4", "128K-2x4", "256K-4x2"],
+)
+def test_vocab_parallel_prediction_matches_the_compiled_step(vocab, mesh_shape):
+    mesh = kml.Mesh(data=mesh_shape[0], model=mesh_shape[1])
+    x, y = tokens(vocab), np.zeros(BATCH, "int32")
+    rules = kml.auto_rules(build(vocab), mesh, batch=x, optimizer="adam")
+    assert rules.match("token_embedding/embeddings").axes == ("model", None)
+    assert rules.cost.layouts()["vocab-parallel"] == 1
+    dist = kml.ModelParallel(mesh, rules)
+    keras.distribution.set_distribution(dist)
+    model = build(vocab)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = kml.comm_report(model, x, y)
+    for axis, measured in report.wire_bytes_by_axis.items():
+        assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
+    model.optimizer.build(model.trainable_variables)
+    memory = dist.plan(model).memory()
+    assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
