@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryEstimate", "SlotModel", "check_plan", "memory_of", "parse_bytes", "slot_model"]
 
-
 @dataclasses.dataclass(frozen=True)
 class SlotModel:
     """What an optimizer keeps per trainable parameter: the one model of optimizer memory.
