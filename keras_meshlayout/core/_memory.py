@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SlotModel:
     """What an optimizer keeps per trainable parameter: the one model of optimizer memory.
