@@ -320,7 +320,9 @@ class _Planner:
 
     def _attention(self, layer: Any) -> None:
         """Splits an attention layer's projections over heads, read off their einsum equations."""
-        projections = [sub for sub in _compat.sublayers(layer) if _heads_dim(sub) is not None]
+        projections = [
+            sub for sub in _compat.sublayers(layer) if _heads_dim(sub) is not None
+        ]
         query_like = [sub for sub in projections if _heads_dim(sub)[1] == "in"]
         heads = max((sub.kernel.shape[_heads_dim(sub)[0]] for sub in query_like), default=0)
         for sub in projections:
@@ -536,11 +538,8 @@ class _Planner:
                 continue
             count = math.prod(variable.shape)
             name = self._display(_weight_name(path))
-            if (
-                largest
-                and count >= largest
-                and count >= self.replicate_below
-                and not (variable.shape[1] % self.size)
+            if largest and count >= largest and count >= self.replicate_below and not (
+                variable.shape[1] % self.size
             ):
                 note = (
                     f"final layer {name}, vocab-parallel: {count:,} weights, at least the {largest:,} of "
