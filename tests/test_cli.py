@@ -450,7 +450,7 @@ print(json.dumps(results))
 
 def test_the_command_line_offers_exactly_the_registered_presets():
     """The registry is the one list: kml exports each preset function, the CLI offers each name."""
-    from keras_meshlayout.cli import _args, _main, _plan
+    from keras_meshlayout.cli import _args, _main, _plan, _plan_inputs
     from keras_meshlayout.planner import _presets
 
     registry = _presets.PRESETS
@@ -463,7 +463,7 @@ def test_the_command_line_offers_exactly_the_registered_presets():
     for preset in registry.values():
         assert f"{preset.usage} ({preset.summary})" in option.help
     with pytest.raises(_args.InputError) as unknown:
-        _plan._preset("bogus", "model")
+        _plan_inputs.preset_rules("bogus", "model")
     assert str(unknown.value) == (
         f"--preset 'bogus': unknown preset. Choose one of: {', '.join(p.usage for p in registry.values())}."
     )
@@ -483,10 +483,10 @@ def test_the_command_line_offers_exactly_the_registered_presets():
     ids=["mlp-without-layers", "mlp-empty-layer", "conv-with-layers"],
 )
 def test_a_preset_spelled_wrong_says_how_to_spell_it(spec, message):
-    from keras_meshlayout.cli import _args, _plan
+    from keras_meshlayout.cli import _args, _plan_inputs
 
     with pytest.raises(_args.InputError) as error:
-        _plan._preset(spec, "model")
+        _plan_inputs.preset_rules(spec, "model")
     assert str(error.value).startswith(message), str(error.value)
 
 
