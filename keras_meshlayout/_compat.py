@@ -31,6 +31,7 @@ Keras's global state and distribution backend:
 - `keras.src.backend.jax.distribution_lib`: `distribute_data_input`, wrapped to check
   every batch, and `initialize_rng`, the first collective of a multi-process run.
 - `Variable._layout`: the layout Keras gave an optimizer slot (its parameter's).
+- `Callback._model`: the model a callback is attached to, read without a state sync.
 - `Optimizer._overwrite_variable_with_gradient`: parameters an optimizer keeps no
   slots for.
 - `Layer._flatten_layers`, `Model._symbolic_build`, `Model._get_state_sharding_spec`:
@@ -332,6 +333,16 @@ def layout_map_mesh(layout_map: Any) -> Any:
     unbound map; the mesh itself sits in `LayoutMap._device_mesh`.
     """
     return layout_map._device_mesh
+
+
+def callback_model(callback: Any) -> Any:
+    """The model a `keras.callbacks.Callback` is attached to (`Callback._model`), or `None`.
+
+    Keras's public `Callback.model` syncs the JAX trainer's state into the variables on
+    every read; a callback that asks after every step (for a preemption notice) reads
+    the attribute itself.
+    """
+    return callback._model
 
 
 def distribution_layout_map(distribution: Any) -> Any:

@@ -151,7 +151,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self.max_save_failures = max_save_failures
         self.preemption = preemption
         self._backups = _backups.Backups(self.directory, max_to_keep)
-        self._lock = _lock.DirectoryLock(self.directory)
+        self._run_lock = _lock.DirectoryLock(self.directory)
         self._notice = _preemption.Notice()
         self._pending: _save.BackgroundSave | None = None
         self._failures = 0  # saves failed in a row
@@ -181,7 +181,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._release_lock()  # a fit that fails to start holds nothing
             raise
         if self.preemption:
-            self._notice.install(self._model)
+            self._notice.install(_compat.callback_model(self))
 
     def _resume_from_backup(self) -> None:
         # A save killed midway is finished (or removed) here: after a kill between its two renames,
@@ -348,7 +348,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         failure: CheckpointError | None = None
         if jax.process_index() == 0:
             try:
-                self._lock.acquire()
+                self._run_lock.acquire()
             except CheckpointError as err:
                 failure = err
         if jax.process_count() > 1:
@@ -367,7 +367,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         import jax
 
         if jax.process_index() == 0:
-            self._lock.release()
+            self._run_lock.release()
 
     def _exit_preempted(self, signum: int) -> None:
         status = _preemption.PREEMPTED_EXIT_BASE + signum
@@ -389,7 +389,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if not self._skip_now:
             return self._train_function(state, iterator)
         next(iterator)
-        for _ in range(getattr(self._model, "steps_per_execution", 1) - 1):
+        for _ in range(getattr(_compat.callback_model(self), "steps_per_execution", 1) - 1):
             try:
                 next(iterator)
             except StopIteration:
@@ -398,8 +398,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     def _restore_train_function(self) -> None:
         if self._train_function is not None:
-            if self._model.train_function == self._train_or_skip:
-                self._model.train_function = self._train_function
+            if _compat.callback_model(self).train_function == self._train_or_skip:
+                _compat.callback_model(self).train_function = self._train_function
             self._train_function = None
 
 

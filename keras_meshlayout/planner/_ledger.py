@@ -185,7 +185,7 @@ class Ledger:
 
     def split_paths(self) -> list[str]:
         """The variables split over the model axis so far."""
-        return [p for p, d in self._variables() if self.axis in d.axes]
+        return [p for p, d in self._decided() if self.axis in d.axes]
 
     def rules(self) -> list[tuple[str, Axes, str]]:
         r"""`(pattern, axes, note)` per decision, in the order they were first made.
@@ -214,7 +214,7 @@ class Ledger:
 
     def proposal(self) -> Proposal:
         """The decisions, frozen: what the costs (`_costs`) read."""
-        variables = list(self._variables())
+        variables = list(self._decided())
         return Proposal(
             model_axis=self.axis,
             batch_axis=self.batch_axis,
@@ -243,7 +243,7 @@ class Ledger:
             return f"(?:{prefix})?{escaped[len(prefix) :]}"
         return escaped
 
-    def _variables(self):
+    def _decided(self):
         return ((p, d) for p, d in self._entries.items() if isinstance(p, str))
 
     def _decision(self, path: str, axes: Axes, note: str, unit: str | None) -> Decision:
