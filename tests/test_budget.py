@@ -81,19 +81,13 @@ AGREEMENT = [
 #: vocab-parallel, loose enough that most units stay as the least-traffic plan has them.
 CHOSEN_LAYOUTS = {
     ("llama", "2x4", 0.8): {
-        "replicated": 8,
-        "2-D": 2,
-        "tensor-parallel": 1,
-        "vocab-parallel": 1,
-        "split, unused": 1,
-    },
-    ("llama", "4x2", 0.6): {
-        "replicated": 6,
+        "replicated": 7,
         "2-D": 3,
         "tensor-parallel": 1,
         "vocab-parallel": 1,
         "split, unused": 1,
     },
+    ("llama", "4x2", 0.6): {"replicated": 7, "2-D": 3, "vocab-parallel": 1, "split, unused": 1},
     ("gemma", "2x4", 0.9): {"replicated": 8, "2-D": 2, "tensor-parallel": 1, "vocab-parallel": 1},
     ("gemma", "4x2", 0.8): {"replicated": 6, "2-D": 1, "tensor-parallel": 3, "vocab-parallel": 1},
 }

@@ -213,6 +213,7 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_by_trace.unused_weights",
         "_by_name.named_weights",
         "_by_trace.lone_projections",
+        "_by_trace.left_whole",
     ]
     model = mlp(4096)
     ledger = Ledger(model.name, MESH_AXIS, "data")
@@ -249,3 +250,23 @@ def test_planner_modules_and_functions_stay_small(path):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             count = _code_lines(node, lines)
             assert count <= 60, f"{path.name}:{node.lineno} {node.name} has {count} lines of code"
+
+
+class _Cumulative(keras.layers.Layer):
+    """A custom layer whose weight only an operation no strategy knows reads (a cumulative sum)."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(shape[-1], 64), name="table")
+
+    def call(self, x):
+        return x @ keras.ops.cumsum(self.table, axis=0)
+
+
+def test_a_weight_no_strategy_splits_plans_replicated_with_the_reason():
+    """Issue 19's bad input: an unknown operation still plans, and the note names what read it."""
+    inputs = keras.Input((32,))
+    model = keras.Model(inputs, _Cumulative(name="odd")(inputs), name="net")
+    rules = kml.auto_rules(model, kml.Mesh(data=2, model=4))
+    rule = rules.match("odd/table")
+    assert rule.axes == (None, None)
+    assert rule.note == "replicated: no strategy splits a weight read by cumsum"

@@ -58,6 +58,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_trace.unused_weights,  # trainable weights the step never reads, split at no cost
     _by_name.named_weights,  # the rest by name (`transformer_rules`)
     _by_trace.lone_projections,  # the projections no unit took, noted
+    _by_trace.left_whole,  # anything else, replicated with the operations that read it
 )
 
 

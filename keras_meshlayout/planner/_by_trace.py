@@ -9,7 +9,9 @@
   output embedding while a backbone is fine-tuned) is split over both axes:
   it gets no gradient, so that costs no traffic;
 - `lone_projections`: every projection weight no unit took is noted as
-  replicated, with the reason.
+  replicated, with the reason;
+- `left_whole`: any weight still undecided (one a custom operation reads) is
+  noted as replicated, naming the operations that read it.
 
 Each does nothing without a trace (a subclassed model never called).
 """
@@ -25,7 +27,7 @@ from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import find_added, find_units
 
-__all__ = ["final_layers", "lone_projections", "traced_units", "unused_weights"]
+__all__ = ["final_layers", "left_whole", "lone_projections", "traced_units", "unused_weights"]
 
 
 def traced_units(ledger: Ledger, setting: Setting) -> None:
@@ -157,3 +159,16 @@ def _weight_name(path: str) -> str:
     """A weight's readable name: its layer's path for `.../kernel`, else the path."""
     head, _, tail = path.rpartition("/")
     return head if head and tail in ("kernel", "embeddings") else path
+
+
+def left_whole(ledger: Ledger, setting: Setting) -> None:
+    """Notes every weight no strategy decided as replicated, with the operations that read it."""
+    readers: dict[str, set[str]] = {}
+    if setting.trace is not None:
+        for value, path in setting.trace.variables.items():
+            for index in setting.trace.consumers.get(value, ()):
+                readers.setdefault(path, set()).add(setting.trace.nodes[index].primitive)
+    for variable in setting.model.weights:
+        if not ledger.decided(variable.path):
+            ops = sorted(readers.get(variable.path, ()))
+            ledger.record(variable.path, (None,) * len(variable.shape), _notes.left_whole(ops, setting.trace))

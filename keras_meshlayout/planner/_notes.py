@@ -182,3 +182,12 @@ def without_partner(note: str, role: str) -> str:
     """A by-name column (or row) layer with no partner of the other kind in its scope."""
     other = "row" if role == "column" else "column"
     return f"{note}; no {other}-parallel partner beside it, so replicated"
+
+
+def left_whole(ops: list[str], trace: object) -> str:
+    """A weight no strategy splits."""
+    if trace is None:
+        return "replicated: the model was not traced and no layer or name says how to split it"
+    if not ops:
+        return "replicated: the traced step does not read it"
+    return f"replicated: no strategy splits a weight read by {', '.join(ops)}"
