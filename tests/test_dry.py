@@ -166,7 +166,7 @@ def test_the_guard_accepts_what_the_planner_keeps_replicated_and_says_why():
     assert any(path.endswith("/mlp_mid_kernel_momentum") for path in plan.intended)  # its slots too
     plan.check()  # no MemoryBudgetError for its own choice
     note = plan.intended_replication()
-    assert note.startswith("99% of each device's training state stays replicated by the planner's")
+    assert note.startswith("100% of each device's training state stays replicated by the planner's")
     assert "pair up → mid: 66 features do not divide by 'model' (4)" in note
     assert "--memory-budget SIZE --batch-size N" in note and "another mesh" in note
     assert plan.intended_replication(max_replicated_fraction=1.0) is None
