@@ -55,7 +55,7 @@ from ._cluster import (
 from ._failure import report
 from ._ports import NAME, PortInUseError, claim_port
 from ._relay import GlooLines, relay
-from ._supervise import die_with_parent, stop, watch
+from ._supervise import die_with_parent, joining, stop, watch
 
 PROG = "python -m keras_meshlayout.launch"
 DEFAULT_GRACE = 5.0
@@ -226,7 +226,8 @@ def launch(
             + ", ".join(f"rank {rank}: pid {p.pid}" for rank, p in enumerate(processes))
         )
         readers = _relays(processes, out, err, lock)
-        outcome = watch(processes, timeout, stop_requested, status_dir)
+        with joining(status_dir, num_processes) as tick:
+            outcome = watch(processes, timeout, stop_requested, status_dir, tick)
         survivors = [rank for rank, p in enumerate(processes) if p.poll() is None]
         killed = stop(processes, grace) if outcome.kind != "done" else []
         for reader in readers:

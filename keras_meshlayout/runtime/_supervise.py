@@ -1,9 +1,9 @@
 """The launcher's supervision of its processes: wait for them, find who failed first, stop the rest.
 
 `watch` waits until every process succeeds, one fails, time runs out or the
-launcher is told to stop; `first_failure` names the process whose failure made
-the others fail; `stop` ends them (SIGTERM to each process group, SIGKILL after
-a grace period).
+launcher is told to stop (`joining`: a spinner until all joined); `first_failure`
+names the process whose failure made the others fail; `stop` ends them (SIGTERM
+to each process group, SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["Outcome", "die_with_parent", "first_failure", "reports", "stop", "watch"]
+from ..core._progress import shown, spinner
+
+__all__ = ["Outcome", "die_with_parent", "first_failure", "joining", "reports", "stop", "watch"]
 
 POLL = 0.05
 _SETTLE = 0.5  # seconds a failure waits for an earlier one to be reported
@@ -35,8 +37,12 @@ def watch(
     timeout: float | None,
     stop_requested: list[int],
     status_dir: Path | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> Outcome:
-    """Waits until all succeed, one fails, time runs out, or the launcher is told to stop."""
+    """Waits until all succeed, one fails, time runs out, or the launcher is told to stop.
+
+    `tick()`, when given, is called at every look (every `POLL` seconds), e.g. to draw progress.
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
     ended: dict[int, float] = {}  # rank: when it ended (time.time()), as its waiter saw it
 
@@ -62,7 +68,38 @@ def watch(
             return Outcome("interrupted", signum=stop_requested[0])
         if deadline is not None and time.monotonic() > deadline:
             return Outcome("timeout")
+        if tick is not None:
+            tick()
         time.sleep(POLL)
+
+
+@contextlib.contextmanager
+def joining(status_dir: Path, count: int) -> Iterator[Callable[[], None] | None]:
+    """A spinner counting the processes that joined the run, until all have (terminal only).
+
+    Yields the `tick` for `watch`: each call counts the `joined.N` files the processes leave in
+    `status_dir` (`runtime._initialize`), and the spinner is erased once all `count` joined,
+    before the processes' own output takes over. Yields `None` where progress is not shown.
+    """
+    if not shown():
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        step = stack.enter_context(spinner("launch"))
+        step(f"waiting for the processes to join the run: 0 of {count}")
+        seen = [0]
+
+        def tick() -> None:
+            if seen[0] == count:
+                return
+            joined = len(list(status_dir.glob("joined.*")))
+            if joined != seen[0]:
+                seen[0] = joined
+                step(f"waiting for the processes to join the run: {joined} of {count}")
+            if joined == count:
+                stack.close()
+
+        yield tick
 
 
 def first_failure(failed: dict[int, float], reported: dict[int, tuple[float, bool]]) -> int:
