@@ -32,11 +32,11 @@ from ._plan_inputs import (
     check_optimizer,
     load_builder,
     preset_rules,
-    registry,
     rules_file,
 )
+from ._preset_table import PRESET_TABLE
 
-__all__ = ["HELP", "NAME", "PRESETS", "add_parser", "run"]  # noqa: F822 (PRESETS: __getattr__)
+__all__ = ["HELP", "NAME", "PRESETS", "add_parser", "run"]
 
 NAME = "plan"
 #: Plans of more variables than this print as `plan.summary()` unless `--full` is given.
@@ -44,10 +44,8 @@ SUMMARY_ABOVE = 60
 HELP = "plan a model on a mesh without allocating its weights"
 
 
-def __getattr__(name: str) -> Any:
-    if name == "PRESETS":  # how `--preset` spells each registered preset
-        return tuple(preset.usage for preset in registry().values())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: How `--preset` spells each registered preset (from the light table: no planner import).
+PRESETS = tuple(usage for usage, _ in PRESET_TABLE)
 
 
 RULES_FILE_HELP = """\
@@ -98,8 +96,7 @@ def _add_inputs(plan: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--preset",
         metavar="NAME",
-        help="preset rules: "
-        + "; ".join(f"{preset.usage} ({preset.summary})" for preset in registry().values()),
+        help="preset rules: " + "; ".join(f"{usage} ({summary})" for usage, summary in PRESET_TABLE),
     )
     source.add_argument("--auto", action="store_true", help="rules from kml.auto_rules")
     plan.add_argument(
