@@ -179,3 +179,18 @@ def test_launcher_shows_the_join_only_where_someone_watches(forced, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("joined") == 2
     assert ("waiting for the processes to join the run" in result.stderr) == forced, result.stderr
+
+
+def test_bytes_written_count_orbaxs_temporary_directory(tmp_path):
+    """Orbax writes into `model.orbax.orbax-checkpoint-tmp-N` and renames it last: the bar counts both."""
+    from keras_meshlayout.checkpoint._orbax_store import _on_disk
+
+    target = tmp_path / "model.orbax"
+    (tmp_path / "model.orbax.orbax-checkpoint-tmp-1" / "d").mkdir(parents=True)
+    (tmp_path / "model.orbax.orbax-checkpoint-tmp-1" / "d" / "chunk").write_bytes(b"x" * 1000)
+    (tmp_path / "optimizer.orbax").mkdir()
+    (tmp_path / "optimizer.orbax" / "chunk").write_bytes(b"x" * 10)  # another kind's: not counted
+    assert _on_disk(target) == 1000
+    target.mkdir()
+    (target / "chunk").write_bytes(b"x" * 24)
+    assert _on_disk(target) == 1024

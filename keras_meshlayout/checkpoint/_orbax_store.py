@@ -379,12 +379,17 @@ def _restore_group(
 
 
 def _on_disk(directory: Path) -> int:
-    """The bytes of every file under `directory` so far (what a save in progress has written)."""
+    """The bytes a save in progress has written for `directory` so far.
+
+    Orbax writes into a temporary sibling (`model.orbax.orbax-checkpoint-tmp-...`) and renames
+    it at the end: every entry beside `directory` whose name starts with its name is counted.
+    """
     total = 0
-    for folder, _, names in os.walk(directory):
-        for name in names:
-            with contextlib.suppress(OSError):  # a temporary file renamed meanwhile
-                total += (Path(folder) / name).stat().st_size
+    for root in directory.parent.glob(f"{directory.name}*"):
+        for folder, _, names in os.walk(root):
+            for name in names:
+                with contextlib.suppress(OSError):  # a temporary file renamed meanwhile
+                    total += (Path(folder) / name).stat().st_size
     return total
 
 
