@@ -127,19 +127,36 @@ def test_checkpoint_save_and_load_show_their_bytes(
 
 def test_launcher_counts_the_processes_that_joined(tmp_path, no_override, monkeypatch, capsys):
     monkeypatch.setenv(ENV, "1")
-    with joining(tmp_path, 2) as tick:
-        tick()
+    with joining(tmp_path, 2) as progress:
         (tmp_path / "joined.0").write_text("1")
-        tick()
+        progress.tick()
         (tmp_path / "joined.1").write_text("2")
-        tick()
-        tick()  # after all joined: nothing more drawn
-    err = capsys.readouterr().err
-    for count in ("0 of 2", "1 of 2", "2 of 2"):
+        progress.tick()
+        drawn = capsys.readouterr().err
+        progress.tick()  # after all joined: nothing more drawn
+        progress.stop()
+        assert capsys.readouterr().err == ""
+    err = drawn + capsys.readouterr().err
+    for count in ("1 of 2", "2 of 2"):
         assert f"waiting for the processes to join the run: {count}" in err
+    assert err.endswith("\x1b[2K")  # erased once all joined
+
+
+def test_launcher_spinner_is_gone_before_a_process_line_is_relayed(
+    tmp_path, no_override, monkeypatch, capsys
+):
+    """A process's first line must not land on the spinner's line: the spinner is erased first."""
+    monkeypatch.setenv(ENV, "1")
+    with joining(tmp_path, 2) as progress:
+        progress.stop()  # what the relay calls before writing a line
+        drawn = capsys.readouterr().err
+        (tmp_path / "joined.0").write_text("1")
+        progress.tick()
+        assert capsys.readouterr().err == ""  # nothing drawn once stopped
+    assert "0 of 2" in drawn and drawn.endswith("\x1b[2K")  # its last act: the line erased
     monkeypatch.delenv(ENV)
-    with joining(tmp_path, 2) as tick:
-        assert tick is None  # not a terminal: not even the directory is looked at
+    with joining(tmp_path, 2) as progress:
+        progress.tick()  # not a terminal: nothing drawn
     assert capsys.readouterr().err == ""
 
 

@@ -225,9 +225,9 @@ def launch(
             f"{num_processes} processes{devices}, coordinator {address}; "
             + ", ".join(f"rank {rank}: pid {p.pid}" for rank, p in enumerate(processes))
         )
-        readers = _relays(processes, out, err, lock)
-        with joining(status_dir, num_processes) as tick:
-            outcome = watch(processes, timeout, stop_requested, status_dir, tick)
+        with joining(status_dir, num_processes) as progress:
+            readers = _relays(processes, out, err, lock, before=progress.stop)
+            outcome = watch(processes, timeout, stop_requested, status_dir, progress.tick)
         survivors = [rank for rank, p in enumerate(processes) if p.poll() is None]
         killed = stop(processes, grace) if outcome.kind != "done" else []
         for reader in readers:
@@ -264,12 +264,18 @@ def _start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
 
 
 def _relays(
-    processes: Sequence[subprocess.Popen], out: IO[bytes], err: IO[bytes], lock: threading.Lock
+    processes: Sequence[subprocess.Popen],
+    out: IO[bytes],
+    err: IO[bytes],
+    lock: threading.Lock,
+    before: Any = None,
 ) -> list[threading.Thread]:
     """Starts a thread per output stream of every process, copying its lines prefixed with its rank."""
     quiet = GlooLines()
     readers = [
-        threading.Thread(target=relay, args=(stream, sink, f"[{rank}] ".encode(), lock, quiet), daemon=True)
+        threading.Thread(
+            target=relay, args=(stream, sink, f"[{rank}] ".encode(), lock, quiet, before), daemon=True
+        )
         for rank, p in enumerate(processes)
         for stream, sink in ((p.stdout, out), (p.stderr, err))
     ]

@@ -16,10 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ..core._progress import shown, spinner
 
-__all__ = ["Outcome", "die_with_parent", "first_failure", "joining", "reports", "stop", "watch"]
+__all__ = ["Joining", "Outcome", "die_with_parent", "first_failure", "joining", "reports", "stop", "watch"]
 
 POLL = 0.05
 _SETTLE = 0.5  # seconds a failure waits for an earlier one to be reported
@@ -73,33 +74,53 @@ def watch(
         time.sleep(POLL)
 
 
-@contextlib.contextmanager
-def joining(status_dir: Path, count: int) -> Iterator[Callable[[], None] | None]:
-    """A spinner counting the processes that joined the run, until all have (terminal only).
+class Joining:
+    """The launcher's spinner counting the processes that joined; `tick` and `stop` are thread-safe.
 
-    Yields the `tick` for `watch`: each call counts the `joined.N` files the processes leave in
-    `status_dir` (`runtime._initialize`), and the spinner is erased once all `count` joined,
-    before the processes' own output takes over. Yields `None` where progress is not shown.
+    `tick()` counts the `joined.N` files the processes leave in the status directory
+    (`runtime._initialize`) and erases the spinner once all joined; `stop()` erases it at once,
+    and is called before any process's line is relayed, so no line lands on the spinner's.
+    Both do nothing once it is gone, or when progress is not shown (`step` is `None`).
     """
+
+    def __init__(self, status_dir: Path, count: int, step: Callable[[str], None] | None, close: Any) -> None:
+        self._status_dir, self._count, self._step, self._close = status_dir, count, step, close
+        self._guard = threading.Lock()
+        self._seen = -1
+
+    def tick(self) -> None:
+        with self._guard:
+            if self._step is None:
+                return
+            joined = len(list(self._status_dir.glob("joined.*")))
+            if joined != self._seen:
+                self._seen = joined
+                self._step(f"waiting for the processes to join the run: {joined} of {self._count}")
+            if joined == self._count:
+                self._end()
+
+    def stop(self) -> None:
+        with self._guard:
+            if self._step is not None:
+                self._end()
+
+    def _end(self) -> None:
+        self._step = None
+        self._close()
+
+
+@contextlib.contextmanager
+def joining(status_dir: Path, count: int) -> Iterator[Joining]:
+    """A `Joining` spinner on stderr (terminal only), erased at the latest when the block ends."""
     if not shown():
-        yield None
+        yield Joining(status_dir, count, None, lambda: None)
         return
     with contextlib.ExitStack() as stack:
         step = stack.enter_context(spinner("launch"))
-        step(f"waiting for the processes to join the run: 0 of {count}")
-        seen = [0]
-
-        def tick() -> None:
-            if seen[0] == count:
-                return
-            joined = len(list(status_dir.glob("joined.*")))
-            if joined != seen[0]:
-                seen[0] = joined
-                step(f"waiting for the processes to join the run: {joined} of {count}")
-            if joined == count:
-                stack.close()
-
-        yield tick
+        progress = Joining(status_dir, count, step, stack.close)
+        progress.tick()
+        yield progress
+        progress.stop()
 
 
 def first_failure(failed: dict[int, float], reported: dict[int, tuple[float, bool]]) -> int:
