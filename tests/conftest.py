@@ -101,6 +101,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_grouped_query_attention_replicates_key_value_heads",
         "test_heads_first_attention_is_split_on_its_heads_dimension",
     ),
+    "test_progress.py": ("test_launcher_shows_the_join_only_where_someone_watches",),  # 2 processes, 6 s
     "test_public_api.py": (  # a fresh interpreter each
         "test_import_does_not_start_jax",
         "test_emulate_devices_after_jax_started",

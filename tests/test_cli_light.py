@@ -44,8 +44,26 @@ def probe(*args: str) -> tuple[dict, str]:
         (["devices", "--bogus"], 2, "error: keras-meshlayout: unrecognized arguments: --bogus"),
         (["bogus"], 2, "invalid choice: 'bogus' (choose from 'devices', 'launch', 'plan', 'demo')"),
         ([], 2, "the following arguments are required: COMMAND"),
+        (["plan", "--help"], 0, "exit status: 0 valid, 1 the plan fails a check, 2 invalid input."),
+        (["plan", "--mesh", "2x4"], 2, "the following arguments are required: --model"),
+        (["plan", "--mesh", "2x4", "--model", "m.keras", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (
+            ["plan", "--mesh", "2x4", "--model", "m.keras", "--preset", "conv", "--auto"],
+            2,
+            "not allowed with",
+        ),
     ],
-    ids=["help", "devices-help", "devices-bad-argument", "unknown-command", "no-command"],
+    ids=[
+        "help",
+        "devices-help",
+        "devices-bad-argument",
+        "unknown-command",
+        "no-command",
+        "plan-help",
+        "plan-without-model",
+        "plan-bad-argument",
+        "plan-preset-and-auto",
+    ],
 )
 def test_help_and_argument_errors_import_neither_keras_nor_jax(args, status, fragment):
     loaded, output = probe(*args)
@@ -66,3 +84,18 @@ def test_the_package_itself_imports_neither_until_a_name_is_used():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [False, False, True], result.stderr
+
+
+def test_plan_help_lists_exactly_the_registered_presets():
+    """`plan --help` reads a light table, not the registry (which imports Keras): they must agree."""
+    from keras_meshlayout.cli._preset_table import PRESET_TABLE
+    from keras_meshlayout.planner._presets import PRESETS
+
+    assert PRESET_TABLE == tuple((preset.usage, preset.summary) for preset in PRESETS.values()), (
+        "cli/_preset_table.py must list every preset of planner/_presets.py, in order, with its summary"
+    )
+    loaded, output = probe("plan", "--help")
+    assert loaded == {"status": 0, "keras": False, "jax": False}, output
+    flat = " ".join(output.split())  # argparse wraps the help
+    for usage, summary in PRESET_TABLE:
+        assert f"{usage} ({summary})" in flat

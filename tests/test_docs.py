@@ -193,3 +193,16 @@ def test_contributing_lists_every_module():
     }
     assert sorted(modules - set(listed)) == [], "add a line for each of these to CONTRIBUTING.md"
     assert sorted(set(listed) - modules) == [], "these are listed but do not exist"
+
+
+def test_planner_guide_pictures_are_what_show_sharding_draws():
+    """Issue 23: the planner guide's column → row and 2-D pictures are what kml.show_sharding draws."""
+    text = (DOCS / "guides" / "planner.md").read_text(encoding="utf-8")
+    pictures = re.findall(r"```[^\n]*\n(shape .*?)\n```", text, flags=re.DOTALL)
+    assert len(pictures) == 3, "the column, row and 2-D pictures"
+    mesh = kml.Mesh(data=2, model=4)
+    for picture in pictures:
+        shape, layout = re.match(r"shape \(([\d, ]+)\) · layout \((.*?)\) ·", picture).groups()
+        axes = tuple(None if a == "None" else a for a in layout.split(", "))
+        drawn = str(kml.show_sharding(mesh, tuple(int(n) for n in shape.split(", ")), axes))
+        assert [line.rstrip() for line in drawn.splitlines()] == picture.splitlines()

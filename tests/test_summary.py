@@ -78,24 +78,3 @@ def test_summary_of_a_dry_plan_lists_the_largest_rows():
     text = str(plan.summary(largest=2))
     assert "The 2 largest rows" in text
     assert text.count("deep/block_{0..39}_down/kernel") == 2  # in the table and among the largest
-
-
-def test_progress_shows_on_a_terminal_only():
-    """Issue 23: long dry plans were silent for minutes; progress must stay out of logs and JSON."""
-    import io
-
-    from rich.console import Console
-
-    from keras_meshlayout.cli._plan import progress
-
-    terminal = io.StringIO()
-    with progress(True, Console(file=terminal, force_terminal=True, width=100)) as step:
-        step("resolving every variable")
-    assert "resolving every variable" in terminal.getvalue()
-    for wanted, console in [
-        (True, Console(file=io.StringIO(), force_terminal=False)),  # a pipe, a CI log
-        (False, Console(file=io.StringIO(), force_terminal=True)),  # --json
-    ]:
-        with progress(wanted, console) as step:
-            step("resolving every variable")
-        assert console.file.getvalue() == ""

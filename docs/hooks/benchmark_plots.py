@@ -56,7 +56,8 @@ def comm_table(data: dict) -> str:
     """The communication benchmark: bytes sent and state per device, per model, mesh and layout."""
     rows = []
     for r in data["rows"]:
-        mesh = "data=8" if r["layout"] == "data-parallel" else r["mesh"].replace(",", "×")
+        sizes = "×".join(part.split("=")[1] for part in r["mesh"].split(","))
+        mesh = "data=8" if r["layout"] == "data-parallel" else sizes  # "2×4": data × model
         if r["error"]:
             cells = [f"crashes ({r['error']})", "", "", "", "", "", ""]
         elif r["layout"] == "formula":
@@ -72,7 +73,7 @@ def comm_table(data: dict) -> str:
                 f"{r['vs_ideal_state']:.2f}",
             ]
         rows.append([r["model"], mesh, r["layout"], *cells])
-    header = ["model", "mesh", "layout", "sent (KiB)", "over model", "over data", "/ formula",
+    header = ["model", "mesh (data×model)", "layout", "sent (KiB)", "over model", "over data", "/ formula",
               "all-gathers", "state (KiB)", "/ ideal"]  # fmt: skip
     return _table(header, rows, right=set(range(3, 10)))
 

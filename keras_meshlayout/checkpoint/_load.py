@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from ..core._errors import CheckpointError
+from ..core._progress import spinner
 from . import _atomic, _manifest, _orbax_store, _plan_diff, _rng, _save  # _orbax_store: no Orbax until used
 
 if TYPE_CHECKING:
@@ -129,7 +130,9 @@ def load(
         if orbax:
             _load_orbax(model, source, with_optimizer, rollback)
         else:
-            model.load_weights(weights, objects_to_skip=skip) if skip else model.load_weights(weights)
+            with spinner("checkpoint") as step:
+                step(f"reading {weights.name}")
+                model.load_weights(weights, objects_to_skip=skip) if skip else model.load_weights(weights)
         for variable, state in seeds:
             variable.assign(np.asarray(state, dtype=variable.dtype))
     except BaseException as err:

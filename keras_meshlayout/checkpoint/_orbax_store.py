@@ -23,6 +23,7 @@ is read and each group on its devices before the next is read.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ..core._progress import bytes_bar, watch_bytes
 
 DIRECTORIES = {"model": "model.orbax", "optimizer": "optimizer.orbax"}
 #: Files up to this size are checksummed (Orbax's metadata); larger ones (array chunks) are
@@ -180,8 +183,13 @@ def save(directory: Path, arrays: Mapping[str, Sequence[Any]]) -> None:
     try:
         for kind, values in arrays.items():
             if values:
-                with _write_errors():
-                    checkpointer.save(directory / DIRECTORIES[kind], args=_save_args(values))
+                target = directory / DIRECTORIES[kind]
+                total = sum(int(getattr(value, "nbytes", 0)) for value in values)
+                with (
+                    _write_errors(),
+                    watch_bytes(f"writing {target.name}", total, functools.partial(_on_disk, target)),
+                ):
+                    checkpointer.save(target, args=_save_args(values))
                     checkpointer.wait_until_finished()
     finally:
         checkpointer.close()
@@ -227,7 +235,8 @@ def restore(directory: Path, targets: Mapping[str, Sequence[Any]]) -> dict[str, 
     def keep(kind: str, index: int, value: Any) -> None:
         restored[kind][index] = value
 
-    restore_into(directory, targets, keep, group_bytes=None, limited=False)
+    # Read a group at a time only for the bar to move; every array is read before any is assigned.
+    restore_into(directory, targets, keep, group_bytes=GROUP_BYTES, limited=False)
     return restored
 
 
@@ -310,47 +319,78 @@ def restore_into(
     for the caller to free the value it will replace: then a load holds the model and, on the
     host, about `READ_BYTES` of reads in flight (each shard is read, put on its device and
     dropped, a few at a time). Not `limited`: as many reads at once as Orbax likes (faster).
+    On a terminal a bar counts the bytes read (`core._progress`), a group at a time.
     """
-    import jax
-    import orbax.checkpoint as ocp
-
     checkpointer = _reader(_read_limit(directory, targets) if limited else None)
     try:
         for kind, structs in targets.items():
+            sizes = [int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in structs]
             groups: list[list[int]] = [[]]
             size = 0
-            for i, struct in enumerate(structs):
-                nbytes = int(np.prod(struct.shape, dtype=np.int64)) * np.dtype(struct.dtype).itemsize
+            for i, nbytes in enumerate(sizes):
                 if groups[-1] and group_bytes is not None and size + nbytes > group_bytes:
                     groups.append([])
                     size = 0
                 groups[-1].append(i)
                 size += nbytes
-            for group in groups:
-                if not group:
-                    continue
-                item = {key(i): structs[i] for i in group}
-                if release is not None:
-                    for i in group:
-                        release(kind, i)
-                args = ocp.args.PyTreeRestore(
-                    item=item,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                    partial_restore=True,
-                )
-                tree = checkpointer.restore(directory / DIRECTORIES[kind], args=args)
-                for i in group:
-                    value = tree[key(i)]
-                    if not isinstance(value, jax.Array) or value.sharding != structs[i].sharding:
-                        raise ValueError(f"Orbax restored {key(i)} as {type(value).__name__}, not as asked")
-                    assign(kind, i, value)
-                # Each group done before the next is read: otherwise reads outpace the copies onto
-                # the devices and their host buffers pile up (1.25 GiB MLP on 1x8: 0.37x the model
-                # in flight, 0.05x with this wait, as fast).
-                jax.block_until_ready([tree[key(i)] for i in group])
+            with bytes_bar(f"reading {DIRECTORIES[kind]}", sum(sizes)) as advance:
+                for group in groups:
+                    _restore_group(checkpointer, kind, directory, structs, group, assign, release)
+                    advance(sum(sizes[i] for i in group))
     finally:
         checkpointer.close()
         release_host_memory()
+
+
+def _restore_group(
+    checkpointer: Any,
+    kind: str,
+    directory: Path,
+    structs: Sequence[Any],
+    group: list[int],
+    assign: Callable[[str, int, Any], None],
+    release: Callable[[str, int], None] | None,
+) -> None:
+    """Reads one group of `kind`'s arrays, hands each over, and waits until they are on their devices."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    if not group:
+        return
+    item = {key(i): structs[i] for i in group}
+    if release is not None:
+        for i in group:
+            release(kind, i)
+    args = ocp.args.PyTreeRestore(
+        item=item,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True,
+    )
+    tree = checkpointer.restore(directory / DIRECTORIES[kind], args=args)
+    for i in group:
+        value = tree[key(i)]
+        if not isinstance(value, jax.Array) or value.sharding != structs[i].sharding:
+            raise ValueError(f"Orbax restored {key(i)} as {type(value).__name__}, not as asked")
+        assign(kind, i, value)
+    # Each group done before the next is read: otherwise reads outpace the copies onto the
+    # devices and their host buffers pile up (1.25 GiB MLP on 1x8: 0.37x the model in flight,
+    # 0.05x with this wait, as fast).
+    jax.block_until_ready([tree[key(i)] for i in group])
+
+
+def _on_disk(directory: Path) -> int:
+    """The bytes a save in progress has written for `directory` so far.
+
+    Orbax writes into a temporary sibling (`model.orbax.orbax-checkpoint-tmp-...`) and renames
+    it at the end: every entry beside `directory` whose name starts with its name is counted.
+    """
+    total = 0
+    for root in directory.parent.glob(f"{directory.name}*"):
+        for folder, _, names in os.walk(root):
+            for name in names:
+                with contextlib.suppress(OSError):  # a temporary file renamed meanwhile
+                    total += (Path(folder) / name).stat().st_size
+    return total
 
 
 def stored_shapes(directory: Path) -> Counter[tuple[int, ...]] | None:

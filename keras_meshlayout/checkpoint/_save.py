@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 from ..core._errors import CheckpointError, InvalidOptionError
+from ..core._progress import spinner
 from . import _atomic, _manifest, _orbax_store, _rng  # _orbax_store imports no Orbax until it is used
 
 if TYPE_CHECKING:
@@ -190,7 +191,9 @@ def _save_h5(model: keras.Model, target: Path, distribution: Any, extras: _Extra
     with _atomic.writing(target, keep=extras.keep) as save:
         save.prepare()
         weights = save.at(save.partial / _manifest.WEIGHTS)
-        model.save_weights(weights)
+        with spinner("checkpoint") as step:
+            step(f"writing {weights.name}")
+            model.save_weights(weights)
         _atomic.fsync(weights)
         manifest = _manifest_of(model, _manifest.H5_FORMAT, training)
         manifest["weights_sha256"] = _orbax_store.sha256(weights)

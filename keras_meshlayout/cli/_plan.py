@@ -9,15 +9,14 @@ from `--rules FILE`, `--preset NAME` (the preset registry) or `--auto`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ..core._errors import MemoryBudgetError, MeshLayoutWarning, UnmatchedRuleWarning
+from ..core._progress import spinner
 from ._args import (
     EXIT_HELP,
     EXIT_OK,
@@ -33,11 +32,11 @@ from ._plan_inputs import (
     check_optimizer,
     load_builder,
     preset_rules,
-    registry,
     rules_file,
 )
+from ._preset_table import PRESET_TABLE
 
-__all__ = ["HELP", "NAME", "PRESETS", "add_parser", "run"]  # noqa: F822 (PRESETS: __getattr__)
+__all__ = ["HELP", "NAME", "PRESETS", "add_parser", "run"]
 
 NAME = "plan"
 #: Plans of more variables than this print as `plan.summary()` unless `--full` is given.
@@ -45,10 +44,8 @@ SUMMARY_ABOVE = 60
 HELP = "plan a model on a mesh without allocating its weights"
 
 
-def __getattr__(name: str) -> Any:
-    if name == "PRESETS":  # how `--preset` spells each registered preset
-        return tuple(preset.usage for preset in registry().values())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: How `--preset` spells each registered preset (from the light table: no planner import).
+PRESETS = tuple(usage for usage, _ in PRESET_TABLE)
 
 
 RULES_FILE_HELP = """\
@@ -99,8 +96,7 @@ def _add_inputs(plan: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--preset",
         metavar="NAME",
-        help="preset rules: "
-        + "; ".join(f"{preset.usage} ({preset.summary})" for preset in registry().values()),
+        help="preset rules: " + "; ".join(f"{usage} ({summary})" for usage, summary in PRESET_TABLE),
     )
     source.add_argument("--auto", action="store_true", help="rules from kml.auto_rules")
     plan.add_argument(
@@ -165,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_budget is not None and args.batch_size is None:
         raise InputError("--memory-budget needs --batch-size (and --sequence-length for token inputs).")
     check_batch_size(args.batch_size, mesh, args.batch_axis)
-    with progress(not args.json) as step:
+    with spinner("plan", wanted=not args.json) as step:
         if args.auto:
             step("planning the layouts (kml.auto_rules: tracing the model, costing each unit)")
         rules = _the_rules(args, build, mesh, policy)
@@ -271,23 +267,6 @@ def _print_table(plan: Any, rules: Any, messages: list[str], note: str | None, *
         console.print(f"warning: {message}", style="yellow", markup=False)
     if note is not None:
         console.print(f"note: {note}", markup=False)
-
-
-@contextlib.contextmanager
-def progress(wanted: bool, console: Any = None) -> Iterator[Callable[[str], None]]:
-    """A spinner on stderr naming the step at hand, on a terminal only: `step(text)` moves it on.
-
-    Silent (every `step` a no-op) when not `wanted` (`--json`), when stderr is no terminal (a
-    pipe, a CI log) or when `CI` is set, so logs and JSON stay exactly the output.
-    """
-    from rich.console import Console
-
-    console = console if console is not None else Console(stderr=True)
-    if not wanted or not console.is_terminal or os.environ.get("CI"):
-        yield lambda text: None
-        return
-    with console.status("", spinner="dots") as status:
-        yield lambda text: status.update(f"[bold]plan[/bold]: {text} ...")
 
 
 def _console() -> Any:

@@ -4,7 +4,8 @@ Nothing here imports the planner, the reports, the runtime, checkpoints or the c
 and no module here imports one that imports it back (`tests/test_import_graph.py`).
 
 - `_errors`: every error and warning; `_backend`: JAX backend checks and emulated CPU devices;
-  `_format`: bytes, axes, id ranges, mesh names, tables as text.
+  `_format`: bytes, axes, id ranges, mesh names, tables as text; `_progress`: a spinner and a
+  bytes bar, drawn on a terminal only.
 - `_axes`: layouts as data (entries, their axes, shards, JSON).
 - `_matcher`: the pure matching engine, first match wins; `_rule`: `Rule` and its named checks;
   `_rules`: `LayoutRules`, the container; `_layout_map`: a Keras `LayoutMap` as our rules.

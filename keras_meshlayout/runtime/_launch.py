@@ -55,7 +55,7 @@ from ._cluster import (
 from ._failure import report
 from ._ports import NAME, PortInUseError, claim_port
 from ._relay import GlooLines, relay
-from ._supervise import die_with_parent, stop, watch
+from ._supervise import die_with_parent, joining, stop, watch
 
 PROG = "python -m keras_meshlayout.launch"
 DEFAULT_GRACE = 5.0
@@ -225,8 +225,9 @@ def launch(
             f"{num_processes} processes{devices}, coordinator {address}; "
             + ", ".join(f"rank {rank}: pid {p.pid}" for rank, p in enumerate(processes))
         )
-        readers = _relays(processes, out, err, lock)
-        outcome = watch(processes, timeout, stop_requested, status_dir)
+        with joining(status_dir, num_processes) as progress:
+            readers = _relays(processes, out, err, lock, before=progress.stop)
+            outcome = watch(processes, timeout, stop_requested, status_dir, progress.tick)
         survivors = [rank for rank, p in enumerate(processes) if p.poll() is None]
         killed = stop(processes, grace) if outcome.kind != "done" else []
         for reader in readers:
@@ -263,12 +264,18 @@ def _start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
 
 
 def _relays(
-    processes: Sequence[subprocess.Popen], out: IO[bytes], err: IO[bytes], lock: threading.Lock
+    processes: Sequence[subprocess.Popen],
+    out: IO[bytes],
+    err: IO[bytes],
+    lock: threading.Lock,
+    before: Any = None,
 ) -> list[threading.Thread]:
     """Starts a thread per output stream of every process, copying its lines prefixed with its rank."""
     quiet = GlooLines()
     readers = [
-        threading.Thread(target=relay, args=(stream, sink, f"[{rank}] ".encode(), lock, quiet), daemon=True)
+        threading.Thread(
+            target=relay, args=(stream, sink, f"[{rank}] ".encode(), lock, quiet, before), daemon=True
+        )
         for rank, p in enumerate(processes)
         for stream, sink in ((p.stdout, out), (p.stderr, err))
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from typing import IO
 
 __all__ = ["GlooLines", "relay"]
@@ -53,8 +54,13 @@ def relay(
     prefix: bytes,
     lock: threading.Lock,
     quiet: GlooLines | None = None,
+    before: Callable[[], None] | None = None,
 ) -> None:
-    """Copies lines from a process to `sink`, each prefixed with its rank."""
+    """Copies lines from a process to `sink`, each prefixed with its rank.
+
+    `before()`, when given, is called under `lock` before each line is written (the launcher
+    erases its progress spinner there).
+    """
     with stream:
         for line in iter(stream.readline, b""):
             if quiet is not None and not quiet.keep(line):
@@ -62,5 +68,7 @@ def relay(
             if not line.endswith(b"\n"):
                 line += b"\n"
             with lock:
+                if before is not None:
+                    before()
                 sink.write(prefix + line)
                 sink.flush()

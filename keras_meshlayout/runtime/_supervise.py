@@ -1,9 +1,9 @@
 """The launcher's supervision of its processes: wait for them, find who failed first, stop the rest.
 
 `watch` waits until every process succeeds, one fails, time runs out or the
-launcher is told to stop; `first_failure` names the process whose failure made
-the others fail; `stop` ends them (SIGTERM to each process group, SIGKILL after
-a grace period).
+launcher is told to stop (`joining`: a spinner until all joined); `first_failure`
+names the process whose failure made the others fail; `stop` ends them (SIGTERM
+to each process group, SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Outcome", "die_with_parent", "first_failure", "reports", "stop", "watch"]
+from ..core._progress import shown, spinner
+
+__all__ = ["Joining", "Outcome", "die_with_parent", "first_failure", "joining", "reports", "stop", "watch"]
 
 POLL = 0.05
 _SETTLE = 0.5  # seconds a failure waits for an earlier one to be reported
@@ -35,8 +38,12 @@ def watch(
     timeout: float | None,
     stop_requested: list[int],
     status_dir: Path | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> Outcome:
-    """Waits until all succeed, one fails, time runs out, or the launcher is told to stop."""
+    """Waits until all succeed, one fails, time runs out, or the launcher is told to stop.
+
+    `tick()`, when given, is called at every look (every `POLL` seconds), e.g. to draw progress.
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
     ended: dict[int, float] = {}  # rank: when it ended (time.time()), as its waiter saw it
 
@@ -62,7 +69,58 @@ def watch(
             return Outcome("interrupted", signum=stop_requested[0])
         if deadline is not None and time.monotonic() > deadline:
             return Outcome("timeout")
+        if tick is not None:
+            tick()
         time.sleep(POLL)
+
+
+class Joining:
+    """The launcher's spinner counting the processes that joined; `tick` and `stop` are thread-safe.
+
+    `tick()` counts the `joined.N` files the processes leave in the status directory
+    (`runtime._initialize`) and erases the spinner once all joined; `stop()` erases it at once,
+    and is called before any process's line is relayed, so no line lands on the spinner's.
+    Both do nothing once it is gone, or when progress is not shown (`step` is `None`).
+    """
+
+    def __init__(self, status_dir: Path, count: int, step: Callable[[str], None] | None, close: Any) -> None:
+        self._status_dir, self._count, self._step, self._close = status_dir, count, step, close
+        self._guard = threading.Lock()
+        self._seen = -1
+
+    def tick(self) -> None:
+        with self._guard:
+            if self._step is None:
+                return
+            joined = len(list(self._status_dir.glob("joined.*")))
+            if joined != self._seen:
+                self._seen = joined
+                self._step(f"waiting for the processes to join the run: {joined} of {self._count}")
+            if joined == self._count:
+                self._end()
+
+    def stop(self) -> None:
+        with self._guard:
+            if self._step is not None:
+                self._end()
+
+    def _end(self) -> None:
+        self._step = None
+        self._close()
+
+
+@contextlib.contextmanager
+def joining(status_dir: Path, count: int) -> Iterator[Joining]:
+    """A `Joining` spinner on stderr (terminal only), erased at the latest when the block ends."""
+    if not shown():
+        yield Joining(status_dir, count, None, lambda: None)
+        return
+    with contextlib.ExitStack() as stack:
+        step = stack.enter_context(spinner("launch"))
+        progress = Joining(status_dir, count, step, stack.close)
+        progress.tick()
+        yield progress
+        progress.stop()
 
 
 def first_failure(failed: dict[int, float], reported: dict[int, tuple[float, bool]]) -> int:
