@@ -17,8 +17,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from ..core._memory import slot_model
 from ..core._axes import Axes
+from ..core._memory import slot_model
 from ..report._collectives import wire_bytes
 from ._ledger import Proposal
 from ._trace import Trace
