@@ -50,8 +50,11 @@ COLUMN, ROW = (None, "model"), ("model", None)
 HEADS_IN, HEADS_OUT = (None, "model", None), ("model", None, None)
 
 #: Backbone → {layer/variable: layout} of every variable split over `model`; all others replicated.
+VOCAB = ("model", None)  # a table read by one look-up: its rows split over 'model'
+
 SPLITS = {
     "SmolLM": {
+        "token_embedding/embeddings": VOCAB,  # vocab-parallel (issue 19)
         "q_proj/kernel": COLUMN,  # 4 heads: split; k_proj/v_proj: 2 key/value heads, kept whole
         "o_proj/kernel": HEADS_OUT,
         "gate_proj/kernel": COLUMN,
@@ -67,6 +70,7 @@ SPLITS = {
         "gate_projector/kernel": COLUMN,
     },
     "Falcon": {
+        "token_embedding/embeddings": VOCAB,  # vocab-parallel (issue 19)
         **{f"{name}_dense/kernel": HEADS_IN for name in ("query", "key", "value")},
         **{f"{name}_dense/bias": ROW for name in ("query", "key", "value")},
         "output_dense/kernel": ROW,
@@ -75,6 +79,7 @@ SPLITS = {
         "dense_4h_to_h/kernel": ROW,
     },
     "Bloom": {
+        "token_embedding/embeddings": VOCAB,  # vocab-parallel (issue 19)
         **{f"{name}_dense/kernel": HEADS_IN for name in ("query", "key", "value")},
         **{f"{name}_dense/bias": ROW for name in ("query", "key", "value")},
         "output_dense/kernel": ROW,
@@ -83,6 +88,7 @@ SPLITS = {
         "mlp_output_dense/kernel": ROW,
     },
     "ESM": {
+        "token_embedding/embeddings": VOCAB,  # vocab-parallel (issue 19)
         **{f"{name}_dense_layer/kernel": COLUMN for name in "qkv"},
         **{f"{name}_dense_layer/bias": ("model",) for name in "qkv"},
         "o_dense_layer/kernel": ROW,
@@ -91,12 +97,14 @@ SPLITS = {
         "feedforward_output_dense/kernel": ROW,
     },
     "RoformerV2": {
+        "token_embedding/embeddings": VOCAB,  # vocab-parallel (issue 19)
         **{f"{name}_dense_layer/kernel": COLUMN for name in "qkv"},
         "o_dense_layer/kernel": ROW,
         "feedforward_intermediate_dense/kernel": COLUMN,
         "feedforward_output_dense/kernel": ROW,
     },
     "GPTNeoX": {
+        "token_embedding/embeddings": VOCAB,  # vocab-parallel (issue 19)
         "query_key_value/kernel": HEADS_IN,  # (hidden, heads, 3 × head_dim): heads on their own axis
         "query_key_value/bias": ROW,
         "attention_output/kernel": ROW,
