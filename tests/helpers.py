@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import keras_meshlayout as kml
@@ -133,3 +134,18 @@ def assert_bit_identical(model: keras.Model, expected: list[np.ndarray]) -> None
     paths = [v.path for v in [*model.weights, *model.optimizer.variables]]
     for path, a, b in zip(paths, got, expected, strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b), path
+
+
+def assert_predicted_as_compiled(build, rules: kml.LayoutRules, dist: kml.ModelParallel, x, y) -> None:
+    """The planner's bytes per axis = the compiled step's ± 2%, and its state bytes = the plan's, exactly.
+
+    `build` makes the model under `dist` (already set as the global distribution).
+    """
+    model = build()
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = kml.comm_report(model, x, y)
+    for axis, measured in report.wire_bytes_by_axis.items():
+        assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
+    model.optimizer.build(model.trainable_variables)
+    memory = dist.plan(model).memory()
+    assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer

@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from helpers import assert_predicted_as_compiled
 
 import keras_meshlayout as kml
 
@@ -78,14 +79,7 @@ def test_vocab_parallel_prediction_matches_the_compiled_step(vocab, mesh_shape):
     assert rules.cost.layouts()["vocab-parallel"] == 1
     dist = kml.ModelParallel(mesh, rules)
     keras.distribution.set_distribution(dist)
-    model = build(vocab)
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    report = kml.comm_report(model, x, y)
-    for axis, measured in report.wire_bytes_by_axis.items():
-        assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
-    model.optimizer.build(model.trainable_variables)
-    memory = dist.plan(model).memory()
-    assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
+    assert_predicted_as_compiled(lambda: build(vocab), rules, dist, x, y)
 
 
 @pytest.mark.parametrize(

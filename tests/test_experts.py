@@ -16,7 +16,7 @@ import hub_models
 import keras
 import numpy as np
 import pytest
-from helpers import assert_same_weights, train
+from helpers import assert_predicted_as_compiled, assert_same_weights, train
 
 import keras_meshlayout as kml
 
@@ -99,14 +99,7 @@ def test_expert_parallel_prediction_matches_the_compiled_step(name, mesh_name):
     assert rules.cost.layouts()["expert-parallel"] == 2  # one bank per layer
     dist = kml.ModelParallel(mesh, rules)
     keras.distribution.set_distribution(dist)
-    model = build()
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    report = kml.comm_report(model, x, y)
-    for axis, measured in report.wire_bytes_by_axis.items():
-        assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
-    model.optimizer.build(model.trainable_variables)
-    memory = dist.plan(model).memory()
-    assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
+    assert_predicted_as_compiled(build, rules, dist, x, y)
 
 
 def test_a_rebuilt_mixtral_trains_expert_parallel_like_one_device():
