@@ -556,12 +556,16 @@ def test_worker_exit_status_is_pythons(code, status, capsys):
 
 
 def test_watch_names_the_worker_that_reported_first_though_another_ended_first(tmp_path):
-    """Rank 1 fails (reports at t0, then takes 0.3 s to exit); rank 0, aborted by its peer's failure,
-    ends before it. The launcher must still name rank 1."""
-    report = f"import time; open({str(tmp_path / 'exit.1')!r}, 'w').write(f'3 {{time.time():.6f}} own')"
-    scripts = [
-        "import os, signal, time; time.sleep(0.1); os.kill(os.getpid(), signal.SIGABRT)",
-        f"{report}; time.sleep(0.3); raise SystemExit(3)",
+    """Rank 1 fails (reports at t0, then takes 1 s to exit); rank 0, aborted by its peer's failure
+    once the report is there, ends before it. The launcher must still name rank 1."""
+    report, written = tmp_path / "exit.1", tmp_path / "exit.1.part"
+    scripts = [  # the order is forced by the report file, not by timing, so a loaded machine keeps it
+        "import os, signal, time\n"
+        f"deadline = time.monotonic() + 30\n"
+        f"while not os.path.exists({str(report)!r}) and time.monotonic() < deadline: time.sleep(0.01)\n"
+        "os.kill(os.getpid(), signal.SIGABRT)",
+        f"import os, time; open({str(written)!r}, 'w').write(f'3 {{time.time():.6f}} own'); "
+        f"os.replace({str(written)!r}, {str(report)!r}); time.sleep(1.0); raise SystemExit(3)",
     ]
     processes = [subprocess.Popen([sys.executable, "-c", code]) for code in scripts]
     try:
