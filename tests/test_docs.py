@@ -86,7 +86,7 @@ def test_readme_is_a_landing_page_whose_test_command_is_what_ci_runs():
     ci_commands = [
         line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")
     ]
-    test_line = next(line for line in readme.splitlines() if line.endswith("&& pytest -q"))
+    test_line = next(line for line in readme.splitlines() if line.endswith("&& pytest -q -n 2"))
     steps = [step.strip() for step in test_line.split("&&")]
     assert steps[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"]
     ci_steps = [c for c in ci_commands if c.startswith(("pip install", "pytest"))]
