@@ -26,13 +26,25 @@ are taken as GiB (HBM stacks are binary sizes; what XLA can use is a little less
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import math
+import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
-from ._errors import InvalidTargetError
+from ._errors import InvalidTargetError, MissingLibtpuError
 
-__all__ = ["GENERATIONS", "TARGET_FORMS", "Generation", "Target", "parse_target"]
+__all__ = [
+    "GENERATIONS",
+    "LIBTPU_HINT",
+    "TARGET_FORMS",
+    "Generation",
+    "Target",
+    "parse_target",
+    "target_devices",
+]
 
 _GiB = 2**30
 
@@ -268,3 +280,64 @@ def parse_target(spec: str | Target) -> Target:
     if why is not None:
         raise InvalidTargetError(f"Target {spec!r}: {why}. Valid forms: {TARGET_FORMS}.")
     return Target(generation, topology, slices)
+
+
+#: Set before libtpu first loads, where the user has not: several processes may load it at once
+#: (without, the second waits on `/tmp/libtpu_lockfile`), and a machine that is no TPU VM needs
+#: no metadata-server query nor the worker-address warnings it would print.
+_LIBTPU_ENV = {
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+}
+
+#: What to install for libtpu, said the way a checkout installs it.
+LIBTPU_HINT = (
+    'install the libtpu that matches your jax: from the keras_meshlayout checkout pip install ".[tpu-aot]" '
+    '(libtpu==0.0.42.* for jax 0.10.2), or pip install "jax[tpu]" at your jax\'s version'
+)
+
+
+def target_devices(target: str | Target) -> list[Any]:
+    """The compile-only JAX devices of a TPU target, from libtpu; no TPU needed.
+
+    They compile (`jax.jit(...).lower(...).compile()` with shardings over them) but hold
+    no array. The same target gives the same devices each time (a `kml.Mesh` compares
+    its devices).
+
+    Raises:
+        MissingLibtpuError: libtpu is not installed.
+        InvalidTargetError: libtpu refuses the topology (one line, its reason and the
+            valid forms).
+    """
+    return list(_devices(parse_target(target).spec))
+
+
+@functools.cache
+def _devices(spec: str) -> tuple[Any, ...]:
+    target = parse_target(spec)
+    if importlib.util.find_spec("libtpu") is None:
+        raise MissingLibtpuError(
+            f"Target {spec!r} needs libtpu, which compiles for TPUs on any machine, and it is not "
+            f"installed. Fix: {LIBTPU_HINT}. Without it, plan on jax.sharding.AbstractMesh instead."
+        )
+    for name, value in _LIBTPU_ENV.items():
+        os.environ.setdefault(name, value)
+    from jax.experimental import topologies
+
+    options: dict[str, Any] = {}
+    if target.generation.chip_config is not None:
+        options["chip_config_name"] = target.generation.chip_config
+    if target.slices > 1:
+        options["num_slices"] = target.slices
+    try:
+        topology = topologies.get_topology_desc(
+            platform="tpu", topology_name=target.libtpu_topology, **options
+        )
+    except Exception as err:  # JaxRuntimeError (a RuntimeError) from libtpu, one line of its reason
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InvalidTargetError(
+            f"Target {spec!r}: libtpu refuses topology {target.libtpu_topology!r} ({reason}). "
+            f"Valid forms: {TARGET_FORMS}."
+        ) from None
+    return tuple(topology.devices)
