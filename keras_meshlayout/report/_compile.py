@@ -19,6 +19,7 @@ from ..core._dry import _deferred_variables, names_handed_back, new_optimizer
 from ..core._errors import InvalidOptionError
 from ..core._format import Displayed, format_bytes, to_text
 from ..core._mesh import jax_device_grid
+from ..core._planning import plan_model
 from ._comm import CommReport, report_of
 
 if TYPE_CHECKING:
@@ -191,8 +192,11 @@ def _lower(model: Any, distribution: Any, data: Any) -> tuple[Any, Any]:
     import jax
     import keras
 
+    # The plan's layouts: an optimizer slot of a deferred parameter has no layout of its own
+    # yet, and follows its parameter's (`plan_model` pairs them), as it will in `fit`.
+    axes = {entry.path: entry.axes for entry in plan_model(distribution, model, optimizer=model.optimizer)}
     state = tuple(
-        [_abstract_variable(v, distribution) for v in variables]
+        [_abstract_variable(v, distribution, axes.get(v.path)) for v in variables]
         for variables in (
             model.trainable_variables,
             model.non_trainable_variables,
@@ -230,15 +234,12 @@ def _abstract(data: Any) -> Any:
     return None if data is None else keras.tree.map_structure(one, data)
 
 
-def _abstract_variable(variable: Any, distribution: Any) -> Any:
-    """A variable's shape and dtype with the sharding the distribution gives it."""
+def _abstract_variable(variable: Any, distribution: Any, axes: Any) -> Any:
+    """A variable's shape and dtype with the sharding of its plan entry (`None`: the distribution's)."""
     import jax
 
-    layout = _compat.variable_layout(variable)
-    if layout is None:
+    if axes is not None:
+        layout = _compat.tensor_layout(tuple(axes), distribution.device_mesh)
+    else:
         layout = distribution.get_variable_layout(variable)
-    return jax.ShapeDtypeStruct(tuple(variable.shape), variable.dtype, sharding=_sharding(layout))
-
-
-def _sharding(layout: Any) -> Any:
-    return getattr(layout, "backend_layout", layout)
+    return jax.ShapeDtypeStruct(tuple(variable.shape), variable.dtype, sharding=layout.backend_layout)
