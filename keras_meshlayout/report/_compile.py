@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .. import _compat
 from ..core._dry import _deferred_variables, names_handed_back, new_optimizer
-from ..core._errors import InvalidOptionError
+from ..core._errors import InvalidOptionError, UnmatchedRuleWarning
 from ..core._format import Displayed, format_bytes, to_text
 from ..core._mesh import jax_device_grid
 from ..core._planning import plan_model
@@ -211,7 +212,11 @@ def _lower(model: Any, distribution: Any, data: Any) -> tuple[Any, Any]:
         sharding = distribution.get_data_layout(array.shape).backend_layout
         return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
 
-    batch = keras.tree.map_structure(placed, data)
+    with warnings.catch_warnings():
+        # `plan_model` above has checked the rules against every variable; the distribution's
+        # own check, at its first batch layout, would count only the few it laid out here.
+        warnings.simplefilter("ignore", UnmatchedRuleWarning)
+        batch = keras.tree.map_structure(placed, data)
     shardings = tuple([s.sharding for s in group] for group in state)
     step = jax.jit(model.train_step, donate_argnums=0, out_shardings=(None, shardings))
     lowered = step.lower(state, batch)
