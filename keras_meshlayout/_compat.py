@@ -190,6 +190,13 @@ def stateless_scope() -> Any:
     return StatelessScope(initialize_variables=False)
 
 
+def in_stateless_scope() -> bool:
+    """Whether a variable made now is deferred (a dry build), not allocated."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as inside
+
+    return bool(inside())
+
+
 def global_seed_generator(create: bool = False) -> Any:
     """Keras's process-wide seed generator (used by random ops given no seed), if there is one."""
     from keras.src.backend.common import global_state

@@ -145,7 +145,9 @@ def _global_attributes():
 
 def _stateless_scope():
     layer = keras.layers.Dense(1024)
+    assert not _compat.in_stateless_scope()
     with _compat.stateless_scope():
+        assert _compat.in_stateless_scope()
         layer.build((None, 1024))
     assert _compat.raw_value(layer.kernel) is None, "a variable built in a StatelessScope was allocated"
     assert tuple(layer.kernel.shape) == (1024, 1024)

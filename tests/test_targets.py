@@ -23,6 +23,12 @@ import keras_meshlayout as kml
 
 FORMS = "Valid forms: tpu-v5e:RxC or tpu-v6e:RxC"
 
+
+def _real_build(mesh: kml.Mesh) -> keras.Model:
+    with kml.ModelParallel(mesh).scope():
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+
+
 TARGET_CASES = [
     Case(
         "unknown-generation",
@@ -59,6 +65,16 @@ TARGET_CASES = [
         lambda: kml.Mesh(data=2, model=2, target="tpu-v5e:2x4"),
         kml.InvalidTargetError,
         ("Mesh data=2,model=2 does not fit target tpu-v5e:2x4", "multiply to the target's 8 chips", FORMS),
+    ),
+    Case(
+        "a-real-build-on-a-target",  # JAX's error was "MakeArraysFromHostBufferShards not available"
+        lambda: _real_build(kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")),
+        kml.InvalidMeshError,
+        (
+            "would be allocated on Mesh(data=2, model=4)",
+            "TPU target tpu-v5e:2x4",
+            "kml.dry_plan(build, dist)",
+        ),
     ),
     Case(
         "target-with-devices",

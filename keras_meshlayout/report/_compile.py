@@ -159,7 +159,8 @@ def compile_step(
                 _compile_model(model, chosen, optimizer, loss)
                 data = (_abstract(x), _abstract(y), None)
                 _compat.symbolic_build(model, data)
-            lowered, compiled = _lower(model, distribution, data)
+                # Traced in the scope too: the step reads the deferred variables' layouts.
+                lowered, compiled = _lower(model, distribution, data)
             comm = report_of(model, distribution.device_mesh, lowered, compiled)
     device = jax_device_grid(distribution.device_mesh).flat[0]
     memory = comm.memory
@@ -240,11 +241,13 @@ def _abstract(data: Any) -> Any:
 
 
 def _abstract_variable(variable: Any, distribution: Any, axes: Any) -> Any:
-    """A variable's shape and dtype with the sharding of its plan entry (`None`: the distribution's)."""
+    """A variable's shape and dtype with the sharding of its plan entry; replicated without one.
+
+    Only metrics' totals have no entry, and `kml.ModelParallel` replicates them too.
+    """
     import jax
 
-    if axes is not None:
-        layout = _compat.tensor_layout(tuple(axes), distribution.device_mesh)
-    else:
-        layout = distribution.get_variable_layout(variable)
+    if axes is None:
+        axes = (None,) * len(variable.shape)
+    layout = _compat.tensor_layout(tuple(axes), distribution.device_mesh)
     return jax.ShapeDtypeStruct(tuple(variable.shape), variable.dtype, sharding=layout.backend_layout)
