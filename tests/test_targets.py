@@ -10,6 +10,7 @@ single allocation would fail the test).
 from __future__ import annotations
 
 import functools
+import sys
 from typing import NamedTuple
 
 import hub_models
@@ -91,6 +92,16 @@ def test_a_bad_target_is_one_line_naming_the_valid_forms(case: Case):
     with pytest.raises(kml.MeshLayoutError) as info:
         case.make()
     assert "\n" not in str(info.value)
+
+
+def test_a_target_without_libtpu_says_what_to_install(monkeypatch):
+    """`sys.modules[name] = None` is how Python marks a module absent: `import libtpu` fails."""
+    monkeypatch.setitem(sys.modules, "libtpu", None)
+    with pytest.raises(kml.MissingLibtpuError) as info:
+        kml.Mesh(data=2, model=2, target="tpu-v6e:2x2")  # a target no other test asks libtpu for
+    message = str(info.value)
+    assert "Target 'tpu-v6e:2x2' needs libtpu" in message and 'pip install ".[tpu-aot]"' in message
+    assert "libtpu==0.0.42.* for jax 0.10.2" in message and "\n" not in message
 
 
 def test_targets_carry_the_published_figures_and_libtpu_devices():

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 import os
 import re
@@ -316,11 +315,13 @@ def target_devices(target: str | Target) -> list[Any]:
 @functools.cache
 def _devices(spec: str) -> tuple[Any, ...]:
     target = parse_target(spec)
-    if importlib.util.find_spec("libtpu") is None:
+    try:
+        import libtpu  # noqa: F401  (only whether it is there: JAX loads it)
+    except ImportError:
         raise MissingLibtpuError(
             f"Target {spec!r} needs libtpu, which compiles for TPUs on any machine, and it is not "
             f"installed. Fix: {LIBTPU_HINT}. Without it, plan on jax.sharding.AbstractMesh instead."
-        )
+        ) from None
     for name, value in _LIBTPU_ENV.items():
         os.environ.setdefault(name, value)
     from jax.experimental import topologies
