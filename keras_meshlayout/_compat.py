@@ -54,6 +54,8 @@ Keras's global state and distribution backend:
 JAX:
 
 - `jax._src.xla_bridge.backends_are_initialized`: whether the devices exist already.
+- `jax._src.hardware_utils.num_available_tpu_chips_and_device_id`: whether this machine
+  has TPU chips (if not, libtpu, installed for TPU targets, is kept quiet).
 - `jax._src.interpreters.partial_eval.dce_jaxpr`: dead-code elimination of a jaxpr.
 """
 
@@ -314,6 +316,13 @@ def state_shardings(model: Any) -> Any:
 
 
 # -- JAX ------------------------------------------------------------------------------------
+
+
+def tpu_chips_attached() -> int:
+    """TPU chips attached to this machine, by JAX's own PCI scan (0 on a machine without)."""
+    from jax._src import hardware_utils
+
+    return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
 
 
 def backends_started() -> bool:

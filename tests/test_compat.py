@@ -314,6 +314,12 @@ def _backends_are_initialized():
     assert _compat.backends_started() is True
 
 
+def _tpu_chips_attached():
+    chips = _compat.tpu_chips_attached()
+    tpus = [device for device in jax.devices() if device.platform == "tpu"]
+    assert chips == len(tpus), (chips, tpus)  # none on a machine without TPUs
+
+
 def _dce_jaxpr():
     closed = jax.make_jaxpr(lambda x, y: x * 2.0)(1.0, 2.0)
     jaxpr, used = _compat.dce_jaxpr(closed.jaxpr)
@@ -373,6 +379,11 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
         _backends_are_initialized,
     ),
     ("jax._src.interpreters.partial_eval.dce_jaxpr", "dead-code elimination of a jaxpr", _dce_jaxpr),
+    (
+        "jax._src.hardware_utils.num_available_tpu_chips_and_device_id",
+        "whether TPU chips are attached",
+        _tpu_chips_attached,
+    ),
 ]
 
 

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from .. import _compat
 from ._errors import InvalidTargetError, MissingLibtpuError
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "Generation",
     "Target",
     "parse_target",
+    "quiet_libtpu",
     "target_devices",
 ]
 
@@ -281,14 +284,30 @@ def parse_target(spec: str | Target) -> Target:
     return Target(generation, topology, slices)
 
 
-#: Set before libtpu first loads, where the user has not: several processes may load it at once
-#: (without, the second waits on `/tmp/libtpu_lockfile`), and a machine that is no TPU VM needs
-#: no metadata-server query nor the worker-address warnings it would print.
+#: Set before libtpu first loads, where the user has not and no TPU is attached: several
+#: processes may load it at once (without, the second waits on `/tmp/libtpu_lockfile`), and a
+#: machine that is no TPU VM needs no metadata-server query, nor the host-bounds and
+#: worker-address warnings libtpu prints when JAX probes for a TPU (any accelerator type will
+#: do for that lookup; a target's topology is given by name).
 _LIBTPU_ENV = {
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
     "TPU_SKIP_MDS_QUERY": "1",
     "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-8",
 }
+
+
+def quiet_libtpu() -> None:
+    """On a machine with no TPU attached, the environment that keeps libtpu quiet (see `_LIBTPU_ENV`).
+
+    JAX probes for a TPU when it starts wherever libtpu is installed (the `tpu-aot` extra); on a
+    TPU VM nothing is changed.
+    """
+    if importlib.util.find_spec("libtpu") is None or _compat.tpu_chips_attached():
+        return
+    for name, value in _LIBTPU_ENV.items():
+        os.environ.setdefault(name, value)
+
 
 #: What to install for libtpu, said the way a checkout installs it.
 LIBTPU_HINT = (
@@ -322,8 +341,7 @@ def _devices(spec: str) -> tuple[Any, ...]:
             f"Target {spec!r} needs libtpu, which compiles for TPUs on any machine, and it is not "
             f"installed. Fix: {LIBTPU_HINT}. Without it, plan on jax.sharding.AbstractMesh instead."
         ) from None
-    for name, value in _LIBTPU_ENV.items():
-        os.environ.setdefault(name, value)
+    quiet_libtpu()
     from jax.experimental import topologies
 
     options: dict[str, Any] = {}
