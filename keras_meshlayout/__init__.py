@@ -40,11 +40,13 @@ if TYPE_CHECKING:  # the names, for type checkers and the docs; at run time each
     from .core._errors import InvalidMeshError as InvalidMeshError
     from .core._errors import InvalidOptionError as InvalidOptionError
     from .core._errors import InvalidRuleError as InvalidRuleError
+    from .core._errors import InvalidTargetError as InvalidTargetError
     from .core._errors import LayoutMismatchError as LayoutMismatchError
     from .core._errors import LayoutMismatchWarning as LayoutMismatchWarning
     from .core._errors import MemoryBudgetError as MemoryBudgetError
     from .core._errors import MeshLayoutError as MeshLayoutError
     from .core._errors import MeshLayoutWarning as MeshLayoutWarning
+    from .core._errors import MissingLibtpuError as MissingLibtpuError
     from .core._errors import RankMismatchError as RankMismatchError
     from .core._errors import UnmatchedRuleWarning as UnmatchedRuleWarning
     from .core._errors import UnsupportedBackendError as UnsupportedBackendError
@@ -64,6 +66,8 @@ if TYPE_CHECKING:  # the names, for type checkers and the docs; at run time each
     from .core._resolve import Resolution as Resolution
     from .core._rules import LayoutRules as LayoutRules
     from .core._rules import Rule as Rule
+    from .core._targets import Target as Target
+    from .core._targets import parse_target as parse_target
     from .planner._auto import auto_rules as auto_rules
     from .planner._presets import conv_rules as conv_rules
     from .planner._presets import mlp_rules as mlp_rules
@@ -73,6 +77,8 @@ if TYPE_CHECKING:  # the names, for type checkers and the docs; at run time each
     from .report._comm import CommReport as CommReport
     from .report._comm import Transfer as Transfer
     from .report._comm import comm_report as comm_report
+    from .report._compile import CompiledStep as CompiledStep
+    from .report._compile import compile_step as compile_step
     from .report._pictures import Picture as Picture
     from .report._pictures import ShardBlock as ShardBlock
     from .report._pictures import sharding_blocks as sharding_blocks
@@ -106,11 +112,13 @@ _LAZY = {
     "InvalidMeshError": "core._errors",
     "InvalidOptionError": "core._errors",
     "InvalidRuleError": "core._errors",
+    "InvalidTargetError": "core._errors",
     "LayoutMismatchError": "core._errors",
     "LayoutMismatchWarning": "core._errors",
     "MemoryBudgetError": "core._errors",
     "MeshLayoutError": "core._errors",
     "MeshLayoutWarning": "core._errors",
+    "MissingLibtpuError": "core._errors",
     "RankMismatchError": "core._errors",
     "UnmatchedRuleWarning": "core._errors",
     "UnsupportedBackendError": "core._errors",
@@ -130,6 +138,8 @@ _LAZY = {
     "Resolution": "core._resolve",
     "LayoutRules": "core._rules",
     "Rule": "core._rules",
+    "Target": "core._targets",
+    "parse_target": "core._targets",
     "auto_rules": "planner._auto",
     "conv_rules": "planner._presets",
     "mlp_rules": "planner._presets",
@@ -139,6 +149,8 @@ _LAZY = {
     "CommReport": "report._comm",
     "Transfer": "report._comm",
     "comm_report": "report._comm",
+    "CompiledStep": "report._compile",
+    "compile_step": "report._compile",
     "Picture": "report._pictures",
     "ShardBlock": "report._pictures",
     "sharding_blocks": "report._pictures",
@@ -175,6 +187,8 @@ __all__ = [
     "CommReport",
     "Transfer",
     "comm_report",
+    "CompiledStep",
+    "compile_step",
     "DEFAULT_REPLICATE_BELOW",
     "DevicesAlreadyInitializedError",
     "GroupedConvWarning",
@@ -187,6 +201,7 @@ __all__ = [
     "InvalidMeshError",
     "InvalidOptionError",
     "InvalidRuleError",
+    "InvalidTargetError",
     "LayoutPolicy",
     "LayoutRules",
     "Mesh",
@@ -194,6 +209,7 @@ __all__ = [
     "MemoryEstimate",
     "MeshLayoutError",
     "MeshLayoutWarning",
+    "MissingLibtpuError",
     "ModelParallel",
     "Picture",
     "Plan",
@@ -203,6 +219,7 @@ __all__ = [
     "Resolution",
     "Rule",
     "ShardBlock",
+    "Target",
     "UnmatchedRuleWarning",
     "UnsupportedBackendError",
     "auto_rules",
@@ -221,6 +238,7 @@ __all__ = [
     "sharding_blocks",
     "show_mesh",
     "show_sharding",
+    "parse_target",
     "plan_model",
     "rules_from_layout_map",
     "transformer_rules",

@@ -54,6 +54,8 @@ Keras's global state and distribution backend:
 JAX:
 
 - `jax._src.xla_bridge.backends_are_initialized`: whether the devices exist already.
+- `jax._src.hardware_utils.num_available_tpu_chips_and_device_id`: whether this machine
+  has TPU chips (if not, libtpu, installed for TPU targets, is kept quiet).
 - `jax._src.interpreters.partial_eval.dce_jaxpr`: dead-code elimination of a jaxpr.
 """
 
@@ -190,6 +192,13 @@ def stateless_scope() -> Any:
     return StatelessScope(initialize_variables=False)
 
 
+def in_stateless_scope() -> bool:
+    """Whether a variable made now is deferred (a dry build), not allocated."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as inside
+
+    return bool(inside())
+
+
 def global_seed_generator(create: bool = False) -> Any:
     """Keras's process-wide seed generator (used by random ops given no seed), if there is one."""
     from keras.src.backend.common import global_state
@@ -307,6 +316,13 @@ def state_shardings(model: Any) -> Any:
 
 
 # -- JAX ------------------------------------------------------------------------------------
+
+
+def tpu_chips_attached() -> int:
+    """TPU chips attached to this machine, by JAX's own PCI scan (0 on a machine without)."""
+    from jax._src import hardware_utils
+
+    return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
 
 
 def backends_started() -> bool:

@@ -61,6 +61,9 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
     "test_cli_light.py": ("test_the_package_itself_imports_neither_until_a_name_is_used",),  # imports Keras
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
+    "test_targets.py": (
+        "test_the_step_compiles_for_tpu_v5e_and_its_traffic_is_predicted",
+    ),  # XLA:TPU compiles
     "test_experts.py": (  # keras-hub MoE backbones compiled, or trained against one device
         "test_expert_parallel_prediction_matches_the_compiled_step",
         "test_a_rebuilt_mixtral_trains_expert_parallel_like_one_device",

@@ -548,3 +548,32 @@ def test_a_mesh_that_does_not_fit_says_how_to_on_the_command_line(workdir):
     assert result.returncode == 2
     assert "plan on that many emulated CPU devices with --emulate-devices N (now 8)" in result.stderr
     assert "devices=" not in result.stderr  # a Python argument, not the command line's
+
+
+def test_plan_for_a_tpu_target_compiles_the_step_and_reports_it_as_json(workdir):
+    """Issue 21: `--target` lays the mesh over a TPU v5e's chips; `--compile` adds XLA:TPU's figures."""
+    result = cli(
+        *("plan", "--mesh", "data=2,model=4", "--target", "tpu-v5e:2x4", "--model", "models:mlp", "--auto"),
+        *("--optimizer", "adam", "--compile", "--batch-size", "16", "--json"),
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["target"]["chips"] == 8 and data["target"]["hbm_bytes"] == 16 * 2**30
+    compiled = data["compiled"]
+    assert (compiled["platform"], compiled["device_kind"]) == ("tpu", "TPU v5 lite")
+    assert compiled["peak_bytes"] == (
+        compiled["argument_bytes"]
+        + compiled["output_bytes"]
+        - compiled["alias_bytes"]
+        + compiled["temp_bytes"]
+    )
+    assert data["memory"]["state_bytes"] == data["memory_per_device"]["total"]
+    assert compiled["wire_bytes_by_axis"]["model"] == pytest.approx(
+        data["predicted"]["wire_bytes_by_axis"]["model"], rel=0.02
+    )
+    wrong = cli(
+        "plan", "--mesh", "data=2,model=2", "--target", "tpu-v5e:2x4", "--model", "models:mlp", cwd=workdir
+    )
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1
+    assert "does not fit target tpu-v5e:2x4" in wrong.stderr and "Valid forms: tpu-v5e:RxC" in wrong.stderr

@@ -145,7 +145,9 @@ def _global_attributes():
 
 def _stateless_scope():
     layer = keras.layers.Dense(1024)
+    assert not _compat.in_stateless_scope()
     with _compat.stateless_scope():
+        assert _compat.in_stateless_scope()
         layer.build((None, 1024))
     assert _compat.raw_value(layer.kernel) is None, "a variable built in a StatelessScope was allocated"
     assert tuple(layer.kernel.shape) == (1024, 1024)
@@ -312,6 +314,12 @@ def _backends_are_initialized():
     assert _compat.backends_started() is True
 
 
+def _tpu_chips_attached():
+    chips = _compat.tpu_chips_attached()
+    tpus = [device for device in jax.devices() if device.platform == "tpu"]
+    assert chips == len(tpus), (chips, tpus)  # none on a machine without TPUs
+
+
 def _dce_jaxpr():
     closed = jax.make_jaxpr(lambda x, y: x * 2.0)(1.0, 2.0)
     jaxpr, used = _compat.dce_jaxpr(closed.jaxpr)
@@ -371,6 +379,11 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
         _backends_are_initialized,
     ),
     ("jax._src.interpreters.partial_eval.dce_jaxpr", "dead-code elimination of a jaxpr", _dce_jaxpr),
+    (
+        "jax._src.hardware_utils.num_available_tpu_chips_and_device_id",
+        "whether TPU chips are attached",
+        _tpu_chips_attached,
+    ),
 ]
 
 

@@ -960,6 +960,8 @@ ERRORS = [
     kml.CheckpointError,
     kml.InvalidOptionError,
     kml.InvalidMeshError,
+    kml.InvalidTargetError,
+    kml.MissingLibtpuError,
     kml.InvalidRuleError,
     kml.RankMismatchError,
     kml.IndivisibleShapeError,

@@ -26,6 +26,7 @@ from ._args import (
     fraction,
     positive_int,
 )
+from ._plan_compile import compile_for, mesh_target, platform_name
 from ._plan_inputs import (
     batch_spec,
     check_batch_size,
@@ -86,6 +87,14 @@ def _add_inputs(plan: argparse.ArgumentParser) -> None:
     """The mesh, the model, where the rules come from, and the optimizer."""
     plan.add_argument("--mesh", required=True, help='mesh spec: "2x4", "8" or "data=2,model=4" (-1 infers)')
     plan.add_argument(
+        "--target",
+        default=None,
+        metavar="TPU",
+        help="plan for a TPU machine you do not have, e.g. tpu-v5e:16x16, tpu-v5p:4x4x4, tpu-v4:2x2x2, "
+        "tpu-v6e:8x8 (add :slices=N for several slices); the mesh must use all its chips. Needs libtpu: "
+        'pip install ".[tpu-aot]"',
+    )
+    plan.add_argument(
         "--model",
         required=True,
         help="a saved model (PATH.keras: only its config is read) or a builder MODULE:FUNCTION "
@@ -132,7 +141,20 @@ def _add_checks(plan: argparse.ArgumentParser) -> None:
         "(needs --batch-size; prints the predicted bytes per step; replaces the replication guard)",
     )
     plan.add_argument(
-        "--batch-size", type=positive_int, default=None, help="global batch for --memory-budget"
+        "--compile",
+        action="store_true",
+        help="also AOT-compile the training step for the mesh (the --target's XLA:TPU) from the dry build "
+        "and print XLA's argument, output, temporary and peak bytes per device and the compiled traffic "
+        "(needs --batch-size)",
+    )
+    plan.add_argument(
+        "--loss",
+        default="mse",
+        help="with --compile: the loss the step trains with, a name Keras knows (default mse; "
+        "sparse_categorical_crossentropy takes integer labels)",
+    )
+    plan.add_argument(
+        "--batch-size", type=positive_int, default=None, help="global batch for --memory-budget and --compile"
     )
     plan.add_argument(
         "--sequence-length",
@@ -151,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from ..core._dry import dry_plan
     from ..core._policy import DEFAULT_REPLICATE_BELOW, LayoutPolicy
 
-    mesh = _parse_mesh(args.mesh, args.emulate_devices)
+    mesh = _parse_mesh(args.mesh, args.emulate_devices, args.target)
     build = load_builder(args.model)
     check_optimizer(args.optimizer)
     replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
@@ -160,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--memory-budget chooses layouts for --auto: add --auto.")
     if args.memory_budget is not None and args.batch_size is None:
         raise InputError("--memory-budget needs --batch-size (and --sequence-length for token inputs).")
+    if args.compile and args.batch_size is None:
+        raise InputError("--compile needs --batch-size (and --sequence-length for token inputs).")
     check_batch_size(args.batch_size, mesh, args.batch_axis)
     with spinner("plan", wanted=not args.json) as step:
         if args.auto:
@@ -170,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", MeshLayoutWarning)
             plan = dry_plan(build, distribution, optimizer=args.optimizer)
+        compiled = None
+        if args.compile:
+            step(f"compiling the training step for {platform_name(mesh)} (XLA, ahead of time)")
+            compiled = compile_for(build, distribution, args)
     messages = _messages(plan, caught)
     failure = None
     try:
@@ -181,9 +209,9 @@ def run(args: argparse.Namespace) -> int:
         failure = str(err)
     note = None if args.memory_budget is not None else plan.intended_replication(args.max_replicated_fraction)
     if args.json:
-        _print_json(args, plan, rules, messages, failure, note)
+        _print_json(args, plan, rules, messages, failure, note, compiled)
     else:
-        _print_table(plan, rules, messages, note, full=args.full)
+        _print_table(plan, rules, messages, note, full=args.full, compiled=compiled)
     if failure is not None:
         print(f"plan fails: {failure}", file=sys.stderr)
         return EXIT_PLAN_FAILS
@@ -238,9 +266,17 @@ def _print_json(
     messages: list[str],
     failure: str | None,
     note: str | None,
+    compiled: Any = None,
 ) -> None:
     data = plan.to_dict()
     data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
+    if args.target is not None:
+        data["target"] = mesh_target(args.target).to_dict()
+    # The prediction per device, beside the compiled figures: the training state today; the
+    # peak with activations and temporaries (issue 21 item 3) is added here as "peak_bytes".
+    data["memory"] = {"state_bytes": plan.memory(args.device_memory).total}
+    if compiled is not None:
+        data["compiled"] = compiled.to_dict()
     data["warnings"] = messages
     cost = getattr(rules, "cost", None)
     if cost is not None:
@@ -258,11 +294,15 @@ def _print_json(
     print(json.dumps(data, indent=2))
 
 
-def _print_table(plan: Any, rules: Any, messages: list[str], note: str | None, *, full: bool = False) -> None:
+def _print_table(
+    plan: Any, rules: Any, messages: list[str], note: str | None, *, full: bool = False, compiled: Any = None
+) -> None:
     console = _console()
     console.print(plan if full or len(plan) <= SUMMARY_ABOVE else plan.summary())
     if getattr(rules, "cost", None) is not None:
         console.print(f"predicted: {rules.cost}", markup=False)
+    if compiled is not None:
+        console.print(compiled)
     for message in messages[len(plan.warnings) :]:
         console.print(f"warning: {message}", style="yellow", markup=False)
     if note is not None:
@@ -286,13 +326,15 @@ def _console() -> Any:
 _PIPE_WIDTH = 10_000
 
 
-def _parse_mesh(spec: str, emulated: int) -> Any:
-    """The `--mesh`, its device-count hint said as the command line takes it."""
-    from ..core._errors import InvalidMeshError
+def _parse_mesh(spec: str, emulated: int, target: str | None = None) -> Any:
+    """The `--mesh` (over the `--target`'s chips), its device-count hint said as the command line takes it."""
+    from ..core._errors import InvalidMeshError, InvalidTargetError
     from ..core._mesh import DEVICES_HINT, Mesh
 
     try:
-        return Mesh.parse(spec)
+        return Mesh.parse(spec, target=mesh_target(target))
+    except InvalidTargetError:
+        raise
     except InvalidMeshError as err:
         hint = f"plan on that many emulated CPU devices with --emulate-devices N (now {emulated})"
         raise InputError(str(err).replace(DEVICES_HINT, hint)) from None

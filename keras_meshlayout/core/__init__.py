@@ -11,6 +11,9 @@ and no module here imports one that imports it back (`tests/test_import_graph.py
   `_rules`: `LayoutRules`, the container; `_layout_map`: a Keras `LayoutMap` as our rules.
 - `_policy`: `LayoutPolicy`; `_shape_checks`: rank, axis names and divisibility are decided here;
   `_resolve`: one variable's layout (`resolve`, `Resolution`).
+- `_targets`: TPU machines as data (`Target`, published per-chip figures) and their
+  `tpu-v5e:16x16` form; `_target_mesh`: meshes on a target's compile-only devices, or on none
+  (`jax.sharding.AbstractMesh`).
 - `_mesh_spec`: mesh specs parsed and sizes inferred; `_mesh`: `Mesh`; `_placement`: meshes
   across processes; `_process_data`: which rows of a global batch each process feeds.
 - `_memory`: per-device bytes and optimizer slots; `_plot`: the plan's figure; `_summary`: big

@@ -10,6 +10,7 @@ import keras
 
 from .. import _compat
 from ._errors import DevicesAlreadyInitializedError, InvalidOptionError, UnsupportedBackendError
+from ._targets import quiet_libtpu
 
 _XLA_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -63,6 +64,7 @@ def emulate_devices(count: int = 8) -> None:
         raise InvalidOptionError(
             f"emulate_devices needs a positive integer device count. Received: count={count!r}."
         )
+    quiet_libtpu()  # before JAX's first TPU probe
     import jax
 
     if backends_started():

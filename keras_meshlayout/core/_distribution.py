@@ -263,6 +263,7 @@ class ModelParallel(keras.distribution.ModelParallel):
     # -- keras.distribution.Distribution --------------------------------------
 
     def get_variable_layout(self, variable: keras.Variable) -> keras.distribution.TensorLayout:
+        _refuse_arrays_on_devices_without_memory(self.device_mesh, variable)
         if (layout := _compat.variable_layout(variable)) is not None:
             return layout  # optimizer slots: their parameter's layout
         if _created_by_optimizer_or_metric():
@@ -342,6 +343,23 @@ class ModelParallel(keras.distribution.ModelParallel):
 
 
 _NO_RULES = LayoutRules()
+
+
+def _refuse_arrays_on_devices_without_memory(mesh: Any, variable: keras.Variable) -> None:
+    """A variable about to be allocated on a TPU target's or an abstract mesh's devices: a clear error.
+
+    Those devices hold no array (JAX would say `MakeArraysFromHostBufferShards not available
+    with compile-only client`); a dry build (a stateless scope) defers every variable and passes.
+    """
+    target, abstract = getattr(mesh, "target", None), getattr(mesh, "is_abstract", False)
+    if (target is None and not abstract) or _compat.in_stateless_scope():
+        return
+    where = f"TPU target {target}'s compile-only devices" if target is not None else "an abstract mesh"
+    raise InvalidMeshError(
+        f"Variable {variable.path!r} would be allocated on {mesh!r}, laid over {where}, which hold no "
+        "array. Build the model dry instead: kml.dry_plan(build, dist) for the plan, "
+        "kml.compile_step(build, dist, x, y) for XLA's memory and traffic on it."
+    )
 
 
 def _created_by_optimizer_or_metric() -> bool:

@@ -24,7 +24,7 @@ from ._planning import plan_model
 if TYPE_CHECKING:
     from ._distribution import ModelParallel
 
-__all__ = ["dry_build", "dry_plan", "names_handed_back"]
+__all__ = ["dry_build", "dry_plan", "names_handed_back", "new_optimizer"]
 
 
 def dry_plan(
@@ -62,9 +62,9 @@ def dry_plan(
         >>> plan.memory().optimizer == 2 * plan.memory().gradients + 8
         True
     """
+    with names_handed_back(), _deferred_variables():
+        optimizer = new_optimizer(optimizer)
     with names_handed_back(), _deferred_variables(), distribution.scope():
-        if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
-            optimizer = keras.optimizers.get(optimizer)  # creates its counters: outside the scope
         slots = None
         with _compat.stateless_scope():
             model = build()
@@ -73,6 +73,17 @@ def dry_plan(
             elif optimizer is not None:
                 optimizer.build(model.trainable_variables)
         return plan_model(distribution, model, optimizer=optimizer, optimizer_variables=slots)
+
+
+def new_optimizer(optimizer: str | keras.optimizers.Optimizer | None) -> keras.optimizers.Optimizer | None:
+    """The optimizer for a name, made outside every scope: its counters are small eager arrays.
+
+    Made outside the distribution, they land on this machine's default device, not on a
+    mesh of devices that hold no array (a TPU target); the plan resolves their layouts anyway.
+    """
+    if optimizer is None or isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer
+    return keras.optimizers.get(optimizer)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ __all__ = [
     "MeshLayoutError",
     "InvalidOptionError",
     "InvalidMeshError",
+    "InvalidTargetError",
+    "MissingLibtpuError",
     "InvalidRuleError",
     "RankMismatchError",
     "IndivisibleShapeError",
@@ -49,6 +51,29 @@ class InvalidMeshError(MeshLayoutError):
     Raised for a malformed spec string, a non-positive axis size, more than one
     inferred (`-1`) axis, repeated axis names, an axis-size product that differs
     from the device count, or a batch axis that is not an axis of the mesh.
+    """
+
+
+class InvalidTargetError(InvalidMeshError):
+    """A target (`tpu-v5e:16x16`) names no TPU machine, or does not fit the mesh asked of it.
+
+    The message is one line: what was received, why it is not a target, and the valid
+    forms (`tpu-v5e:RxC`, `tpu-v6e:RxC`, `tpu-v4:AxBxC`, `tpu-v5p:AxBxC`, each optionally
+    `:slices=N`). A mesh on a target must use all of its chips: `kml.Mesh(data=4, model=64,
+    target="tpu-v5e:16x16")`, not 4 x 32. A subclass of `InvalidMeshError`, so code that
+    catches bad meshes catches bad targets too.
+    """
+
+
+class MissingLibtpuError(MeshLayoutError):
+    """A TPU target's devices were asked for, and libtpu is not installed.
+
+    The devices of a TPU you do not have (`jax.experimental.topologies`) come from libtpu,
+    which compiles for TPUs on any machine. Install the version that matches the installed
+    jax, from a keras_meshlayout checkout `pip install ".[tpu-aot]"`, or `pip install
+    "libtpu==0.0.42.*"` for jax 0.10.2 (`pip install "jax[tpu]==VERSION"` pins it for
+    others). Without libtpu a mesh of any size still plans, without devices and without a
+    compile: `kml.Mesh(jax.sharding.AbstractMesh((16, 16), ("data", "model")))`.
     """
 
 

@@ -15,10 +15,27 @@ import numpy as np
 from ._backend import require_jax_backend
 from ._errors import InvalidMeshError
 from ._format import Displayed, to_text
-from ._mesh_spec import AXIS_NAME, DEVICES_HINT, infer_sizes, parse_spec
-from ._placement import across_axes, hybrid_grid, process_layout, process_of, spanning_axes
+from ._mesh_spec import AXIS_NAME, DEVICES_HINT, infer_sizes, named_axes, parse_spec
+from ._placement import (
+    across_axes,
+    device_positions,
+    hybrid_grid,
+    process_layout,
+    process_of,
+    spanning_axes,
+)
+from ._target_mesh import AbstractDevice, abstract_grid, check_target_form, target_grid
+from ._targets import Target, parse_target
 
-__all__ = ["DEVICES_HINT", "Mesh", "device_id_grid", "jax_device_grid", "mesh_axis_sizes", "platform_name"]
+__all__ = [
+    "DEVICES_HINT",
+    "AbstractDevice",
+    "Mesh",
+    "device_id_grid",
+    "jax_device_grid",
+    "mesh_axis_sizes",
+    "platform_name",
+]
 
 
 class Mesh(Displayed, keras.distribution.DeviceMesh):
@@ -39,6 +56,11 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
     `axis_names` as given; `devices` may be JAX devices or names such as
     `"cpu:0"` (as `keras.distribution.list_devices()` returns), in an array of
     any shape.
+
+    Devices you do not have: `target="tpu-v5e:16x16"` lays the mesh over that TPU
+    machine's compile-only devices (libtpu, `pip install ".[tpu-aot]"`), to plan and
+    compile for (`kml.compile_step`) with no array ever placed on them; a
+    `jax.sharding.AbstractMesh` of any size plans with no devices at all.
 
     When the devices belong to several processes (after `kml.initialize()` in
     a multi-process run), the axes named in `across_processes` (by default the
@@ -65,6 +87,10 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
         allow_split_across_processes: Let other axes span processes when the
             `across_processes` axes cannot hold them all (with a
             `ProcessSplitWarning`) instead of raising.
+        target: A TPU machine to plan and compile for, `"tpu-v5e:16x16"` or a
+            `Target` (forms: `core._targets.TARGET_FORMS`), instead of `devices`.
+            With several slices (`"tpu-v5e:16x16:slices=2"`) the first axis is laid
+            over the slices.
         **axis_sizes: Axis sizes by name, in order.
 
     Raises:
@@ -73,6 +99,9 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
             multiply to the number of devices, `across_processes` names an axis
             the mesh lacks, or the processes cannot be laid over the
             `across_processes` axes.
+        InvalidTargetError: `target` names no TPU machine, or the sizes do not
+            multiply to its chips (one line, naming the valid forms).
+        MissingLibtpuError: `target` is given and libtpu is not installed.
 
     Example:
         >>> import keras_meshlayout as kml
@@ -90,6 +119,10 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
         >>> from jax.experimental import mesh_utils
         >>> kml.Mesh(mesh_utils.create_device_mesh((4, 2)), ("data", "model")).shape
         (4, 2)
+        >>> kml.Mesh(jax.sharding.AbstractMesh((16, 16), ("data", "model"))).size  # no devices
+        256
+        >>> kml.Mesh(data=2, model=4, target="tpu-v5e:2x4").target.device_kind  # libtpu's devices
+        'TPU v5 lite'
     """
 
     def __init__(
@@ -100,13 +133,20 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
         *,
         across_processes: str | Sequence[str] | None = None,
         allow_split_across_processes: bool = False,
+        target: str | Target | None = None,
         **axis_sizes: int,
     ) -> None:
         require_jax_backend()
         import jax
         from jax.experimental import mesh_utils
 
+        self._target: Target | None = None
+        if isinstance(shape, jax.sharding.AbstractMesh):
+            others = {"axis_names": axis_names, "devices": devices, "target": target, **axis_sizes}
+            self._init_abstract(shape, others)
+            return
         shape, axis_names, devices = _from_jax(shape, axis_names, devices, axis_sizes)
+        check_target_form(target, shape, axis_names, devices)
         if axis_names is not None or (shape is not None and not isinstance(shape, Mapping)):
             if axis_sizes:
                 raise InvalidMeshError(
@@ -116,29 +156,10 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
                 )
             self._init_keras(shape, axis_names, devices)
             return
-        axes = shape
-        if axes is not None and axis_sizes:
-            raise InvalidMeshError(
-                "Give the mesh axes either as a mapping or as keyword arguments, not both. "
-                f"Received: axes={dict(axes)!r}, axis_sizes={axis_sizes!r}."
-            )
-        if axes is not None and not isinstance(axes, Mapping):
-            raise InvalidMeshError(
-                "Mesh axes go in as keywords, kml.Mesh(data=2, model=4), or as a mapping, "
-                f'kml.Mesh({{"data": 2, "model": 4}}). Received: {axes!r}. For a spec string use '
-                "kml.Mesh.parse."
-            )
-        named = dict(axes) if axes is not None else axis_sizes
-        if not named:
-            raise InvalidMeshError(
-                "A mesh needs at least one axis. Received no axes. Example: kml.Mesh(data=2, model=4)."
-            )
-        for name in named:
-            if not isinstance(name, str) or not AXIS_NAME.fullmatch(name):
-                raise InvalidMeshError(
-                    f"Mesh axis names must be identifiers such as 'data' or 'model'. "
-                    f"Received: {name!r} in axes {named!r}."
-                )
+        named = named_axes(shape, axis_sizes)
+        if target is not None:
+            self._init_target(named, parse_target(target))
+            return
         devices = jax.devices() if devices is None else to_jax_devices(devices).ravel().tolist()
         shape = infer_sizes(named, len(devices))
         across = across_axes(across_processes, tuple(named))
@@ -150,6 +171,31 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
             grid = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
         super().__init__(shape=shape, axis_names=tuple(named), devices=grid)
         self._backend_mesh = jax.sharding.Mesh(self.devices, self.axis_names)
+
+    def _init_target(self, named: dict[str, int], target: Target) -> None:
+        """The mesh over a TPU target's compile-only devices (`_target_mesh.target_grid`)."""
+        import jax
+
+        shape, grid = target_grid(named, target)
+        self._target = target
+        super().__init__(shape=shape, axis_names=tuple(named), devices=grid)
+        self._backend_mesh = jax.sharding.Mesh(self.devices, self.axis_names)
+
+    def _init_abstract(self, mesh: Any, others: Mapping[str, Any]) -> None:
+        """A mesh of shape and names only (`jax.sharding.AbstractMesh`): planning, no devices."""
+        names, shape, grid = abstract_grid(mesh, others)
+        super().__init__(shape=shape, axis_names=names, devices=grid)
+        self._backend_mesh = mesh
+
+    @property
+    def target(self) -> Target | None:
+        """The TPU target the mesh is laid over (`target=`), else `None`."""
+        return self._target
+
+    @property
+    def is_abstract(self) -> bool:
+        """Whether the mesh has no devices (made from a `jax.sharding.AbstractMesh`)."""
+        return isinstance(self.devices.flat[0], AbstractDevice)
 
     def _init_keras(self, shape: Any, axis_names: Any, devices: Any) -> None:
         """`keras.distribution.DeviceMesh(shape, axis_names, devices)`, with Keras's meaning."""
@@ -209,6 +255,7 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
         *,
         across_processes: str | Sequence[str] | None = None,
         allow_split_across_processes: bool = False,
+        target: str | Target | None = None,
     ) -> Mesh:
         """Builds a mesh from a spec string.
 
@@ -219,6 +266,7 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
             devices: As for `Mesh`.
             across_processes: As for `Mesh`.
             allow_split_across_processes: As for `Mesh`.
+            target: As for `Mesh`: a TPU machine, `"tpu-v5e:16x16"`.
 
         Returns:
             The mesh.
@@ -240,6 +288,7 @@ class Mesh(Displayed, keras.distribution.DeviceMesh):
             devices=devices,
             across_processes=across_processes,
             allow_split_across_processes=allow_split_across_processes,
+            target=target,
         )
 
     @property
@@ -410,8 +459,9 @@ def process_layout_line(mesh: Any) -> str:
 
 def jax_device_grid(mesh: Any) -> np.ndarray:
     """The grid of JAX devices (a Keras `DeviceMesh` may hold names such as `"cpu:0"`)."""
-    backend = getattr(mesh, "backend_mesh", None)
-    return np.asarray((backend if backend is not None else mesh).devices)
+    if getattr(mesh, "backend_mesh", None) is None:
+        return np.asarray(mesh.devices)
+    return np.asarray(device_positions(mesh))
 
 
 def device_id_grid(mesh: Any) -> np.ndarray:

@@ -5,12 +5,21 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from ._errors import InvalidMeshError
 
-__all__ = ["AXIS_NAME", "DEVICES_HINT", "POSITIONAL_AXIS_NAMES", "SPEC_HELP", "infer_sizes", "parse_spec"]
+__all__ = [
+    "AXIS_NAME",
+    "DEVICES_HINT",
+    "POSITIONAL_AXIS_NAMES",
+    "SPEC_HELP",
+    "infer_sizes",
+    "named_axes",
+    "parse_spec",
+]
 
 #: Axis names given to positional specs such as ``"2x4"``.
 POSITIONAL_AXIS_NAMES = ("data", "model")
@@ -92,3 +101,30 @@ def infer_sizes(named: Mapping[str, int], device_count: int) -> tuple[int, ...]:
             f"use -1 for one axis to infer it, or {DEVICES_HINT}."
         )
     return tuple(int(size) for size in named.values())
+
+
+def named_axes(axes: Any, axis_sizes: Mapping[str, int]) -> dict[str, int]:
+    """Our form's axes, from a mapping or keywords, with their names checked."""
+    if axes is not None and axis_sizes:
+        raise InvalidMeshError(
+            "Give the mesh axes either as a mapping or as keyword arguments, not both. "
+            f"Received: axes={dict(axes)!r}, axis_sizes={axis_sizes!r}."
+        )
+    if axes is not None and not isinstance(axes, Mapping):
+        raise InvalidMeshError(
+            "Mesh axes go in as keywords, kml.Mesh(data=2, model=4), or as a mapping, "
+            f'kml.Mesh({{"data": 2, "model": 4}}). Received: {axes!r}. For a spec string use '
+            "kml.Mesh.parse."
+        )
+    named = dict(axes) if axes is not None else axis_sizes
+    if not named:
+        raise InvalidMeshError(
+            "A mesh needs at least one axis. Received no axes. Example: kml.Mesh(data=2, model=4)."
+        )
+    for name in named:
+        if not isinstance(name, str) or not AXIS_NAME.fullmatch(name):
+            raise InvalidMeshError(
+                f"Mesh axis names must be identifiers such as 'data' or 'model'. "
+                f"Received: {name!r} in axes {named!r}."
+            )
+    return named

@@ -19,6 +19,7 @@ from ._errors import InvalidMeshError, MeshLayoutWarning
 from ._format import did_you_mean, id_ranges
 
 __all__ = [
+    "device_positions",
     "ProcessSplitWarning",
     "across_axes",
     "hybrid_grid",
@@ -56,7 +57,7 @@ def process_layout(mesh: keras.distribution.DeviceMesh) -> list[str]:
         >>> kml.process_layout(kml.Mesh(data=2, model=4))
         ['1 process with 8 devices']
     """
-    devices = np.asarray(mesh.backend_mesh.devices)
+    devices = np.asarray(device_positions(mesh))
     names = tuple(mesh.axis_names)
     processes = np.vectorize(process_of, otypes=[int])(devices)
     ids = np.unique(processes)
@@ -191,3 +192,15 @@ def _axis_words(names: Sequence[str]) -> str:
     if len(names) == 1:
         return f"axis {names[0]!r}"
     return "axes " + ", ".join(repr(n) for n in names)
+
+
+def device_positions(mesh: Any) -> Any:
+    """The JAX devices of a mesh's backend mesh; the placeholders of a mesh without devices.
+
+    A `jax.sharding.AbstractMesh` has no devices: a `kml.Mesh` made from one holds an
+    `AbstractDevice` (process 0) at each position.
+    """
+    import jax
+
+    backend = mesh.backend_mesh
+    return mesh.devices if isinstance(backend, jax.sharding.AbstractMesh) else backend.devices

@@ -167,9 +167,17 @@ def _processes(mesh: keras.distribution.DeviceMesh) -> tuple[str, ...]:
 
 
 def _device_capacity(mesh: keras.distribution.DeviceMesh) -> int | None:
-    """Bytes of memory of the mesh's first device, if JAX reports them (not on CPU)."""
+    """Bytes of memory of the mesh's first device, if JAX reports them (not on CPU).
+
+    On a TPU target, the published HBM per chip; on an abstract mesh, none.
+    """
     import jax
 
+    target = getattr(mesh, "target", None)
+    if target is not None:
+        return target.hbm_bytes
+    if getattr(mesh, "is_abstract", False):
+        return None
     # One of this process's devices: another process's cannot report its memory (JaxRuntimeError).
     here = [d for d in mesh.devices.flat if getattr(d, "process_index", 0) == jax.process_index()]
     device = here[0] if here else mesh.devices.flat[0]

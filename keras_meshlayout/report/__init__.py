@@ -3,6 +3,8 @@
 - `_collectives`: what a collective sends (the ring formulas), for the report and the planner.
 - `_hlo`: collectives read from compiled HLO text.
 - `_comm`: `comm_report`, one compiled training step's communication.
+- `_compile`: `compile_step`, the training step compiled for a mesh (a TPU target) from a dry
+  build, with XLA's bytes per device.
 - `_pictures`: terminal pictures of a mesh and of one variable's shards.
 
 The plan's figure (`plot_plan`, matplotlib) lives in `core/_plot.py`, beside the `Plan`

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import keras
     import rich.console
 
-__all__ = ["CommReport", "Transfer", "comm_report"]
+__all__ = ["CommReport", "Transfer", "comm_report", "report_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,8 +220,11 @@ def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = 
     out_shardings = None if distribution is None else (None, _compat.state_shardings(model))
     lowered = jax.jit(model.train_step, out_shardings=out_shardings).lower(state, batch)
     compiled = lowered.compile()
+    return report_of(model, None if distribution is None else distribution.device_mesh, lowered, compiled)
 
-    mesh = None if distribution is None else distribution.device_mesh
+
+def report_of(model: keras.Model, mesh: Any, lowered: Any, compiled: Any) -> CommReport:
+    """The `CommReport` of one lowered and compiled step of `model` over `mesh` (`None`: one device)."""
     axis_sizes = {} if mesh is None else mesh_axis_sizes(mesh)
     device_count = 1 if mesh is None else int(np.prod(mesh.shape))
     collectives = parse_collectives(compiled.as_text(), device_count)
