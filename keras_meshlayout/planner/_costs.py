@@ -101,7 +101,9 @@ class _Coster(OneWeightCosts):
             if id(variable) in in_units:
                 continue
             owner = owners.get(id(variable))
-            embedding = self._embedding_unit(owner, variable) if owner is not None else None
+            embedding = None
+            if owner is not None:
+                embedding = self._embedding_unit(owner, variable) or self._tied_unit(owner, variable)
             if embedding is not None:
                 units.append(embedding)
                 continue

@@ -146,6 +146,18 @@ def vocab_parallel(rows: int, width: int, axis: str) -> str:
     )
 
 
+# -- tied tables (look-up and language-model head) ------------------------------------------
+
+
+def tied_vocab_parallel(rows: int, width: int, axis: str) -> str:
+    """A tied table (looked up, and read again as the language-model head) split over its vocabulary."""
+    return (
+        f"tied embedding, vocab-parallel: {rows:,} rows of {width} split over {axis!r}; the look-up is "
+        "all-reduced forward, the head's logits stay split (the loss reduces them with small "
+        "all-reduces) and its input gradient is all-reduced"
+    )
+
+
 # -- experts ----------------------------------------------------------------------------
 
 
