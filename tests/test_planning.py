@@ -350,6 +350,7 @@ PLANNER_ORDER = [
     "_by_trace",
     "_embeddings",
     "_experts",
+    "_lora",
     "_candidates",
     "_one_weight",
     "_costs",

@@ -29,12 +29,13 @@ from typing import Any
 
 import keras
 
+from .. import _compat
 from ..core._errors import InvalidOptionError, InvalidRuleError
 from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
 from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
-from . import _by_layers, _by_name, _by_trace, _embeddings, _experts
+from . import _by_layers, _by_name, _by_trace, _embeddings, _experts, _lora
 from ._costs import CostTable, cost_units
 from ._layers import auto_named
 from ._ledger import Ledger, Setting
@@ -59,6 +60,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_trace.unused_weights,  # trainable weights the step never reads, split at no cost
     _by_name.named_weights,  # the rest by name (`transformer_rules`)
     _by_trace.lone_projections,  # the projections no unit took, noted
+    _lora.lora_adapters,  # LoRA adapters laid out as their base kernel
     _by_trace.left_whole,  # anything else, replicated with the operations that read it
 )
 
@@ -174,14 +176,15 @@ def auto_rules(
     setting = Setting(model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace, batch_size)
     paths = tuple(v.path for v in model.weights)
     ledger = Ledger(model.name, model_axis, batch_axis, auto_named(model), paths)
-    for strategy in STRATEGIES:
-        strategy(ledger, setting)
-    if batch is None:
-        return LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)
-    budget = None if memory_budget is None else parse_bytes(memory_budget)
-    if optimizer is None:
-        optimizer = getattr(model, "optimizer", None)
-    table = cost_units(model, ledger.proposal(), trace, mesh_axis_sizes(mesh), optimizer)
+    with _compat.lora_off(model):  # LoRA layers read as their base kernel; `_lora` lays out the adapters
+        for strategy in STRATEGIES:
+            strategy(ledger, setting)
+        if batch is None:
+            return LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)
+        budget = None if memory_budget is None else parse_bytes(memory_budget)
+        if optimizer is None:
+            optimizer = getattr(model, "optimizer", None)
+        table = cost_units(model, ledger.proposal(), trace, mesh_axis_sizes(mesh), optimizer)
     chosen = search(table, budget)
     _apply(ledger, table, chosen)
     rules = LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)

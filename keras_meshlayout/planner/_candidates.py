@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from .. import _compat
 from ..core._axes import Axes
 from ..core._memory import slot_model
 from ..report._collectives import wire_bytes
@@ -120,13 +121,23 @@ class Bytes:
         self.uses = trace.uses
         self.memory = slot_model(optimizer)
         self.tp_axes = proposal.axes
+        #: LoRA adapters by path, and their base kernel's path: XLA sums the merged kernel's gradient.
+        self.lora_base = {
+            adapter.path: parts[0].path
+            for parts in map(_compat.lora_parts, _compat.lora_layers(model))
+            if parts is not None
+            for adapter in parts[1:]
+        }
         #: The label `kml.comm_report` gives a collective over both axes (`"data×model"`).
         self.both = "×".join(a for a in axis_sizes if a in (self.batch_axis, self.model_axis))
 
     # -- bytes ---------------------------------------------------------------------
 
     def _grad_sync(self, variable: keras.Variable, shards: int) -> float:
-        # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it.
+        # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it. A LoRA
+        # adapter's gradient is computed from its kernel's, which is the one summed (measured on XLA:CPU).
+        if variable.path in self.lora_base:
+            return 0.0
         read = nbytes(variable) * self.used.get(variable.path, 0.0)
         return wire_bytes("all-reduce", read / shards, self.d)
 

@@ -158,6 +158,18 @@ def tied_vocab_parallel(rows: int, width: int, axis: str) -> str:
     )
 
 
+# -- LoRA adapters ----------------------------------------------------------------------
+
+
+def lora(layer: str, which: str, axes: tuple) -> str:
+    """A LoRA adapter laid out as its base kernel."""
+    split = " and ".join(repr(a) for a in axes if a is not None)
+    how = f"split over {split}" if split else "whole"
+    return (
+        f"LoRA adapter {which} of {layer}: {how}, following its base kernel's split, so a @ b adds in place"
+    )
+
+
 # -- experts ----------------------------------------------------------------------------
 
 
