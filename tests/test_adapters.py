@@ -4,11 +4,15 @@
 (`planner/_lora.py`), the adapters follow that kernel's split, and the bytes it
 predicts are what the compiled step sends (before: the wrapped query/value
 kernels stayed replicated and the prediction was 0.66× the compiled step's).
+`model.quantize("int8")`: each kernel's scale is split with its output features
+(`planner/_quantized.py`), and the per-position all-reduce of a row-parallel
+int8 projection's input maximum is predicted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import keras
 import numpy as np
@@ -29,6 +33,14 @@ def _llama() -> Row:
 def build_lora() -> keras.Model:
     model = build_classifier(_llama())
     model.get_layer("backbone").enable_lora(4)
+    return model
+
+
+def build_int8() -> keras.Model:
+    model = build_classifier(_llama())
+    with warnings.catch_warnings():  # Keras warns for each layer it has no int8 form of (norms, dropout)
+        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
+        model.quantize("int8")
     return model
 
 
@@ -99,3 +111,37 @@ def test_lora_prediction_matches_the_compiled_step(lora):
     for axis, value in measured.items():
         assert lora.rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
     assert lora.rules.cost.state_bytes == lora.state_bytes
+
+
+@pytest.fixture(scope="module")
+def int8() -> Planned:
+    return plan_and_compile(build_int8)
+
+
+@pytest.mark.parametrize(
+    ("path", "axes"),
+    [
+        ("self_attention/query/kernel", (None, "model", None)),
+        ("self_attention/query/kernel_scale", (None, None, "model", None)),  # (1, 1, heads, head_dim)
+        ("self_attention/attention_output/kernel_scale", (None, None, None)),  # a row's output is whole
+        ("feedforward_gate_dense/kernel_scale", ("model",)),
+        ("feedforward_output_dense/kernel_scale", (None,)),
+    ],
+    ids=["einsum-kernel", "einsum-column-scale", "einsum-row-scale", "dense-column-scale", "dense-row-scale"],
+)
+def test_int8_scales_split_with_their_kernel(int8, path, axes):
+    rule = int8.rules.match(f"transformer_layer_0/{path}")
+    assert rule.axes == axes
+    if path.endswith("kernel_scale"):
+        layer = path.rsplit("/", 1)[0]
+        assert f"int8 scale of transformer_layer_0/{layer}: " in rule.note
+
+
+def test_int8_prediction_matches_the_compiled_step(int8):
+    """Row-parallel int8 projections all-reduce their input's per-position maximum over 'model'."""
+    measured = int8.report.wire_bytes_by_axis
+    for axis, value in measured.items():
+        assert int8.rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
+    assert int8.rules.cost.state_bytes == int8.state_bytes
+    maxima = [t for t in int8.report.transfers if t.shape == (4, 8) and t.axes == ("model",)]
+    assert len(maxima) == 4  # attention output and feed-forward output, in each of the 2 layers

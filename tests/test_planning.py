@@ -351,6 +351,7 @@ PLANNER_ORDER = [
     "_embeddings",
     "_experts",
     "_lora",
+    "_quantized",
     "_candidates",
     "_one_weight",
     "_costs",

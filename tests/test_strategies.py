@@ -215,6 +215,7 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_by_name.named_weights",
         "_by_trace.lone_projections",
         "_lora.lora_adapters",
+        "_quantized.int8_scales",
         "_by_trace.left_whole",
     ]
     model = mlp(4096)

@@ -35,7 +35,7 @@ from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
 from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
-from . import _by_layers, _by_name, _by_trace, _embeddings, _experts, _lora
+from . import _by_layers, _by_name, _by_trace, _embeddings, _experts, _lora, _quantized
 from ._costs import CostTable, cost_units
 from ._layers import auto_named
 from ._ledger import Ledger, Setting
@@ -61,6 +61,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_name.named_weights,  # the rest by name (`transformer_rules`)
     _by_trace.lone_projections,  # the projections no unit took, noted
     _lora.lora_adapters,  # LoRA adapters laid out as their base kernel
+    _quantized.int8_scales,  # int8 kernels' scales split with their output features
     _by_trace.left_whole,  # anything else, replicated with the operations that read it
 )
 

@@ -170,6 +170,16 @@ def lora(layer: str, which: str, axes: tuple) -> str:
     )
 
 
+# -- int8 kernels' scales ------------------------------------------------------------------
+
+
+def int8_scale(layer: str, axes: tuple) -> str:
+    """An int8 kernel's scale laid out with its kernel's output features."""
+    split = " and ".join(repr(a) for a in axes if a is not None)
+    how = f"split over {split}" if split else "whole"
+    return f"int8 scale of {layer}: {how}, as its kernel's output features, so each device scales its own"
+
+
 # -- experts ----------------------------------------------------------------------------
 
 
