@@ -66,6 +66,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_tied_table_is_vocab_parallel_without_a_budget",
         "test_a_tied_table_prediction_matches_the_compiled_step",
         "test_a_tied_table_trains_sharded_as_on_one_device",
+        "test_the_smallest_plan_is_predicted_under_the_default_policy",
     ),
     "test_experts.py": (  # keras-hub MoE backbones compiled, or trained against one device
         "test_expert_parallel_prediction_matches_the_compiled_step",

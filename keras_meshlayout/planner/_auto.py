@@ -176,7 +176,16 @@ def auto_rules(
     batch_size = mesh_axis_sizes(mesh).get(batch_axis, 1) if batch_axis else 1
     setting = Setting(model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace, batch_size)
     paths = tuple(v.path for v in model.weights)
-    ledger = Ledger(model.name, model_axis, batch_axis, auto_named(model), paths)
+    shapes = {v.path: tuple(v.shape) for v in model.weights}
+    ledger = Ledger(
+        model.name,
+        model_axis,
+        batch_axis,
+        auto_named(model),
+        paths,
+        replicate_below=chosen_policy.replicate_below,
+        shapes=shapes,
+    )
     with _compat.lora_off(model):  # LoRA layers read as their base kernel; `_lora` lays out the adapters
         for strategy in STRATEGIES:
             strategy(ledger, setting)
@@ -185,7 +194,10 @@ def auto_rules(
         budget = None if memory_budget is None else parse_bytes(memory_budget)
         if optimizer is None:
             optimizer = getattr(model, "optimizer", None)
-        table = cost_units(model, ledger.proposal(), trace, mesh_axis_sizes(mesh), optimizer)
+        proposal = ledger.proposal()
+        table = cost_units(
+            model, proposal, trace, mesh_axis_sizes(mesh), optimizer, chosen_policy.replicate_below
+        )
     chosen = search(table, budget)
     _apply(ledger, table, chosen)
     rules = LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)

@@ -20,6 +20,7 @@ import numpy as np
 from .. import _compat
 from ..core._axes import Axes
 from ..core._memory import slot_model
+from ..core._shape_checks import is_weight_matrix
 from ..report._collectives import wire_bytes
 from ._ledger import Proposal
 from ._trace import Trace
@@ -130,6 +131,14 @@ class Bytes:
         }
         #: The label `kml.comm_report` gives a collective over both axes (`"data×model"`).
         self.both = "×".join(a for a in axis_sizes if a in (self.batch_axis, self.model_axis))
+
+    #: Weight matrices with fewer elements are kept whole by the policy when the rules run.
+    replicate_below: int = 0
+
+    def _kept_whole(self, variable: keras.Variable) -> bool:
+        """Whether the policy keeps `variable` whole, however a rule splits it (a small weight matrix)."""
+        shape = tuple(variable.shape)
+        return is_weight_matrix(variable.path, shape) and math.prod(shape) < self.replicate_below
 
     # -- bytes ---------------------------------------------------------------------
 

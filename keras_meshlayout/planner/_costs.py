@@ -73,9 +73,15 @@ def cost_units(
     trace: Trace,
     axis_sizes: Mapping[str, int],
     optimizer: str | keras.optimizers.Optimizer | None,
+    replicate_below: int = 0,
 ) -> CostTable:
-    """Every unit of `proposal` with its candidate layouts, costed on `trace`'s batch."""
+    """Every unit of `proposal` with its candidate layouts, costed on `trace`'s batch.
+
+    A weight matrix with fewer than `replicate_below` elements gets no layout
+    but replicated: the policy keeps it whole when the rules run.
+    """
     coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
+    coster.replicate_below = replicate_below
     return CostTable(tuple(coster.units()), coster.activation_reserve())
 
 
@@ -102,17 +108,23 @@ class _Coster(OneWeightCosts):
                 continue
             owner = owners.get(id(variable))
             embedding = None
-            if owner is not None:
+            if self._kept_whole(variable):
+                pass  # the policy keeps it whole: one layout, below
+            elif owner is not None:
                 embedding = self._embedding_unit(owner, variable) or self._tied_unit(owner, variable)
             if embedding is not None:
                 units.append(embedding)
                 continue
-            if id(variable) in trainable and variable.path not in self.used:
+            if (
+                id(variable) in trainable
+                and variable.path not in self.used
+                and not self._kept_whole(variable)
+            ):
                 idle = self._idle_unit(variable)
                 if idle is not None:
                     units.append(idle)
                     continue
-            if id(variable) in trainable and variable.path in self.used:
+            if id(variable) in trainable and variable.path in self.used and not self._kept_whole(variable):
                 sharded = self._fully_sharded_unit(variable)
                 if sharded is not None:
                     units.append(sharded)

@@ -112,6 +112,11 @@ def too_small(name: str, count: int, replicate_below: int) -> str:
     return f"too small to split: {name} has {count} weights < replicate_below={replicate_below}"
 
 
+def small_matrix(note: str, count: int, replicate_below: int) -> str:
+    """A split a strategy chose for a weight matrix the policy keeps whole."""
+    return f"{note}; kept whole: {count:,} elements < replicate_below={replicate_below:,}"
+
+
 FINAL_REPLICATED = "final layer: replicated, so its output needs no gathering"
 NO_PARTNER = "no row-parallel partner follows: replicated, so no activation has to be gathered"
 
