@@ -160,7 +160,7 @@ def auto_rules(
         >>> tight.rules[0].note.split(" (")[0]
         '2-D: saves 451.5 KiB/device, sends 68.6 KiB less per step than replicated'
         >>> tight.cost.wire_bytes, tight.cost.memory_bytes <= 150_000, tight.cost.layouts()
-        (64684.0, True, {'2-D': 1, 'replicated': 3})
+        (64684.0, True, {'2-D': 1, 'replicated': 2})
     """
     if model_axis not in mesh.axis_names:
         raise InvalidRuleError(
