@@ -47,6 +47,9 @@ Keras's global state and distribution backend:
   (whose public `device_mesh` raises when unbound).
 - `ModelParallel._layout_map`: rebound when the Keras `LayoutMap` a `kml.ModelParallel` was
   given changes.
+- `Layer.lora_enabled` (`Dense`, `EinsumDense`, `Embedding`): switched off while the planner
+  traces a LoRA model, so that the trace reads each base kernel as a projection weight
+  (`kernel` adds the adapters' product to it); the adapters follow their kernel's split.
 - `TensorLayout._device_mesh`: set directly for a layout that splits one dimension over
   several mesh axes (an entry `("data", "model")`), which JAX's `PartitionSpec` takes but
   Keras 3.15's `TensorLayout` check of axis names refuses.
@@ -183,6 +186,41 @@ def global_attribute_kept(name: str, copy: Callable[[Any], Any]) -> Iterator[Non
         yield
     finally:
         global_state.set_global_attribute(name, saved)
+
+
+def lora_layers(model: Any) -> list[Any]:
+    """The layers of `model` with LoRA adapters (`layer.enable_lora(rank)`), on or off."""
+    return [layer for layer in sublayers(model) if getattr(layer, "lora_kernel_a", None) is not None]
+
+
+def lora_parts(layer: Any) -> tuple[Any, Any, Any] | None:
+    """`(base kernel, a, b)` of a LoRA layer (`layer.enable_lora(rank)`), or `None`.
+
+    The layer computes with `kernel + (alpha / rank) · a @ b`: `a` has the
+    kernel's shape with its last dimension replaced by the rank, `b` is
+    `(rank, the kernel's last dimension)`.
+    """
+    a = getattr(layer, "lora_kernel_a", None)
+    b = getattr(layer, "lora_kernel_b", None)
+    base = next((v for v in own_variables(layer) if v.path.endswith("/kernel")), None)
+    if a is None or b is None or base is None or len(b.shape) != 2:
+        return None
+    if tuple(a.shape[:-1]) != tuple(base.shape[:-1]) or b.shape[1] != base.shape[-1]:
+        return None
+    return base, a, b
+
+
+@contextlib.contextmanager
+def lora_off(model: Any) -> Iterator[None]:
+    """Every LoRA layer of `model` computes with (and `layer.kernel` is) its base kernel inside the block."""
+    layers = [layer for layer in lora_layers(model) if getattr(layer, "lora_enabled", False)]
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
 
 
 def stateless_scope() -> Any:

@@ -58,12 +58,19 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_restored_in_two_processes_on_the_other_layout",
         "test_restored_in_one_process_bit_for_bit",
     ),
+    "test_adapters.py": ("*",),  # a LoRA and an int8 keras-hub Llama planned and compiled (one each)
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
     "test_cli_light.py": ("test_the_package_itself_imports_neither_until_a_name_is_used",),  # imports Keras
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_targets.py": (
         "test_the_step_compiles_for_tpu_v5e_and_its_traffic_is_predicted",
     ),  # XLA:TPU compiles
+    "test_embeddings.py": (  # the tied table's plan and compile (one, shared), and its fit against one device
+        "test_a_tied_table_is_vocab_parallel_without_a_budget",
+        "test_a_tied_table_prediction_matches_the_compiled_step",
+        "test_a_tied_table_trains_sharded_as_on_one_device",
+        "test_the_smallest_plan_is_predicted_under_the_default_policy",
+    ),
     "test_experts.py": (  # keras-hub MoE backbones compiled, or trained against one device
         "test_expert_parallel_prediction_matches_the_compiled_step",
         "test_a_rebuilt_mixtral_trains_expert_parallel_like_one_device",

@@ -284,6 +284,24 @@ def _inbound_nodes():
     assert _compat.input_layers(model.get_layer("hidden")) == [model.layers[0]]  # the InputLayer
 
 
+def _lora_enabled():
+    """`enable_lora` adds `lora_kernel_a`/`_b`; `kernel` is the base kernel again with `lora_enabled` off."""
+    for layer, x in (
+        (keras.layers.Dense(6), np.ones((2, 4), "float32")),
+        (keras.layers.EinsumDense("bd,dnh->bnh", (3, 2)), np.ones((2, 4), "float32")),
+    ):
+        layer.build(x.shape)
+        layer.enable_lora(2)
+        layer.lora_kernel_b.assign(np.ones(layer.lora_kernel_b.shape, "float32"))
+        base, a, b = _compat.lora_parts(layer)
+        assert a is layer.lora_kernel_a and b is layer.lora_kernel_b and base.path.endswith("/kernel")
+        assert layer.lora_enabled and layer.kernel is not base
+        model = keras.Sequential([keras.Input(x.shape[1:]), layer])
+        with _compat.lora_off(model):
+            assert layer.kernel is base and not layer.lora_enabled
+        assert layer.lora_enabled and _compat.lora_layers(model) == [layer]
+
+
 def _own_variables():
     inner = keras.layers.Dense(2, name="inner_dense")
     norm = keras.layers.BatchNormalization()
@@ -371,6 +389,7 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
     ("KerasTensor._keras_history", "the layer that made a tensor", _keras_history),
     ("Layer._inbound_nodes", "the layers a layer is called on", _inbound_nodes),
     ("Layer._trainable_variables/_non_trainable_variables", "a layer's own variables", _own_variables),
+    ("Layer.lora_enabled", "a LoRA layer traced as its base kernel", _lora_enabled),
     ("Model._symbolic_build", "builds the optimizer as fit would", _symbolic_build),
     ("Model._get_state_sharding_spec", "the shardings of the model's state", _state_sharding_spec),
     (

@@ -350,6 +350,8 @@ PLANNER_ORDER = [
     "_by_trace",
     "_embeddings",
     "_experts",
+    "_lora",
+    "_quantized",
     "_candidates",
     "_one_weight",
     "_costs",

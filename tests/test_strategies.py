@@ -210,9 +210,12 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_by_trace.final_layers",
         "_by_layers.projection_pairs",
         "_embeddings.vocab_parallel_tables",
+        "_embeddings.tied_tables",
         "_by_trace.unused_weights",
         "_by_name.named_weights",
         "_by_trace.lone_projections",
+        "_lora.lora_adapters",
+        "_quantized.int8_scales",
         "_by_trace.left_whole",
     ]
     model = mlp(4096)

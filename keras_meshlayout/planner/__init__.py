@@ -8,7 +8,9 @@
    strategies, in the order `_auto.STRATEGIES` lists them, over one ledger
    (`_ledger.Ledger`: one decision per variable, `record(path, axes, note,
    unit)`): Keras layers (`_by_layers`), names (`_by_name`, with
-   `_presets`), the traced units (`_by_trace`); every note text is in
+   `_presets`), the traced units (`_by_trace`), look-up tables (`_embeddings`),
+   expert banks (`_experts`), LoRA adapters (`_lora`),
+   int8 scales (`_quantized`); every note text is in
    `_notes`. The ledger's decisions, frozen, are the `Proposal`: per variable
    its tensor-parallel axes, note and unit.
 3. `cost_units` (`_costs`, over `_candidates` and `_one_weight`): per unit,

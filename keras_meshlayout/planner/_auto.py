@@ -29,12 +29,13 @@ from typing import Any
 
 import keras
 
+from .. import _compat
 from ..core._errors import InvalidOptionError, InvalidRuleError
 from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
 from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
-from . import _by_layers, _by_name, _by_trace, _embeddings, _experts
+from . import _by_layers, _by_name, _by_trace, _embeddings, _experts, _lora, _quantized
 from ._costs import CostTable, cost_units
 from ._layers import auto_named
 from ._ledger import Ledger, Setting
@@ -55,9 +56,12 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_trace.final_layers,  # a language model's head, split when it is the largest kernel
     _by_layers.projection_pairs,  # pairs along the layer graph when nothing was traced
     _embeddings.vocab_parallel_tables,  # large look-up tables split over their vocabulary
+    _embeddings.tied_tables,  # tied tables (look-up and language-model head) split over their vocabulary
     _by_trace.unused_weights,  # trainable weights the step never reads, split at no cost
     _by_name.named_weights,  # the rest by name (`transformer_rules`)
     _by_trace.lone_projections,  # the projections no unit took, noted
+    _lora.lora_adapters,  # LoRA adapters laid out as their base kernel
+    _quantized.int8_scales,  # int8 kernels' scales split with their output features
     _by_trace.left_whole,  # anything else, replicated with the operations that read it
 )
 
@@ -156,7 +160,7 @@ def auto_rules(
         >>> tight.rules[0].note.split(" (")[0]
         '2-D: saves 451.5 KiB/device, sends 68.6 KiB less per step than replicated'
         >>> tight.cost.wire_bytes, tight.cost.memory_bytes <= 150_000, tight.cost.layouts()
-        (64684.0, True, {'2-D': 1, 'replicated': 3})
+        (64684.0, True, {'2-D': 1, 'replicated': 2})
     """
     if model_axis not in mesh.axis_names:
         raise InvalidRuleError(
@@ -172,15 +176,28 @@ def auto_rules(
     batch_size = mesh_axis_sizes(mesh).get(batch_axis, 1) if batch_axis else 1
     setting = Setting(model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace, batch_size)
     paths = tuple(v.path for v in model.weights)
-    ledger = Ledger(model.name, model_axis, batch_axis, auto_named(model), paths)
-    for strategy in STRATEGIES:
-        strategy(ledger, setting)
-    if batch is None:
-        return LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)
-    budget = None if memory_budget is None else parse_bytes(memory_budget)
-    if optimizer is None:
-        optimizer = getattr(model, "optimizer", None)
-    table = cost_units(model, ledger.proposal(), trace, mesh_axis_sizes(mesh), optimizer)
+    shapes = {v.path: tuple(v.shape) for v in model.weights}
+    ledger = Ledger(
+        model.name,
+        model_axis,
+        batch_axis,
+        auto_named(model),
+        paths,
+        replicate_below=chosen_policy.replicate_below,
+        shapes=shapes,
+    )
+    with _compat.lora_off(model):  # LoRA layers read as their base kernel; `_lora` lays out the adapters
+        for strategy in STRATEGIES:
+            strategy(ledger, setting)
+        if batch is None:
+            return LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)
+        budget = None if memory_budget is None else parse_bytes(memory_budget)
+        if optimizer is None:
+            optimizer = getattr(model, "optimizer", None)
+        proposal = ledger.proposal()
+        table = cost_units(
+            model, proposal, trace, mesh_axis_sizes(mesh), optimizer, chosen_policy.replicate_below
+        )
     chosen = search(table, budget)
     _apply(ledger, table, chosen)
     rules = LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)

@@ -17,8 +17,10 @@ from typing import Any
 import keras
 import numpy as np
 
+from .. import _compat
 from ..core._axes import Axes
 from ..core._memory import slot_model
+from ..core._shape_checks import is_weight_matrix
 from ..report._collectives import wire_bytes
 from ._ledger import Proposal
 from ._trace import Trace
@@ -120,13 +122,31 @@ class Bytes:
         self.uses = trace.uses
         self.memory = slot_model(optimizer)
         self.tp_axes = proposal.axes
+        #: LoRA adapters by path, and their base kernel's path: XLA sums the merged kernel's gradient.
+        self.lora_base = {
+            adapter.path: parts[0].path
+            for parts in map(_compat.lora_parts, _compat.lora_layers(model))
+            if parts is not None
+            for adapter in parts[1:]
+        }
         #: The label `kml.comm_report` gives a collective over both axes (`"data×model"`).
         self.both = "×".join(a for a in axis_sizes if a in (self.batch_axis, self.model_axis))
+
+    #: Weight matrices with fewer elements are kept whole by the policy when the rules run.
+    replicate_below: int = 0
+
+    def _kept_whole(self, variable: keras.Variable) -> bool:
+        """Whether the policy keeps `variable` whole, however a rule splits it (a small weight matrix)."""
+        shape = tuple(variable.shape)
+        return is_weight_matrix(variable.path, shape) and math.prod(shape) < self.replicate_below
 
     # -- bytes ---------------------------------------------------------------------
 
     def _grad_sync(self, variable: keras.Variable, shards: int) -> float:
-        # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it.
+        # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it. A LoRA
+        # adapter's gradient is computed from its kernel's, which is the one summed (measured on XLA:CPU).
+        if variable.path in self.lora_base:
+            return 0.0
         read = nbytes(variable) * self.used.get(variable.path, 0.0)
         return wire_bytes("all-reduce", read / shards, self.d)
 

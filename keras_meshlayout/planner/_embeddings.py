@@ -7,8 +7,13 @@ its rows split over it: each device looks up the ids that fall in its rows
 (zeros for the others) and one all-reduce over the model axis sums the
 looked-up vectors forward; its gradient stays local to the rows, all-reduced
 over the batch axis at 1/model of the table's size. Smaller tables, tables
-that do not divide and tables also read as a projection (a tied
-language-model head) are left to the later strategies (by name).
+that do not divide are left to the later strategies (by name).
+
+A tied table (`tied_tables`: looked up, and read again as the language-model
+head, `x @ table.T`, as Gemma, Qwen and GPT-2 causal models do) is split the
+same way: the look-up is all-reduced forward as above, the head's logits stay
+split over the vocabulary like a final layer's (the loss reduces them with
+small all-reduces), and the head's input gradient is all-reduced backward.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from __future__ import annotations
 import math
 
 from . import _notes
-from ._layers import lookup_table, owners
+from ._layers import lookup_table, owners, tied_table
 from ._ledger import Ledger, Setting
 
-__all__ = ["vocab_parallel_tables"]
+__all__ = ["tied_tables", "vocab_parallel_tables"]
 
 
 def vocab_parallel_tables(ledger: Ledger, setting: Setting) -> None:
@@ -38,3 +43,22 @@ def vocab_parallel_tables(ledger: Ledger, setting: Setting) -> None:
             continue
         rows, width = variable.shape
         ledger.record(variable.path, (setting.axis, None), _notes.vocab_parallel(rows, width, setting.axis))
+
+
+def tied_tables(ledger: Ledger, setting: Setting) -> None:
+    """Splits every large tied table's rows (look-up and language-model head) over the model axis."""
+    trace = setting.trace
+    if trace is None:
+        return
+    owner_of = owners(setting.model)
+    for variable in setting.model.weights:
+        uses = trace.uses.get(variable.path, ())
+        if ledger.decided(variable.path) or not tied_table(
+            owner_of.get(id(variable)), variable, uses, setting.size
+        ):
+            continue
+        if math.prod(variable.shape) < max(setting.replicate_below, 1):
+            continue
+        rows, width = variable.shape
+        note = _notes.tied_vocab_parallel(rows, width, setting.axis)
+        ledger.record(variable.path, (setting.axis, None), note)

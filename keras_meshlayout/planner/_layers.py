@@ -13,7 +13,16 @@ import keras
 
 from .. import _compat
 
-__all__ = ["auto_named", "features", "heads_dim", "idle_axes", "labels", "lookup_table", "owners"]
+__all__ = [
+    "auto_named",
+    "features",
+    "heads_dim",
+    "idle_axes",
+    "labels",
+    "lookup_table",
+    "owners",
+    "tied_table",
+]
 
 
 def heads_dim(layer: Any) -> tuple[int, str] | None:
@@ -81,6 +90,30 @@ def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
     return (
         len(uses) == 1
         and uses[0].kind == "gather"
+        and len(variable.shape) == 2
+        and variable.shape[0] % size == 0
+        and bool(variable.trainable)
+    )
+
+
+def tied_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
+    """Whether `variable` is a tied table (look-up and language-model head) splitting `size` ways.
+
+    A Keras `Embedding`'s table (keras-hub's `ReversibleEmbedding` with
+    `tie_weights=True`), or a custom layer's trainable 2-D weight, read by
+    exactly one look-up (`gather`) and by projections that sum over its width
+    (`x @ table.T`: the logits keep the vocabulary), whose rows divide by `size`.
+    """
+    if isinstance(owner, keras.layers.Embedding):
+        if variable is not owner.embeddings:
+            return False
+    elif owner is None or type(owner).__module__.startswith(("keras.", "keras_hub.")):
+        return False
+    gathers = [u for u in uses if u.kind == "gather"]
+    heads = [u for u in uses if u.kind == "matmul" and u.contracted == (1,) and not u.batch]
+    return (
+        len(gathers) == 1
+        and len(heads) == len(uses) - 1 >= 1
         and len(variable.shape) == 2
         and variable.shape[0] % size == 0
         and bool(variable.trainable)

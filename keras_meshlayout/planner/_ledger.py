@@ -12,6 +12,7 @@ decisions. `rules()` and `proposal()` are derived from it, never kept apart.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -19,6 +20,7 @@ from types import MappingProxyType
 import keras
 
 from ..core._axes import Axes
+from ..core._shape_checks import is_weight_matrix
 from . import _notes
 from ._trace import Trace
 
@@ -110,6 +112,9 @@ class Ledger:
         batch_axis: str | None,
         auto_named: frozenset[str] = frozenset(),
         paths: tuple[str, ...] = (),
+        *,
+        replicate_below: int = 0,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.model_name = model_name
         self.axis = axis
@@ -118,6 +123,10 @@ class Ledger:
         #: a rule's numbered segment is relaxed where that still matches one variable only.
         self.auto_named = auto_named
         self.paths = paths
+        #: The policy's threshold and every variable's shape: a weight matrix with fewer elements
+        #: is kept whole by `kml.ModelParallel` (suggested rules), so the ledger records it whole too.
+        self.replicate_below = replicate_below
+        self.shapes = dict(shapes or {})
         #: Per variable path (or `("output", layer path)`), its decision, in first-decided order.
         self._entries: dict[object, Decision] = {}
         #: Facts the costs read beside the axes.
@@ -248,4 +257,9 @@ class Ledger:
 
     def _decision(self, path: str, axes: Axes, note: str, unit: str | None) -> Decision:
         axes = tuple(axes)
+        shape = self.shapes.get(path)
+        if any(axes) and shape is not None and is_weight_matrix(path, shape):
+            size = math.prod(shape)
+            if size < self.replicate_below:  # what the policy does with it at run time
+                axes, note = (None,) * len(axes), _notes.small_matrix(note, size, self.replicate_below)
         return Decision(self.pattern(path), axes, note, unit if unit is not None and any(axes) else None)

@@ -112,6 +112,11 @@ def too_small(name: str, count: int, replicate_below: int) -> str:
     return f"too small to split: {name} has {count} weights < replicate_below={replicate_below}"
 
 
+def small_matrix(note: str, count: int, replicate_below: int) -> str:
+    """A split a strategy chose for a weight matrix the policy keeps whole."""
+    return f"{note}; kept whole: {count:,} elements < replicate_below={replicate_below:,}"
+
+
 FINAL_REPLICATED = "final layer: replicated, so its output needs no gathering"
 NO_PARTNER = "no row-parallel partner follows: replicated, so no activation has to be gathered"
 
@@ -144,6 +149,40 @@ def vocab_parallel(rows: int, width: int, axis: str) -> str:
         f"embedding, vocab-parallel: {rows:,} rows of {width} split over {axis!r}; each device looks up "
         "its rows, one all-reduce of the looked-up vectors forward"
     )
+
+
+# -- tied tables (look-up and language-model head) ------------------------------------------
+
+
+def tied_vocab_parallel(rows: int, width: int, axis: str) -> str:
+    """A tied table (looked up, and read again as the language-model head) split over its vocabulary."""
+    return (
+        f"tied embedding, vocab-parallel: {rows:,} rows of {width} split over {axis!r}; the look-up is "
+        "all-reduced forward, the head's logits stay split (the loss reduces them with small "
+        "all-reduces) and its input gradient is all-reduced"
+    )
+
+
+# -- LoRA adapters ----------------------------------------------------------------------
+
+
+def lora(layer: str, which: str, axes: tuple) -> str:
+    """A LoRA adapter laid out as its base kernel."""
+    split = " and ".join(repr(a) for a in axes if a is not None)
+    how = f"split over {split}" if split else "whole"
+    return (
+        f"LoRA adapter {which} of {layer}: {how}, following its base kernel's split, so a @ b adds in place"
+    )
+
+
+# -- int8 kernels' scales ------------------------------------------------------------------
+
+
+def int8_scale(layer: str, axes: tuple) -> str:
+    """An int8 kernel's scale laid out with its kernel's output features."""
+    split = " and ".join(repr(a) for a in axes if a is not None)
+    how = f"split over {split}" if split else "whole"
+    return f"int8 scale of {layer}: {how}, as its kernel's output features, so each device scales its own"
 
 
 # -- experts ----------------------------------------------------------------------------

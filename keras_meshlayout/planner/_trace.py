@@ -46,7 +46,8 @@ class Use:
         kind: `"matmul"` or `"gather"`.
         inputs: Shape of the activation it reads (the look-up indices for a gather).
         output: Shape of what it writes.
-        from_input: Whether the activation is a model input (cast at most).
+        from_input: Whether no gradient flows back to the activation: a model input (cast
+            at most), or a value computed from no trainable weight (a frozen backbone's).
         dtype: The dtype the operation computes in.
         contracted: The weight's dimensions summed over (a matmul's inputs).
         batch: The weight's dimensions that are batch dimensions of the matmul (experts).
@@ -77,6 +78,8 @@ class Trace:
         consumers: Per value id, the nodes that read it.
         uses: Per variable path, its uses as a projection weight or a look-up table.
         read: Per trainable variable path the outputs depend on, the fraction read.
+        trained: Value ids computed from a trainable weight (or a LoRA kernel): the
+            values a gradient flows back to.
     """
 
     nodes: tuple[Node, ...]
@@ -89,6 +92,7 @@ class Trace:
     consumers: Mapping[int, tuple[int, ...]]
     uses: Mapping[str, tuple[Use, ...]]
     read: Mapping[str, float]
+    trained: frozenset[int] = frozenset()
 
     def weight_of(self, value: int) -> tuple[str, tuple[int, ...]] | None:
         """`(path, permutation)` when `value` is a variable, cast or transposed at most."""
@@ -167,11 +171,12 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
     def forward(train: Any, state: Any, x: Any) -> Any:
         return model.stateless_call(train, state, x, **kwargs)[0]
 
-    closed = jax.make_jaxpr(forward)(
-        [_abstract(v) for v in trainable],
-        [_abstract(v) for v in non_trainable],
-        keras.tree.map_structure(_abstract, batch),
-    )
+    with _compat.lora_off(model):  # LoRA kernels read as their base kernel (the adapters follow it)
+        closed = jax.make_jaxpr(forward)(
+            [_abstract(v) for v in trainable],
+            [_abstract(v) for v in non_trainable],
+            keras.tree.map_structure(_abstract, batch),
+        )
     builder = _Builder()
     jaxpr = closed.jaxpr
     ids = [builder.new(v.aval) for v in jaxpr.invars]
@@ -184,6 +189,12 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
     variables = dict(zip(ids[: len(paths)], paths, strict=True))
     read = _fraction_read(jaxpr)
     used = {path: f for path, f in zip([v.path for v in trainable], read, strict=False) if f > 0}
+    lora = [parts for parts in map(_compat.lora_parts, _compat.lora_layers(model)) if parts is not None]
+    for base, a, b in lora:  # the adapters are read whole; XLA sums the gradient of the merged kernel
+        used.update({base.path: 1.0, a.path: 1.0, b.path: 1.0})
+    lora_bases = {base.path for base, _, _ in lora}
+    trained = {i for i, v in zip(ids, trainable, strict=False)}
+    trained |= {value for value, path in variables.items() if path in lora_bases}
     consumers: dict[int, list[int]] = {}
     producer: dict[int, int] = {}
     for node in builder.nodes:
@@ -192,6 +203,8 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
                 consumers.setdefault(value, []).append(node.index)
         for value in node.outputs:
             producer[value] = node.index
+        if any(value in trained for value in node.inputs):
+            trained.update(node.outputs)
     trace = Trace(
         nodes=tuple(builder.nodes),
         shapes=MappingProxyType(builder.shapes),
@@ -203,6 +216,7 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
         consumers=MappingProxyType({k: tuple(v) for k, v in consumers.items()}),
         uses=MappingProxyType({}),
         read=MappingProxyType(used),
+        trained=frozenset(trained),
     )
     return dataclasses.replace(trace, uses=MappingProxyType(_uses(trace)))
 
@@ -224,7 +238,7 @@ def _uses(trace: Trace) -> dict[str, tuple[Use, ...]]:
                         "matmul",
                         trace.shapes[activation],
                         trace.shapes[node.outputs[0]],
-                        trace.from_input(activation),
+                        trace.from_input(activation) or activation not in trace.trained,
                         trace.dtypes[node.inputs[side]],
                         tuple(sorted(perm[c] for c in (lhs_c if side == 0 else rhs_c))),
                         tuple(sorted(perm[b] for b in (lhs_b if side == 0 else rhs_b))),
@@ -239,7 +253,7 @@ def _uses(trace: Trace) -> dict[str, tuple[Use, ...]]:
                         "gather",
                         trace.shapes[node.inputs[1]],
                         trace.shapes[node.outputs[0]],
-                        trace.from_input(node.inputs[1]),
+                        trace.from_input(node.inputs[1]) or node.inputs[1] not in trace.trained,
                         trace.dtypes[node.inputs[0]],
                         (),
                     )

@@ -1,0 +1,148 @@
+"""LoRA adapters and int8 kernels planned with their base kernel (issue 19, item 5).
+
+`backbone.enable_lora(4)`: the planner reads each LoRA layer as its base kernel
+(`planner/_lora.py`), the adapters follow that kernel's split, and the bytes it
+predicts are what the compiled step sends (before: the wrapped query/value
+kernels stayed replicated and the prediction was 0.66× the compiled step's).
+`model.quantize("int8")`: each kernel's scale is split with its output features
+(`planner/_quantized.py`), and the per-position all-reduce of a row-parallel
+int8 projection's input maximum is predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from hub_models import BATCH, HEADS, ROWS, Row, build_classifier, inputs_for
+
+import keras_meshlayout as kml
+
+MESH_SHAPE = {"data": 2, "model": 4}
+
+
+def _llama() -> Row:
+    """keras-hub's Llama, tiny and one block deep, with as many key/value heads as query heads (they split
+    over 4)."""
+    row = next(r for r in ROWS if r.name == "LlamaBackbone")
+    return dataclasses.replace(row, config=dict(row.config, num_key_value_heads=HEADS, num_layers=1))
+
+
+def build_lora() -> keras.Model:
+    model = build_classifier(_llama())
+    model.get_layer("backbone").enable_lora(4)
+    return model
+
+
+def build_int8() -> keras.Model:
+    model = build_classifier(_llama())
+    with warnings.catch_warnings():  # Keras warns for each layer it has no int8 form of (norms, dropout)
+        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
+        model.quantize("int8")
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    rules: kml.LayoutRules
+    report: kml.CommReport
+    state_bytes: int
+
+
+def plan_and_compile(build) -> Planned:
+    """The model's no-budget plan with its cost, and its compiled step's report (one compile)."""
+    mesh = kml.Mesh(**MESH_SHAPE)
+    model = build()
+    x, y = inputs_for(model), np.zeros(BATCH, "int32")
+    rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
+    dist = kml.ModelParallel(mesh, rules)
+    keras.distribution.set_distribution(dist)
+    try:
+        model = build()
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        report = kml.comm_report(model, x, y)
+        model.optimizer.build(model.trainable_variables)
+        memory = dist.plan(model).memory()
+    finally:
+        keras.distribution.set_distribution(None)
+    return Planned(rules, report, memory.parameters + memory.gradients + memory.optimizer)
+
+
+@pytest.fixture(scope="module")
+def lora() -> Planned:
+    return plan_and_compile(build_lora)
+
+
+@pytest.mark.parametrize(
+    ("path", "axes", "note"),
+    [
+        ("query/kernel", (None, "model", None), None),
+        (
+            "query/lora_kernel_a",
+            (None, "model", None),
+            "LoRA adapter a of transformer_layer_0/self_attention/query: split over 'model', following "
+            "its base kernel's split, so a @ b adds in place",
+        ),
+        (
+            "query/lora_kernel_b",
+            (None, None),
+            "LoRA adapter b of transformer_layer_0/self_attention/query: whole, following its base "
+            "kernel's split, so a @ b adds in place",
+        ),
+        ("value/lora_kernel_a", (None, "model", None), None),
+        ("attention_output/kernel", ("model", None, None), None),
+    ],
+    ids=["query-kernel", "adapter-a", "adapter-b", "value-adapter-a", "output-kernel"],
+)
+def test_lora_adapters_follow_their_base_kernel(lora, path, axes, note):
+    rule = lora.rules.match(f"transformer_layer_0/self_attention/{path}")
+    assert rule.axes == axes
+    if note is not None:
+        assert note in rule.note  # after the budget search's reason where the adapter is in a split unit
+
+
+def test_lora_prediction_matches_the_compiled_step(lora):
+    """The merged kernel's gradient summed over 'data', b's over 'model'; a frozen layer 0 sends no input
+    gradient (before: 0.66× the compiled step's bytes)."""
+    measured = lora.report.wire_bytes_by_axis
+    assert set(measured) == {"data", "model"}
+    for axis, value in measured.items():
+        assert lora.rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
+    assert lora.rules.cost.state_bytes == lora.state_bytes
+
+
+@pytest.fixture(scope="module")
+def int8() -> Planned:
+    return plan_and_compile(build_int8)
+
+
+@pytest.mark.parametrize(
+    ("path", "axes"),
+    [
+        ("self_attention/query/kernel", (None, "model", None)),
+        ("self_attention/query/kernel_scale", (None, None, "model", None)),  # (1, 1, heads, head_dim)
+        ("self_attention/attention_output/kernel_scale", (None, None, None)),  # a row's output is whole
+        ("feedforward_gate_dense/kernel_scale", ("model",)),
+        ("feedforward_output_dense/kernel_scale", (None,)),
+    ],
+    ids=["einsum-kernel", "einsum-column-scale", "einsum-row-scale", "dense-column-scale", "dense-row-scale"],
+)
+def test_int8_scales_split_with_their_kernel(int8, path, axes):
+    rule = int8.rules.match(f"transformer_layer_0/{path}")
+    assert rule.axes == axes
+    if path.endswith("kernel_scale"):
+        layer = path.rsplit("/", 1)[0]
+        assert f"int8 scale of transformer_layer_0/{layer}: " in rule.note
+
+
+def test_int8_prediction_matches_the_compiled_step(int8):
+    """Row-parallel int8 projections all-reduce their input's per-position maximum over 'model'."""
+    measured = int8.report.wire_bytes_by_axis
+    for axis, value in measured.items():
+        assert int8.rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
+    assert int8.rules.cost.state_bytes == int8.state_bytes
+    maxima = [t for t in int8.report.transfers if t.shape == (4, 8) and t.axes == ("model",)]
+    assert len(maxima) == 2  # the attention output and the feed-forward output
