@@ -353,6 +353,7 @@ PLANNER_ORDER = [
     "_candidates",
     "_one_weight",
     "_costs",
+    "_peak",
     "_search",
     "_auto",
 ]
