@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core._errors import MemoryBudgetError, MeshLayoutWarning, UnmatchedRuleWarning
+from ..core._format import format_bytes
 from ..core._progress import spinner
 from ._args import (
     EXIT_HELP,
@@ -132,7 +133,10 @@ def _add_checks(plan: argparse.ArgumentParser) -> None:
         "(needs --batch-size; prints the predicted bytes per step; replaces the replication guard)",
     )
     plan.add_argument(
-        "--batch-size", type=positive_int, default=None, help="global batch for --memory-budget"
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="global batch: predicts the peak memory of one training step (needed by --memory-budget)",
     )
     plan.add_argument(
         "--sequence-length",
@@ -170,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", MeshLayoutWarning)
             plan = dry_plan(build, distribution, optimizer=args.optimizer)
+        peak = None
+        if args.batch_size is not None:
+            step("predicting the peak memory of one training step (tracing its forward and backward passes)")
+            peak = _peak(args, build, plan, distribution.batch_dim_name)
     messages = _messages(plan, caught)
     failure = None
     try:
@@ -179,11 +187,19 @@ def run(args: argparse.Namespace) -> int:
         plan.check(max_replicated_fraction=guard, device_memory=args.device_memory)
     except MemoryBudgetError as err:
         failure = str(err)
+    capacity = plan.memory(args.device_memory).capacity
+    if failure is None and peak is not None and capacity is not None and peak.peak > capacity:
+        failure = (
+            f"one training step needs {format_bytes(peak.peak)} per device at its predicted peak (training "
+            f"state {format_bytes(peak.state)}, batch, activations and temporaries "
+            f"{format_bytes(peak.non_state)}), more than the {format_bytes(capacity)} available. Fix: a "
+            "smaller --batch-size, a mesh with a larger model axis, or --auto --memory-budget SIZE"
+        )
     note = None if args.memory_budget is not None else plan.intended_replication(args.max_replicated_fraction)
     if args.json:
-        _print_json(args, plan, rules, messages, failure, note)
+        _print_json(args, plan, rules, messages, failure, note, peak)
     else:
-        _print_table(plan, rules, messages, note, full=args.full)
+        _print_table(plan, rules, messages, note, peak, full=args.full)
     if failure is not None:
         print(f"plan fails: {failure}", file=sys.stderr)
         return EXIT_PLAN_FAILS
@@ -220,6 +236,15 @@ def _the_rules(args: argparse.Namespace, build: Callable[[], Any], mesh: Any, po
     return None
 
 
+def _peak(args: argparse.Namespace, build: Callable[[], Any], plan: Any, batch_axis: str | None) -> Any:
+    """The predicted per-device peak of one training step on `--batch-size` (`planner._peak`)."""
+    from ..core._dry import dry_build
+    from ..planner._peak import plan_peak
+
+    with dry_build(build) as model:
+        return plan_peak(model, plan, batch_spec(model, args.batch_size, args.sequence_length), batch_axis)
+
+
 def _messages(plan: Any, caught: list[warnings.WarningMessage]) -> list[str]:
     """The plan's own warnings (listed under its table), then the others caught, each once."""
     messages = list(plan.warnings)
@@ -238,9 +263,12 @@ def _print_json(
     messages: list[str],
     failure: str | None,
     note: str | None,
+    peak: Any,
 ) -> None:
     data = plan.to_dict()
     data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
+    data["memory_per_device"]["peak_bytes"] = None if peak is None else peak.peak
+    data["memory_per_device"]["activation_bytes"] = None if peak is None else peak.non_state
     data["warnings"] = messages
     cost = getattr(rules, "cost", None)
     if cost is not None:
@@ -249,6 +277,7 @@ def _print_json(
             "wire_bytes_by_axis": dict(cost.wire_bytes_by_axis),
             "state_bytes_per_device": cost.state_bytes,
             "activation_bytes_per_device": cost.activation_bytes,
+            "peak_bytes_per_device": cost.peak_bytes,
             "budget": cost.budget,
             "layouts": cost.layouts(),
         }
@@ -258,9 +287,18 @@ def _print_json(
     print(json.dumps(data, indent=2))
 
 
-def _print_table(plan: Any, rules: Any, messages: list[str], note: str | None, *, full: bool = False) -> None:
+def _print_table(
+    plan: Any, rules: Any, messages: list[str], note: str | None, peak: Any, *, full: bool = False
+) -> None:
     console = _console()
     console.print(plan if full or len(plan) <= SUMMARY_ABOVE else plan.summary())
+    if peak is not None:
+        console.print(
+            f"Peak per device (one training step, predicted): {format_bytes(peak.peak)} (training state "
+            f"{format_bytes(peak.state)}, batch {format_bytes(peak.batch)}, activations and temporaries "
+            f"{format_bytes(peak.non_state - peak.batch)})",
+            markup=False,
+        )
     if getattr(rules, "cost", None) is not None:
         console.print(f"predicted: {rules.cost}", markup=False)
     for message in messages[len(plan.warnings) :]:

@@ -23,7 +23,9 @@
    the end. The largest sum over the program is the step's transient peak:
    activations saved for the backward pass, temporaries (attention scores,
    dequantised int8 kernels, a convnet's feature maps, recomputed remat
-   blocks) and the gradients written so far.
+   blocks) and the gradients written so far. Over a batch axis of more than
+   one device, the gradients' sum (one combined all-reduce) is a second copy
+   of them at the end of the backward pass.
 
 The peak per device is then the state without its gradients (parameters,
 non-trainable variables, optimizer slots: `core._memory`), the batch's shard,
@@ -44,7 +46,7 @@ import numpy as np
 from ..core._axes import Axes, entry_axes
 from ._trace import Node, Trace, trace_step
 
-__all__ = ["PeakMemory", "PeakWalk", "peak_memory", "transient_peak"]
+__all__ = ["PeakMemory", "PeakWalk", "peak_memory", "plan_peak", "transient_peak"]
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -139,6 +141,24 @@ class PeakWalk:
         )
 
 
+def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None) -> PeakMemory:
+    """The predicted per-device peak of one training step of `model` on `batch` under `plan`.
+
+    `plan` is a `kml.Plan` of `model` (its entries give each variable's layout and its
+    `memory()` the training state); `model` may be a `kml.dry_build` model.
+    """
+    memory = plan.memory()
+    layouts = {entry.path: entry.axes for entry in plan.entries}
+    return peak_memory(
+        _live_code(trace_step(model, batch)),
+        layouts,
+        plan.axis_sizes,
+        batch_axis,
+        state=memory.total,
+        gradients=memory.gradients,
+    )
+
+
 def peak_memory(
     trace: Trace,
     layouts: Mapping[str, Axes],
@@ -186,6 +206,11 @@ def transient_peak(
     for value, (first, final) in specs.gathered.items():
         starts[first] = starts.get(first, 0) + specs.bytes(value)
         frees[final] = frees.get(final, 0) + specs.bytes(value)
+    if axis_sizes.get(batch_axis or "", 1) > 1:
+        # The gradients are summed over the batch axis into buffers of their own (one combined
+        # all-reduce at the end of the backward pass, measured on XLA:CPU), before the update.
+        summed = sum(sizes[value] for value in set(trace.outputs) if value >= 0)
+        specs.scratch[end] = specs.scratch.get(end, 0) + summed
     for when, extra in specs.scratch.items():
         starts[when] = starts.get(when, 0) + extra
         frees[when] = frees.get(when, 0) + extra
@@ -232,20 +257,28 @@ def _fused(trace: Trace) -> set[int]:
 
     A cast, broadcast or reshape read only by element-wise operations or
     reductions; any other element-wise result read by exactly one of them (XLA
-    duplicates only cheap operations into several readers).
+    duplicates only cheap operations into several readers); and an element-wise
+    function of the weights alone (a cast, an int8 kernel times its scale) that
+    projections read: XLA:CPU computes it inside the projection (measured on
+    `model.quantize("int8")` Dense layers: the float kernel is never written out).
     """
     outputs = set(trace.outputs)
     fused = set()
+    weights = set(trace.variables)  # values computed from the weights alone
     for node in trace.nodes:
+        from_weights = all(v < 0 or v in weights for v in node.inputs)
+        if from_weights and node.primitive in _ELEMENTWISE:
+            weights.update(node.outputs)
         if node.primitive not in _ELEMENTWISE:
             continue
         for value in node.outputs:
             readers = trace.consumers.get(value, ())
             if value in outputs or not readers:
                 continue
-            if not all(_fusing(trace.nodes[r].primitive) for r in readers):
-                continue
-            if node.primitive in _CHEAP or len(set(readers)) == 1:
+            primitives = [trace.nodes[r].primitive for r in readers]
+            if from_weights and all(_fusing(p) or p == "dot_general" for p in primitives):
+                fused.add(value)  # a weight cast or dequantised where a projection reads it
+            elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
                 fused.add(value)
     return fused
 
@@ -295,13 +328,18 @@ class _Specs:
             self.spec[value] = self._valid((first, *_none(shape)[1:]) if shape else (), shape)
         for node in trace.nodes:
             self._propagate(node)
+        # The step's outputs are the gradients, in the trainable variables' order: each is laid
+        # out as its variable (XLA reduce-scatters a split weight's gradient onto its shards).
+        for output, variable in zip(trace.outputs, sorted(trace.variables), strict=False):
+            if output >= 0 and trace.shapes[output] == trace.shapes[variable]:
+                self.spec[output] = self.spec[variable]
         self._gathers(weights)
 
     def bytes(self, value: int) -> int:
         if value in self._gathered_bytes:
             return self._gathered_bytes[value]
         shape = self.trace.shapes[value]
-        whole = math.prod(shape) * np.dtype(self.trace.dtypes[value]).itemsize
+        whole = math.prod(shape) * _itemsize(self.trace.dtypes[value])
         pieces = math.prod(self.sizes[a] for entry in self.spec.get(value, ()) for a in entry)
         return whole // max(pieces, 1)
 
@@ -419,7 +457,7 @@ class _Specs:
                 continue
             synthetic = -(len(self.gathered) + 2)
             shape = self.trace.shapes[value]
-            whole = math.prod(shape) * np.dtype(self.trace.dtypes[value]).itemsize
+            whole = math.prod(shape) * _itemsize(self.trace.dtypes[value])
             pieces = math.prod(self.sizes[a] for entry in self._input(value) for a in entry)
             self._gathered_bytes[synthetic] = whole // max(pieces, 1)
             self.gathered[synthetic] = (min(reads), max(reads))
@@ -436,6 +474,14 @@ class _Specs:
                 elif node.primitive in ("convert_element_type", "transpose", "reshape", "copy"):
                     stack.extend(node.outputs)
         return found
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element; a random key (`key<fry>`) holds two uint32 words."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 8
 
 
 def _none(shape: Sequence[int]) -> Spec:

@@ -340,6 +340,7 @@ _CALLS = (
     "custom_vjp_call",
     "custom_vjp_call_jaxpr",
     "remat",
+    "remat2",
     "checkpoint",
     "custom_lin",
 )
