@@ -353,6 +353,7 @@ PLANNER_ORDER = [
     "_candidates",
     "_one_weight",
     "_costs",
+    "_propagate",
     "_peak",
     "_search",
     "_auto",
