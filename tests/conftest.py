@@ -43,6 +43,10 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_no_budget_keeps_todays_rules",
         "test_smaller_budgets_never_send_less",
     ),
+    "test_peak.py": (  # compile a training step per case, against the predicted peak
+        "test_predicted_peak_is_within_ten_percent_of_the_compiled_one",
+        "test_a_plan_said_to_fit_its_budget_stays_under_it_once_compiled",
+    ),
     "test_checkpoint.py": ("test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up",),  # kills a process
     "test_checkpoint_faults.py": (  # real signals to real processes, a tmpfs; 2-3 fits each
         "test_sigterm_at_a_random_step_backs_up_that_step_and_the_restart_is_bit_exact",

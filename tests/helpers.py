@@ -149,3 +149,40 @@ def assert_predicted_as_compiled(build, rules: kml.LayoutRules, dist: kml.ModelP
     model.optimizer.build(model.trainable_variables)
     memory = dist.plan(model).memory()
     assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
+
+
+def compiled_peak(model: keras.Model, x, y) -> int:
+    """XLA's per-device peak of `model`'s own training step: argument + output + temporaries - aliased.
+
+    Compiled (never run) for the current distribution with the state donated, as Keras's
+    `fit` compiles it, so the updated state reuses the state's buffers.
+    """
+    import jax
+
+    from keras_meshlayout import _compat
+
+    distribution = keras.distribution.distribution()
+    _compat.symbolic_build(model, (x, y, None))
+
+    def abstract(variable: keras.Variable) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(
+            variable.value.shape, variable.value.dtype, sharding=variable.value.sharding
+        )
+
+    def abstract_input(array):
+        array = np.asarray(array)
+        sharding = distribution.get_data_layout(array.shape).backend_layout
+        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding)
+
+    groups = (model.trainable_variables, model.non_trainable_variables)
+    groups += (model.optimizer.variables, model.metrics_variables)
+    state = tuple([abstract(v) for v in group] for group in groups)
+    batch = (keras.tree.map_structure(abstract_input, x), abstract_input(y), None)
+    step = jax.jit(model.train_step, donate_argnums=0, out_shardings=(None, _compat.state_shardings(model)))
+    stats = step.lower(state, batch).compile().memory_analysis()
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )

@@ -64,39 +64,61 @@ def tp_memory(arch: str, mesh_name: str) -> int:
     return plan_for(arch, mesh_name, None)[1].cost.memory_bytes
 
 
-# Budgets as fractions of the no-budget (tensor-parallel) plan's memory; `inf` = least traffic.
+def state_budget(arch: str, mesh_name: str, fraction: float) -> int:
+    """A budget of the no-budget plan's batch, activations and temporaries, and `fraction` of its state.
+
+    The budget is compared with the predicted peak; only the state shrinks with the layouts.
+    """
+    cost = plan_for(arch, mesh_name, None)[1].cost
+    return cost.activation_bytes + int(cost.state_bytes * fraction)
+
+
+# Budgets: the no-budget (tensor-parallel) plan's activations and a fraction of its state
+# (`state_budget`); `inf` = least traffic.
 AGREEMENT = [
     ("llama", "2x4", None),
-    ("llama", "2x4", 0.8),
+    ("llama", "2x4", 1.0),
     ("llama", "4x2", None),
     ("llama", "4x2", float("inf")),
-    ("llama", "4x2", 0.6),
-    ("gemma", "2x4", 0.9),
+    ("llama", "4x2", 0.8),
+    ("gemma", "2x4", 1.05),
     ("gemma", "4x2", None),
-    ("gemma", "4x2", 0.8),  # 2-D kernels of 128 KiB and more, gathered again for the backward pass
+    ("gemma", "4x2", 1.0),  # 2-D kernels of 128 KiB and more, gathered again for the backward pass
 ]
 
 #: What each budgeted case of AGREEMENT chooses, unit by unit (issue 20: one outcome, not "2-D or
 #: vocab-parallel"): the budgets are tight enough that some kernels go 2-D and the token table
-#: vocab-parallel, loose enough that most units stay as the least-traffic plan has them.
+#: vocab-parallel, loose enough that most units stay as the least-traffic plan has them. The budget is
+#: compared with the predicted peak, with 5% headroom (issue 21): a unit left replicated keeps its
+#: activations whole over the model axis, so the state cut to fit differs from the fraction alone.
 CHOSEN_LAYOUTS = {
-    ("llama", "2x4", 0.8): {
+    ("llama", "2x4", 1.0): {
         "replicated": 7,
         "2-D": 3,
         "tensor-parallel": 1,
         "vocab-parallel": 1,
         "split, unused": 1,
     },
-    ("llama", "4x2", 0.6): {"replicated": 7, "2-D": 3, "vocab-parallel": 1, "split, unused": 1},
-    ("gemma", "2x4", 0.9): {"replicated": 8, "2-D": 2, "tensor-parallel": 1, "vocab-parallel": 1},
-    ("gemma", "4x2", 0.8): {"replicated": 6, "2-D": 1, "tensor-parallel": 3, "vocab-parallel": 1},
+    ("llama", "4x2", 0.8): {
+        "replicated": 6,
+        "2-D": 2,
+        "tensor-parallel": 2,
+        "vocab-parallel": 1,
+        "split, unused": 1,
+    },
+    ("gemma", "2x4", 1.05): {"replicated": 7, "2-D": 2, "tensor-parallel": 2, "vocab-parallel": 1},
+    ("gemma", "4x2", 1.0): {"replicated": 6, "2-D": 2, "tensor-parallel": 2, "vocab-parallel": 1},
 }
 
 
 @pytest.mark.parametrize(("arch", "mesh_name", "fraction"), AGREEMENT)
 def test_predicted_bytes_match_the_compiled_step(arch, mesh_name, fraction):
     budget = (
-        None if fraction is None else int(tp_memory(arch, mesh_name) * fraction) if fraction < 1 else "1TB"
+        None
+        if fraction is None
+        else "1TB"
+        if fraction == float("inf")
+        else state_budget(arch, mesh_name, fraction)
     )
     mesh, rules = plan_for(arch, mesh_name, budget)
     dist = kml.ModelParallel(mesh, rules, replicate_below=0)
@@ -111,7 +133,7 @@ def test_predicted_bytes_match_the_compiled_step(arch, mesh_name, fraction):
     for axis, measured in report.wire_bytes_by_axis.items():
         assert cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
     assert cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
-    if budget is not None and fraction < 1:
+    if budget is not None and fraction != float("inf"):
         assert cost.memory_bytes <= budget
         assert cost.layouts() == CHOSEN_LAYOUTS[arch, mesh_name, fraction]
 
@@ -128,8 +150,8 @@ def test_no_budget_keeps_todays_rules():
 def test_smaller_budgets_never_send_less(mesh_name):
     full = tp_memory("llama", mesh_name)
     previous_wire, previous_memory = -1.0, None
-    for fraction in (4.0, 1.0, 0.95, 0.9, 0.85, 0.8):
-        budget = int(full * fraction)
+    for fraction in (4.0, 1.05, 1.0, 0.95, 0.9, 0.85):
+        budget = state_budget("llama", mesh_name, fraction)
         cost = plan_for("llama", mesh_name, budget)[1].cost
         assert cost.memory_bytes <= budget
         assert cost.wire_bytes >= previous_wire - 1e-6
@@ -145,7 +167,7 @@ def test_least_traffic_plan_sends_no_more_than_tensor_parallel():
 
 
 def test_every_choice_is_explained_in_the_plan():
-    mesh, rules = plan_for("llama", "2x4", int(tp_memory("llama", "2x4") * 0.8))
+    mesh, rules = plan_for("llama", "2x4", state_budget("llama", "2x4", 0.9))
     keras.distribution.set_distribution(dist := kml.ModelParallel(mesh, rules, replicate_below=0))
     table = str(dist.plan(build("llama")))
     assert "2-D: saves" in table and "/device" in table and "per step" in table
@@ -155,7 +177,9 @@ def test_every_choice_is_explained_in_the_plan():
 
 
 def test_a_budget_too_small_is_refused_with_the_smallest_plan():
-    with pytest.raises(kml.MemoryBudgetError, match=r"smallest plan needs .* activation reserve.*Fix"):
+    with pytest.raises(
+        kml.MemoryBudgetError, match=r"smallest plan needs .* batch, activations and temporaries.*Fix"
+    ):
         plan_for("llama", "2x4", "1MB")
 
 
@@ -170,7 +194,7 @@ def test_a_plan_under_a_tight_budget_trains_like_one_device():
 
     data = (batch(32), np.random.default_rng(1).integers(0, CLASSES, 32))
     reference = Reference(build_gemma, data)
-    mesh, rules = plan_for("gemma", "2x4", int(tp_memory("gemma", "2x4") * 0.85))
+    mesh, rules = plan_for("gemma", "2x4", state_budget("gemma", "2x4", 1.05))
     assert {"2-D", "vocab-parallel"} <= set(rules.cost.layouts())
     dist = kml.ModelParallel(mesh, rules, replicate_below=0)
     model = train(build_gemma, reference.initial, data, dist)

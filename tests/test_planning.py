@@ -355,6 +355,8 @@ PLANNER_ORDER = [
     "_candidates",
     "_one_weight",
     "_costs",
+    "_propagate",
+    "_peak",
     "_search",
     "_auto",
 ]

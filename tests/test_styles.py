@@ -88,8 +88,15 @@ def test_every_style_gets_the_same_predicted_bytes(family, mesh_name, budget):
         costs[style] = (dict(cost.wire_bytes_by_axis), cost.state_bytes, cost.activation_bytes, limit)
     first = next(iter(costs.values()))
     assert first[0].get("model", 0) > 0  # activations are all-reduced over the model axis
-    for style, cost in costs.items():
-        assert cost == first, style
+    peak = first[1] + first[2]
+    for style, (wire, state, activations, limit) in costs.items():
+        assert (wire, state) == first[:2], style
+        # The peak is walked over each style's own traced step (issue 21): a custom layer's
+        # `add_weight` + `ops.matmul` traces to other buffers than a Dense layer (measured: up to 8%
+        # of the peak apart), so the activations and the smallest budget agree to the prediction's
+        # own band, 10% of the peak; the plan itself (bytes sent, state) is the same.
+        assert abs(activations - first[2]) <= 0.1 * peak, style
+        assert limit is None or abs(limit - first[3]) <= 0.1 * peak, style
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)

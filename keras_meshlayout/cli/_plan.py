@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core._errors import MemoryBudgetError, MeshLayoutWarning, UnmatchedRuleWarning
+from ..core._format import format_bytes
 from ..core._progress import spinner
 from ._args import (
     EXIT_HELP,
@@ -154,7 +155,11 @@ def _add_checks(plan: argparse.ArgumentParser) -> None:
         "sparse_categorical_crossentropy takes integer labels)",
     )
     plan.add_argument(
-        "--batch-size", type=positive_int, default=None, help="global batch for --memory-budget and --compile"
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="global batch: predicts the peak memory of one training step (needed by --memory-budget and "
+        "--compile)",
     )
     plan.add_argument(
         "--sequence-length",
@@ -194,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", MeshLayoutWarning)
             plan = dry_plan(build, distribution, optimizer=args.optimizer)
+        peak = None
+        if args.batch_size is not None:
+            step("predicting the peak memory of one training step (tracing its forward and backward passes)")
+            peak = _peak(args, build, plan, distribution.batch_dim_name)
         compiled = None
         if args.compile:
             step(f"compiling the training step for {platform_name(mesh)} (XLA, ahead of time)")
@@ -207,11 +216,19 @@ def run(args: argparse.Namespace) -> int:
         plan.check(max_replicated_fraction=guard, device_memory=args.device_memory)
     except MemoryBudgetError as err:
         failure = str(err)
+    capacity = plan.memory(args.device_memory).capacity
+    if failure is None and peak is not None and capacity is not None and peak.peak > capacity:
+        failure = (
+            f"one training step needs {format_bytes(peak.peak)} per device at its predicted peak (training "
+            f"state {format_bytes(peak.state)}, batch, activations and temporaries "
+            f"{format_bytes(peak.non_state)}), more than the {format_bytes(capacity)} available. Fix: a "
+            "smaller --batch-size, a mesh with a larger model axis, or --auto --memory-budget SIZE"
+        )
     note = None if args.memory_budget is not None else plan.intended_replication(args.max_replicated_fraction)
     if args.json:
-        _print_json(args, plan, rules, messages, failure, note, compiled)
+        _print_json(args, plan, rules, messages, failure, note, peak, compiled)
     else:
-        _print_table(plan, rules, messages, note, full=args.full, compiled=compiled)
+        _print_table(plan, rules, messages, note, peak, full=args.full, compiled=compiled)
     if failure is not None:
         print(f"plan fails: {failure}", file=sys.stderr)
         return EXIT_PLAN_FAILS
@@ -248,6 +265,15 @@ def _the_rules(args: argparse.Namespace, build: Callable[[], Any], mesh: Any, po
     return None
 
 
+def _peak(args: argparse.Namespace, build: Callable[[], Any], plan: Any, batch_axis: str | None) -> Any:
+    """The predicted per-device peak of one training step on `--batch-size` (`planner._peak`)."""
+    from ..core._dry import dry_build
+    from ..planner._peak import plan_peak
+
+    with dry_build(build) as model:
+        return plan_peak(model, plan, batch_spec(model, args.batch_size, args.sequence_length), batch_axis)
+
+
 def _messages(plan: Any, caught: list[warnings.WarningMessage]) -> list[str]:
     """The plan's own warnings (listed under its table), then the others caught, each once."""
     messages = list(plan.warnings)
@@ -266,15 +292,21 @@ def _print_json(
     messages: list[str],
     failure: str | None,
     note: str | None,
+    peak: Any,
     compiled: Any = None,
 ) -> None:
     data = plan.to_dict()
     data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
+    data["memory_per_device"]["peak_bytes"] = None if peak is None else peak.peak
+    data["memory_per_device"]["activation_bytes"] = None if peak is None else peak.non_state
     if args.target is not None:
         data["target"] = mesh_target(args.target).to_dict()
-    # The prediction per device, beside the compiled figures: the training state today; the
-    # peak with activations and temporaries (issue 21 item 3) is added here as "peak_bytes".
-    data["memory"] = {"state_bytes": plan.memory(args.device_memory).total}
+    # The prediction per device, beside the compiled figures (`--compile`): the training state,
+    # and with --batch-size the peak of one step (state, batch, activations and temporaries).
+    data["memory"] = {
+        "state_bytes": plan.memory(args.device_memory).total,
+        "peak_bytes": None if peak is None else peak.peak,
+    }
     if compiled is not None:
         data["compiled"] = compiled.to_dict()
     data["warnings"] = messages
@@ -285,6 +317,7 @@ def _print_json(
             "wire_bytes_by_axis": dict(cost.wire_bytes_by_axis),
             "state_bytes_per_device": cost.state_bytes,
             "activation_bytes_per_device": cost.activation_bytes,
+            "peak_bytes_per_device": cost.peak_bytes,
             "budget": cost.budget,
             "layouts": cost.layouts(),
         }
@@ -295,10 +328,24 @@ def _print_json(
 
 
 def _print_table(
-    plan: Any, rules: Any, messages: list[str], note: str | None, *, full: bool = False, compiled: Any = None
+    plan: Any,
+    rules: Any,
+    messages: list[str],
+    note: str | None,
+    peak: Any,
+    *,
+    full: bool = False,
+    compiled: Any = None,
 ) -> None:
     console = _console()
     console.print(plan if full or len(plan) <= SUMMARY_ABOVE else plan.summary())
+    if peak is not None:
+        console.print(
+            f"Peak per device (one training step, predicted): {format_bytes(peak.peak)} (training state "
+            f"{format_bytes(peak.state)}, batch {format_bytes(peak.batch)}, activations and temporaries "
+            f"{format_bytes(peak.non_state - peak.batch)})",
+            markup=False,
+        )
     if getattr(rules, "cost", None) is not None:
         console.print(f"predicted: {rules.cost}", markup=False)
     if compiled is not None:

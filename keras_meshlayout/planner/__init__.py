@@ -18,9 +18,13 @@
    ...), each a `Candidate` with its bytes per device (the one memory model,
    `core._memory.SlotModel`) and its bytes on the wire per step (the ring
    formulas of `kml.comm_report`, `report._collectives`), in a `CostTable`.
+   `_peak`: the per-device peak of one training step (`trace_step`, forward
+   and backward, walked under the candidates' layouts: activations,
+   temporaries, gradients written so far), what the budget is compared with.
 4. `search` (`_search`): per unit, the index of the candidate at the least
    traffic within the memory budget (the proposal's own without one), and
-   `plan_cost`, the public `kml.PlanCost`.
+   `plan_cost`, the public `kml.PlanCost`; `_auto` runs it again with a larger
+   activation reserve until the chosen layouts' predicted peak fits.
 5. Rules (`_auto`): the chosen candidates become one exact rule per variable,
    each with a note that says why.
 

@@ -24,18 +24,21 @@ that keep weights where they are:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 
 from .. import _compat
-from ..core._errors import InvalidOptionError, InvalidRuleError
+from ..core._errors import InvalidOptionError, InvalidRuleError, MemoryBudgetError
+from ..core._format import format_bytes
 from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
 from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
-from . import _by_layers, _by_name, _by_trace, _embeddings, _experts, _lora, _quantized
+from . import _by_layers, _by_name, _by_trace, _embeddings, _experts, _lora, _peak, _quantized
 from ._costs import CostTable, cost_units
 from ._layers import auto_named
 from ._ledger import Ledger, Setting
@@ -94,8 +97,12 @@ def auto_rules(
         replicate_below: Projections whose kernels have fewer elements stay
             replicated; defaults to the policy's (`kml.DEFAULT_REPLICATE_BELOW`).
             The returned rules carry it, so `kml.ModelParallel` applies it too.
-        memory_budget: Per-device memory (bytes or `"16GiB"`) that parameters,
-            gradients, optimizer slots and the activation reserve must fit.
+        memory_budget: Per-device memory (bytes or `"16GiB"`) that one training
+            step's predicted peak must fit with 5% to spare (`PEAK_HEADROOM`, for
+            the prediction's error): parameters, gradients, optimizer slots,
+            the batch's shard, and the activations and temporaries the traced step
+            keeps alive at its worst (attention scores, dequantised int8 kernels,
+            feature maps, remat blocks recomputed; see `PlanCost.peak_bytes`).
             Each unit of weights (a projection pair, an attention block, an
             embedding) then gets the layout that fits at the least traffic:
             replicated, tensor-parallel, 2-D (its largest other dimension also
@@ -108,7 +115,8 @@ def auto_rules(
             and `dtype`). Needed with `memory_budget`; with it, the returned
             rules carry `rules.cost`, a `kml.PlanCost` predicting the bytes
             each device sends per step (as `kml.comm_report` counts them) and
-            holds.
+            holds at the step's peak (`peak_bytes`, within about 10% of XLA's
+            compiled figure on the models measured in docs/status.md).
         optimizer: The optimizer whose slots count towards the budget;
             defaults to the model's own once compiled.
         policy: A `kml.LayoutPolicy` (`on_indivisible`, `replicate_below`):
@@ -154,12 +162,12 @@ def auto_rules(
         >>> roomy = kml.auto_rules(model, mesh, memory_budget="1GB", batch=x, optimizer="adam")
         >>> roomy.rules[0].note.split(" (")[0]
         'tensor-parallel: saves 387.0 KiB/device, sends 84.8 KiB less per step than replicated'
-        >>> tight = kml.auto_rules(model, mesh, memory_budget="150KB", batch=x, optimizer="adam")
+        >>> tight = kml.auto_rules(model, mesh, memory_budget="170KB", batch=x, optimizer="adam")
         >>> tight.rules[0].pattern, tight.rules[0].axes
         ('(?:mlp/)?up/kernel', ('data', 'model'))
         >>> tight.rules[0].note.split(" (")[0]
         '2-D: saves 451.5 KiB/device, sends 68.6 KiB less per step than replicated'
-        >>> tight.cost.wire_bytes, tight.cost.memory_bytes <= 150_000, tight.cost.layouts()
+        >>> tight.cost.wire_bytes, tight.cost.peak_bytes <= 170_000, tight.cost.layouts()
         (64684.0, True, {'2-D': 1, 'replicated': 2})
     """
     if model_axis not in mesh.axis_names:
@@ -198,11 +206,67 @@ def auto_rules(
         table = cost_units(
             model, proposal, trace, mesh_axis_sizes(mesh), optimizer, chosen_policy.replicate_below
         )
-    chosen = search(table, budget)
+    step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis)
+    table, chosen, peak = _search_within_peak(table, budget, step)
     _apply(ledger, table, chosen)
     rules = LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)
-    rules.cost = plan_cost(table, chosen, budget)
+    rules.cost = plan_cost(table, chosen, budget, peak)
     return rules
+
+
+def _search_within_peak(
+    table: CostTable, budget: int | None, step: _peak.PeakWalk | None
+) -> tuple[CostTable, tuple[int, ...], _peak.PeakMemory | None]:
+    """The search, with the activation reserve set to what the predicted peak needs beyond the state.
+
+    The reserve starts at the smaller non-state part of two peaks: the proposal's own and the
+    smallest-state plan's. While the chosen layouts' predicted peak exceeds the budget, the
+    reserve grows to that peak's non-state part and the search runs again (a few times at most); failing that,
+    the smallest-state plan is taken if its own peak fits. A plan said to fit fits its
+    predicted peak with `PEAK_HEADROOM` to spare; `MemoryBudgetError.smallest_bytes` is the
+    budget the smallest plan needs.
+    """
+    if step is None:  # a step that cannot be traced: the projections' outputs as the reserve
+        return table, search(table, budget), None
+    proposed = tuple(unit.proposed for unit in table.units)
+    if budget is None:
+        peak = step.peak(table, proposed)
+        return dataclasses.replace(table, reserve=peak.non_state), proposed, peak
+    given, budget = budget, int(budget * (1 - PEAK_HEADROOM))
+    smallest = tuple(
+        min(range(len(u.candidates)), key=lambda i, u=u: (u.candidates[i].state, u.candidates[i].total))
+        for u in table.units
+    )
+    least = step.peak(table, smallest)
+    reserve = min(step.peak(table, proposed).non_state, least.non_state)
+    for _ in range(_ROUNDS):
+        try:
+            chosen = search(dataclasses.replace(table, reserve=reserve), budget)
+        except MemoryBudgetError:
+            break
+        peak = step.peak(table, chosen)
+        if peak.peak <= budget:
+            return dataclasses.replace(table, reserve=peak.non_state), chosen, peak
+        reserve = max(reserve + 1, peak.non_state)
+    if least.peak <= budget:
+        return dataclasses.replace(table, reserve=least.non_state), smallest, least
+    needed = math.ceil(least.peak / (1 - PEAK_HEADROOM))
+    raise MemoryBudgetError(
+        f"auto_rules: the smallest plan needs {format_bytes(least.peak)} per device at its predicted "
+        f"peak ({format_bytes(least.non_state)} of it the batch, activations and temporaries), "
+        f"{format_bytes(needed)} with the {PEAK_HEADROOM:.0%} headroom kept for the prediction's error, "
+        f"over the memory budget of {format_bytes(given)}. Fix: a larger budget, a mesh with a larger "
+        "model axis, a smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor).",
+        smallest_bytes=needed,
+    )
+
+
+#: The share of the budget the predicted peak leaves free: the prediction is within a few percent of
+#: XLA's compiled peak on dense models (docs/status.md), so a plan said to fit stays under the budget.
+PEAK_HEADROOM = 0.05
+
+#: How often the search runs again with a larger reserve before the budget is declared too small.
+_ROUNDS = 8
 
 
 def _check_budget_args(memory_budget: int | str | None, batch: Any) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from ..core._errors import MemoryBudgetError
 from ..core._format import format_bytes
 from ._costs import CostTable, UnitCosts
+from ._peak import PeakMemory
 
 __all__ = ["PlanCost", "UnitChoice", "explain", "plan_cost", "search"]
 
@@ -51,9 +52,14 @@ class PlanCost:
             `kml.comm_report` counts them (ring formulas).
         state_bytes: Parameters, gradients, optimizer slots and non-trainable
             state held by each device.
-        activation_bytes: The activation reserve (see `kml.auto_rules`).
+        activation_bytes: What each device holds at the step's predicted peak beyond its
+            state: the batch's shard, activations kept for the backward pass and
+            temporaries (see `kml.auto_rules`).
         budget: The memory budget per device, or `None`.
         choices: One `UnitChoice` per unit of weights with more than one layout.
+        peak_bytes: The predicted per-device peak of one training step (`memory_bytes`), or
+            `None` when the step's gradient could not be traced (then `activation_bytes` is
+            only the outputs of the traced projections and look-ups).
     """
 
     wire_bytes_by_axis: Mapping[str, float]
@@ -61,6 +67,7 @@ class PlanCost:
     activation_bytes: int
     budget: int | None
     choices: tuple[UnitChoice, ...]
+    peak_bytes: int | None = None
 
     @property
     def wire_bytes(self) -> float:
@@ -69,7 +76,7 @@ class PlanCost:
 
     @property
     def memory_bytes(self) -> int:
-        """State plus the activation reserve: what the budget is compared with."""
+        """State plus activations and temporaries: the predicted peak the budget is compared with."""
         return self.state_bytes + self.activation_bytes
 
     def layouts(self) -> dict[str, int]:
@@ -122,9 +129,9 @@ def search(table: CostTable, budget: int | None) -> tuple[int, ...]:
         if best is None:
             raise MemoryBudgetError(
                 f"auto_rules: the smallest plan needs {format_bytes(memory())} per device "
-                f"({format_bytes(table.reserve)} of it the activation reserve), over the memory budget of "
-                f"{format_bytes(budget)}. Fix: a larger budget, a mesh with a larger model axis, a "
-                "smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor).",
+                f"({format_bytes(table.reserve)} of it the batch, activations and temporaries), over the "
+                f"memory budget of {format_bytes(budget)}. Fix: a larger budget, a mesh with a larger "
+                "model axis, a smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor).",
                 smallest_bytes=memory(),
             )
         chosen[best[0]] = best[1]
@@ -165,7 +172,9 @@ def explain(unit: UnitCosts, index: int) -> str:
     return f"{option.layout}: saves {format_bytes(saved)}/device, {traffic}"
 
 
-def plan_cost(table: CostTable, chosen: tuple[int, ...], budget: int | None) -> PlanCost:
+def plan_cost(
+    table: CostTable, chosen: tuple[int, ...], budget: int | None, peak: PeakMemory | None = None
+) -> PlanCost:
     """The public prediction of the plan that takes candidate `chosen[i]` for unit `i`."""
     wire: dict[str, float] = {}
     choices = []
@@ -182,4 +191,5 @@ def plan_cost(table: CostTable, chosen: tuple[int, ...], budget: int | None) -> 
         activation_bytes=table.reserve,
         budget=budget,
         choices=tuple(choices),
+        peak_bytes=None if peak is None else peak.peak,
     )

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import _compat
 
-__all__ = ["Node", "Trace", "Use", "trace_model"]
+__all__ = ["Node", "Trace", "Use", "trace_model", "trace_step"]
 
 #: Operations a weight passes through unchanged on its way to being used (a cast under mixed precision).
 _PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
@@ -177,24 +177,65 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
             [_abstract(v) for v in non_trainable],
             keras.tree.map_structure(_abstract, batch),
         )
-    builder = _Builder()
     jaxpr = closed.jaxpr
+    lora = [parts for parts in map(_compat.lora_parts, _compat.lora_layers(model)) if parts is not None]
+    trained = {v.path for v in trainable} | {base.path for base, _, _ in lora}
+    trace = _flat(jaxpr, [v.path for v in trainable + non_trainable], trained=trained)
+    read = _fraction_read(jaxpr)
+    used = {path: f for path, f in zip([v.path for v in trainable], read, strict=False) if f > 0}
+    for base, a, b in lora:  # the adapters are read whole; XLA sums the gradient of the merged kernel
+        used.update({base.path: 1.0, a.path: 1.0, b.path: 1.0})
+    return dataclasses.replace(trace, read=MappingProxyType(used))
+
+
+def trace_step(model: keras.Model, batch: Any) -> Trace:
+    """Traces one training step's forward and backward passes on `batch` into a `Trace`.
+
+    The step is the gradient of a stand-in loss (the mean square of every output, in
+    float32) with respect to every trainable variable: the same forward pass as
+    `trace_model`, then what the backward pass computes, in the order JAX emits it
+    (rematerialised blocks recomputed where their gradients are taken). Its outputs are
+    the gradients, one per trainable variable. Only the dataflow is kept (`uses` and
+    `read` are empty): what the peak-memory walk (`_peak`) reads.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    trainable = list(model.trainable_variables)
+    non_trainable = list(model.non_trainable_variables)
+    kwargs = {"training": False} if _compat.takes_training(model) else {}
+
+    def step(train: Any, state: Any, x: Any) -> Any:
+        def loss(weights: Any) -> Any:
+            outputs = model.stateless_call(weights, state, x, **kwargs)[0]
+            return sum(jnp.mean(jnp.square(out.astype("float32"))) for out in keras.tree.flatten(outputs))
+
+        return jax.grad(loss)(train)
+
+    closed = jax.make_jaxpr(step)(
+        [_abstract(v) for v in trainable],
+        [_abstract(v) for v in non_trainable],
+        keras.tree.map_structure(_abstract, batch),
+    )
+    return _flat(closed.jaxpr, [v.path for v in trainable + non_trainable], keep_uses=False)
+
+
+def _flat(
+    jaxpr: Any, paths: list[str], *, trained: set[str] = frozenset(), keep_uses: bool = True
+) -> Trace:
+    """`jaxpr`, whose first inputs are the variables at `paths`, as a flat `Trace`.
+
+    The values computed from the variables at `trained` paths are the trace's `trained`.
+    """
+    builder = _Builder()
     ids = [builder.new(v.aval) for v in jaxpr.invars]
     for var in jaxpr.constvars:
         builder.env[var] = builder.new(var.aval)
     for var, value in zip(jaxpr.invars, ids, strict=True):
         builder.env[var] = value
     outputs = builder.inline(jaxpr)
-    paths = [v.path for v in trainable + non_trainable]
     variables = dict(zip(ids[: len(paths)], paths, strict=True))
-    read = _fraction_read(jaxpr)
-    used = {path: f for path, f in zip([v.path for v in trainable], read, strict=False) if f > 0}
-    lora = [parts for parts in map(_compat.lora_parts, _compat.lora_layers(model)) if parts is not None]
-    for base, a, b in lora:  # the adapters are read whole; XLA sums the gradient of the merged kernel
-        used.update({base.path: 1.0, a.path: 1.0, b.path: 1.0})
-    lora_bases = {base.path for base, _, _ in lora}
-    trained = {i for i, v in zip(ids, trainable, strict=False)}
-    trained |= {value for value, path in variables.items() if path in lora_bases}
+    reached = {value for value, path in variables.items() if path in trained}
     consumers: dict[int, list[int]] = {}
     producer: dict[int, int] = {}
     for node in builder.nodes:
@@ -203,8 +244,8 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
                 consumers.setdefault(value, []).append(node.index)
         for value in node.outputs:
             producer[value] = node.index
-        if any(value in trained for value in node.inputs):
-            trained.update(node.outputs)
+        if any(value in reached for value in node.inputs):
+            reached.update(node.outputs)
     trace = Trace(
         nodes=tuple(builder.nodes),
         shapes=MappingProxyType(builder.shapes),
@@ -215,9 +256,11 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
         producer=MappingProxyType(producer),
         consumers=MappingProxyType({k: tuple(v) for k, v in consumers.items()}),
         uses=MappingProxyType({}),
-        read=MappingProxyType(used),
-        trained=frozenset(trained),
+        read=MappingProxyType({}),
+        trained=frozenset(reached),
     )
+    if not keep_uses:
+        return trace
     return dataclasses.replace(trace, uses=MappingProxyType(_uses(trace)))
 
 
@@ -316,6 +359,7 @@ _CALLS = (
     "custom_vjp_call",
     "custom_vjp_call_jaxpr",
     "remat",
+    "remat2",
     "checkpoint",
     "custom_lin",
 )

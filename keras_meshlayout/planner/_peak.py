@@ -1,0 +1,281 @@
+"""The per-device peak of a training step: state, then what the traced step keeps alive at its worst.
+
+`peak_memory(trace, layouts, axis_sizes, ...)` walks the traced training step
+(`_trace.trace_step`: forward, then backward, as JAX emits them) once:
+
+1. **Per-device shapes** (`_propagate.Specs`): each value's layout, propagated
+   from the variables' layouts and the batch (split over the batch axis on its
+   first dimension) through the operations, with the gathered copies of
+   batch-split weights and the buffers one operation writes while it runs.
+2. **What is materialised.** A value is a buffer unless it is computed by an
+   element-wise operation (a cast, a broadcast, a reshape included) whose every
+   reader is also element-wise or a reduction: XLA fuses those into their
+   readers, which then keep the fused value's own inputs alive instead.
+3. **Liveness.** In program order, a buffer lives from the operation that
+   writes it to its last reader; the step's outputs (the gradients) live to
+   the end. The largest sum over the program is the step's transient peak:
+   activations saved for the backward pass, temporaries (attention scores,
+   dequantised int8 kernels, a convnet's feature maps, recomputed remat
+   blocks) and the gradients written so far. Over a batch axis of more than
+   one device, the gradients' sum (one combined all-reduce) is a second copy
+   of them at the end of the backward pass.
+
+The peak per device is then the state without its gradients (parameters,
+non-trainable variables, optimizer slots: `core._memory`), the batch's shard,
+and the transient peak. Nothing is specific to an architecture: everything is
+read off the traced computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from ..core._axes import Axes, entry_axes
+from ._propagate import REDUCTIONS, Specs
+from ._trace import Trace, trace_step
+
+__all__ = ["PeakMemory", "PeakWalk", "peak_memory", "plan_peak", "transient_peak"]
+
+
+#: Operations XLA fuses into their readers: element-wise arithmetic, casts, broadcasts, reshapes.
+_ELEMENTWISE = frozenset(
+    """abs add add_any and atan2 broadcast_in_dim cbrt ceil clamp convert_element_type copy copy_p cos cosh
+    div eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow is_finite le lgamma
+    log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt
+    select_n sign sin sinh sqrt square squeeze stop_gradient sub tan tanh xor iota reshape transpose
+    shift_left shift_right_logical shift_right_arithmetic""".split()
+)
+#: Element-wise operations XLA duplicates into every reader.
+_CHEAP = frozenset(
+    "broadcast_in_dim convert_element_type reshape squeeze expand_dims iota copy copy_p".split()
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakMemory:
+    """The predicted per-device peak of one training step.
+
+    Attributes:
+        state: Parameters, non-trainable variables, gradients and optimizer slots.
+        gradients: The gradients' share of `state`.
+        batch: The batch's shard on each device.
+        transient: The most the step holds at once beyond its parameters and slots:
+            activations, temporaries and the gradients written so far.
+    """
+
+    state: int
+    gradients: int
+    batch: int
+    transient: int
+
+    @property
+    def non_state(self) -> int:
+        """What the peak holds beyond the training state: the batch, activations and temporaries."""
+        return self.peak - self.state
+
+    @property
+    def peak(self) -> int:
+        """State without gradients, the batch, and the transient peak (gradients included)."""
+        return self.state - self.gradients + self.batch + max(self.transient, self.gradients)
+
+
+class PeakWalk:
+    """One traced training step, walked again for each set of layouts the search tries."""
+
+    def __init__(
+        self, model: Any, trace: Trace, axis_sizes: Mapping[str, int], batch_axis: str | None
+    ) -> None:
+        self.trace = _live_code(trace)
+        self.axis_sizes = dict(axis_sizes)
+        self.batch_axis = batch_axis
+        self.trainable = {v.path: v for v in model.trainable_variables}
+
+    @classmethod
+    def of(
+        cls, model: Any, batch: Any, axis_sizes: Mapping[str, int], batch_axis: str | None
+    ) -> PeakWalk | None:
+        """The walk of `model`'s step on `batch`, or `None` when its gradient cannot be traced."""
+        try:
+            return cls(model, trace_step(model, batch), axis_sizes, batch_axis)
+        except Exception:  # a model whose gradient JAX cannot trace still plans, on its reserve
+            return None
+
+    def peak(self, table: Any, chosen: Sequence[int]) -> PeakMemory:
+        """The `PeakMemory` of candidate `chosen[i]` for each unit `i` of the `CostTable` `table`."""
+        layouts: dict[str, Axes] = {}
+        state = 0
+        for unit, index in zip(table.units, chosen, strict=True):
+            layouts.update(unit.candidates[index].axes)
+            state += unit.candidates[index].state
+        gradients = 0
+        for path, variable in self.trainable.items():
+            axes = layouts.get(path, ())
+            pieces = math.prod(self.axis_sizes.get(a, 1) for entry in axes for a in entry_axes(entry))
+            gradients += math.prod(variable.shape) * np.dtype(variable.dtype).itemsize // pieces
+        return peak_memory(
+            self.trace, layouts, self.axis_sizes, self.batch_axis, state=state, gradients=gradients
+        )
+
+
+def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None) -> PeakMemory:
+    """The predicted per-device peak of one training step of `model` on `batch` under `plan`.
+
+    `plan` is a `kml.Plan` of `model` (its entries give each variable's layout and its
+    `memory()` the training state); `model` may be a `kml.dry_build` model.
+    """
+    memory = plan.memory()
+    layouts = {entry.path: entry.axes for entry in plan.entries}
+    return peak_memory(
+        _live_code(trace_step(model, batch)),
+        layouts,
+        plan.axis_sizes,
+        batch_axis,
+        state=memory.total,
+        gradients=memory.gradients,
+    )
+
+
+def peak_memory(
+    trace: Trace,
+    layouts: Mapping[str, Axes],
+    axis_sizes: Mapping[str, int],
+    batch_axis: str | None,
+    *,
+    state: int,
+    gradients: int,
+) -> PeakMemory:
+    """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
+
+    `state` and `gradients` are the per-device training-state bytes and their gradients' share
+    (`core._memory`: a plan's `memory()`, or the planner's candidates).
+    """
+    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis)
+    return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient)
+
+
+def transient_peak(
+    trace: Trace,
+    layouts: Mapping[str, Axes],
+    axis_sizes: Mapping[str, int],
+    batch_axis: str | None,
+) -> tuple[int, int]:
+    """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
+
+    `layouts` gives each variable path its axes (missing: replicated).
+    """
+    specs = Specs(trace, layouts, axis_sizes, batch_axis)
+    sizes = {value: specs.bytes(value) for value in trace.shapes}
+    fused = _fused(trace)
+    last = _last_reads(trace, fused)
+    end = len(trace.nodes)
+    for value in trace.outputs:
+        if value >= 0:
+            last[value] = end
+    written = _written(trace)
+    starts: dict[int, int] = {}
+    frees: dict[int, int] = {}
+    buffers = [v for v in written if v not in fused]
+    for value in buffers:
+        starts[written[value]] = starts.get(written[value], 0) + sizes[value]
+        free = last.get(value, written[value])
+        frees[free] = frees.get(free, 0) + sizes[value]
+    for value, (first, final) in specs.gathered.items():
+        starts[first] = starts.get(first, 0) + specs.bytes(value)
+        frees[final] = frees.get(final, 0) + specs.bytes(value)
+    if axis_sizes.get(batch_axis or "", 1) > 1:
+        # The gradients are summed over the batch axis into buffers of their own (one combined
+        # all-reduce at the end of the backward pass, measured on XLA:CPU), before the update.
+        summed = sum(sizes[value] for value in set(trace.outputs) if value >= 0)
+        specs.scratch[end] = specs.scratch.get(end, 0) + summed
+    for when, extra in specs.scratch.items():
+        starts[when] = starts.get(when, 0) + extra
+        frees[when] = frees.get(when, 0) + extra
+    live = peak = 0
+    for when in range(end + 1):
+        live += starts.get(when, 0)
+        peak = max(peak, live)
+        live -= frees.get(when, 0)
+    batch = sum(sizes[value] for value in trace.inputs)
+    return peak, batch
+
+
+def _live_code(trace: Trace) -> Trace:
+    """`trace` without the operations its outputs do not need (XLA removes them too)."""
+    needed = {v for v in trace.outputs if v >= 0}
+    kept = []
+    for node in reversed(trace.nodes):
+        if any(v in needed for v in node.outputs):
+            kept.append(node)
+            needed.update(v for v in node.inputs if v >= 0)
+    nodes = tuple(dataclasses.replace(node, index=i) for i, node in enumerate(reversed(kept)))
+    consumers: dict[int, list[int]] = {}
+    producer: dict[int, int] = {}
+    for node in nodes:
+        for value in node.inputs:
+            if value >= 0:
+                consumers.setdefault(value, []).append(node.index)
+        for value in node.outputs:
+            producer[value] = node.index
+    return dataclasses.replace(
+        trace,
+        nodes=nodes,
+        producer=MappingProxyType(producer),
+        consumers=MappingProxyType({k: tuple(v) for k, v in consumers.items()}),
+    )
+
+
+def _written(trace: Trace) -> dict[int, int]:
+    return {value: node.index for node in trace.nodes for value in node.outputs}
+
+
+def _fused(trace: Trace) -> set[int]:
+    """Values XLA fuses into their readers instead of writing them out.
+
+    A cast, broadcast or reshape read only by element-wise operations or
+    reductions; any other element-wise result read by exactly one of them (XLA
+    duplicates only cheap operations into several readers); and an element-wise
+    function of the weights alone (a cast, an int8 kernel times its scale) that
+    projections read: XLA:CPU computes it inside the projection (measured on
+    `model.quantize("int8")` Dense layers: the float kernel is never written out).
+    """
+    outputs = set(trace.outputs)
+    fused = set()
+    weights = set(trace.variables)  # values computed from the weights alone
+    for node in trace.nodes:
+        from_weights = all(v < 0 or v in weights for v in node.inputs)
+        if from_weights and node.primitive in _ELEMENTWISE:
+            weights.update(node.outputs)
+        if node.primitive not in _ELEMENTWISE:
+            continue
+        for value in node.outputs:
+            readers = trace.consumers.get(value, ())
+            if value in outputs or not readers:
+                continue
+            primitives = [trace.nodes[r].primitive for r in readers]
+            if from_weights and all(_fusing(p) or p == "dot_general" for p in primitives):
+                fused.add(value)  # a weight cast or dequantised where a projection reads it
+            elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
+                fused.add(value)
+    return fused
+
+
+def _fusing(primitive: str) -> bool:
+    return primitive in _ELEMENTWISE or primitive in REDUCTIONS
+
+
+def _last_reads(trace: Trace, fused: set[int]) -> dict[int, int]:
+    """Per value, the last node that reads it, where reading a fused value reads its inputs too."""
+    last: dict[int, int] = {}
+    for node in reversed(trace.nodes):
+        when = max((last.get(v, node.index) for v in node.outputs if v in fused), default=node.index)
+        when = max(when, node.index)
+        for value in node.inputs:
+            if value >= 0 and last.get(value, -1) < when:
+                last[value] = when
+    return last

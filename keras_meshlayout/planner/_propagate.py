@@ -1,0 +1,251 @@
+"""Per-device shapes of a traced step: each value's layout, propagated from the weights and the batch.
+
+A small model of XLA's sharding propagation, read by the peak-memory walk (`_peak`):
+element-wise operations, broadcasts, reshapes and transposes carry each dimension's
+axes; a `dot_general` or a convolution gives its output the batch and free
+dimensions of its operands (a contracted split is summed away); a reduction drops
+the reduced dimensions; anything else keeps the axes of an input dimension of the
+same size. A weight split over the batch axis (2-D, fully sharded) is gathered over
+it where a projection, a convolution or a look-up reads it: that gathered copy is
+a temporary, alive from its first read to its last. Buffers XLA writes only while
+one operation runs (partial sums before their all-reduce, convolution operands
+copied into XLA's layout) are `scratch`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..core._axes import Axes, entry_axes
+from ._trace import Node, Trace
+
+__all__ = ["REDUCTIONS", "Specs", "itemsize"]
+
+Spec = tuple[tuple[str, ...], ...]
+
+#: Reductions: they read fused inputs, and write a buffer of their own.
+REDUCTIONS = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
+)
+#: Readers of a weight that need it whole over the batch axis (XLA all-gathers it first).
+_GATHERING = frozenset(("dot_general", "conv_general_dilated", "gather", "dynamic_slice"))
+
+
+class Specs:
+    """Per value, the mesh axes over which each of its dimensions is split (see the module docstring)."""
+
+    def __init__(
+        self, trace: Trace, layouts: Mapping[str, Axes], axis_sizes: Mapping[str, int], batch_axis: str | None
+    ) -> None:
+        self.trace = trace
+        self.sizes = dict(axis_sizes)
+        self.batch_axis = batch_axis
+        self.spec: dict[int, Spec] = {}
+        #: Gathered copies of batch-split weights: a synthetic value id → (first read, last read).
+        self.gathered: dict[int, tuple[int, int]] = {}
+        self._gathered_bytes: dict[int, int] = {}
+        #: Per node, bytes of buffers alive only while it runs (copies of operands, partial sums).
+        self.scratch: dict[int, int] = {}
+        weights: dict[int, Spec] = {}
+        for value, path in trace.variables.items():
+            axes = layouts.get(path)
+            shape = trace.shapes[value]
+            spec = _none(shape) if axes is None else tuple(entry_axes(a) for a in axes)
+            self.spec[value] = self._valid(spec if len(spec) == len(shape) else _none(shape), shape)
+            if batch_axis is not None and any(batch_axis in entry for entry in self.spec[value]):
+                weights[value] = self.spec[value]
+        for value in trace.inputs:
+            shape = trace.shapes[value]
+            first = (batch_axis,) if batch_axis and shape else ()
+            self.spec[value] = self._valid((first, *_none(shape)[1:]) if shape else (), shape)
+        for node in trace.nodes:
+            self._propagate(node)
+        # The step's outputs are the gradients, in the trainable variables' order: each is laid
+        # out as its variable (XLA reduce-scatters a split weight's gradient onto its shards).
+        for output, variable in zip(trace.outputs, sorted(trace.variables), strict=False):
+            if output >= 0 and trace.shapes[output] == trace.shapes[variable]:
+                self.spec[output] = self.spec[variable]
+        self._gathers(weights)
+
+    def bytes(self, value: int) -> int:
+        if value in self._gathered_bytes:
+            return self._gathered_bytes[value]
+        shape = self.trace.shapes[value]
+        whole = math.prod(shape) * itemsize(self.trace.dtypes[value])
+        pieces = math.prod(self.sizes[a] for entry in self.spec.get(value, ()) for a in entry)
+        return whole // max(pieces, 1)
+
+    # -- propagation -----------------------------------------------------------------------------------
+
+    def _input(self, value: int) -> Spec:
+        if value < 0:
+            return ()
+        spec = self.spec.get(value, _none(self.trace.shapes[value]))
+        if value in self.trace.variables and self.batch_axis is not None:
+            # A weight split over the batch axis is gathered over it before it is read.
+            spec = tuple(tuple(a for a in entry if a != self.batch_axis) for entry in spec)
+        return spec
+
+    def _propagate(self, node: Node) -> None:
+        shapes = self.trace.shapes
+        outs = [shapes[v] for v in node.outputs]
+        ins = [self._input(v) for v in node.inputs]
+        in_shapes = [shapes[v] if v >= 0 else () for v in node.inputs]
+        name = node.primitive
+        if name == "dot_general":
+            result = [self._dot(node, ins, outs[0])]
+        elif name == "conv_general_dilated":
+            result = [self._conv(node, ins, outs[0])]
+        elif name == "broadcast_in_dim":
+            spec = list(_none(outs[0]))
+            for i, d in enumerate(node.params["broadcast_dimensions"]):
+                if in_shapes[0][i] == outs[0][d]:
+                    spec[d] = ins[0][i]
+            result = [tuple(spec)]
+        elif name == "transpose":
+            result = [tuple(ins[0][p] for p in node.params["permutation"])]
+        elif name == "reshape":
+            result = [_reshape(ins[0], in_shapes[0], outs[0])]
+        elif name in REDUCTIONS or name.startswith("reduce_") or name in ("argmax", "argmin"):
+            dropped = set(node.params.get("axes", ()))
+            kept = tuple(entry for i, entry in enumerate(ins[0]) if i not in dropped)
+            result = [kept if len(kept) == len(outs[0]) else _none(outs[0])]
+        else:
+            result = [_like(out, ins, in_shapes) for out in outs]
+        for value, spec, shape in zip(node.outputs, result, outs, strict=True):
+            self.spec[value] = self._valid(spec, shape)
+        if name == "dot_general" and self._summed_over_axis(node, ins):
+            # Partial sums over a mesh axis: XLA all-reduces them into a second buffer.
+            self.scratch[node.index] = self.scratch.get(node.index, 0) + self.bytes(node.outputs[0])
+        elif name == "conv_general_dilated":
+            self.scratch[node.index] = self.scratch.get(node.index, 0) + self._conv_copies(node)
+
+    def _dot(self, node: Node, ins: list[Spec], out: tuple[int, ...]) -> Spec:
+        (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+        lhs, rhs = ins
+        lhs_free = [i for i in range(len(lhs)) if i not in lc and i not in lb]
+        rhs_free = [i for i in range(len(rhs)) if i not in rc and i not in rb]
+        spec = [lhs[a] or rhs[b] for a, b in zip(lb, rb, strict=True)]
+        spec += [lhs[i] for i in lhs_free] + [rhs[i] for i in rhs_free]
+        return tuple(spec) if len(spec) == len(out) else _none(out)
+
+    def _conv(self, node: Node, ins: list[Spec], out: tuple[int, ...]) -> Spec:
+        numbers = node.params.get("dimension_numbers")
+        lhs_spec, rhs_spec, out_spec = getattr(numbers, "lhs_spec", None), None, None
+        if lhs_spec is None:
+            return _none(out)
+        rhs_spec, out_spec = numbers.rhs_spec, numbers.out_spec
+        spec = list(_none(out))
+        spec[out_spec[0]] = ins[0][lhs_spec[0]]
+        spec[out_spec[1]] = ins[1][rhs_spec[0]]
+        return tuple(spec)
+
+    def _summed_over_axis(self, node: Node, ins: list[Spec]) -> bool:
+        (lc, rc), _ = node.params["dimension_numbers"]
+        return any(ins[0][a] and set(ins[0][a]) & set(ins[1][b]) for a, b in zip(lc, rc, strict=True))
+
+    def _conv_copies(self, node: Node) -> int:
+        """Bytes of the operands XLA copies into its own layout before a convolution.
+
+        The forward convolution reads its input batch-first, features last, and
+        its kernel output-features last; the backward ones (JAX's transposes)
+        read them in other orders, and XLA copies each such operand first.
+        """
+        numbers = node.params.get("dimension_numbers")
+        if getattr(numbers, "lhs_spec", None) is None:
+            return 0
+        rank = len(numbers.lhs_spec)
+        copies = 0
+        if tuple(numbers.lhs_spec[:2]) != (0, rank - 1):
+            copies += self.bytes(node.inputs[0]) if node.inputs[0] >= 0 else 0
+        if tuple(numbers.rhs_spec[:2]) != (rank - 1, rank - 2):
+            copies += self.bytes(node.inputs[1]) if node.inputs[1] >= 0 else 0
+        if tuple(numbers.out_spec[:2]) != (0, rank - 1):
+            copies += self.bytes(node.outputs[0])
+        return copies
+
+    def _valid(self, spec: Spec, shape: tuple[int, ...]) -> Spec:
+        """`spec` with each axis used once, only where it divides its dimension."""
+        seen: set[str] = set()
+        out = []
+        for entry, size in zip(spec, shape, strict=False):
+            kept = []
+            for axis in entry:
+                if axis in seen or axis not in self.sizes:
+                    continue
+                pieces = math.prod(self.sizes[a] for a in kept) * self.sizes[axis]
+                if size % pieces == 0:
+                    kept.append(axis)
+                    seen.add(axis)
+            out.append(tuple(kept))
+        out += [()] * (len(shape) - len(out))
+        return tuple(out)
+
+    def _gathers(self, weights: Mapping[int, Spec]) -> None:
+        """The gathered copy of each batch-split weight a projection, a convolution or a look-up reads."""
+        for value in weights:
+            reads = self._reads(value)
+            if not reads:
+                continue
+            synthetic = -(len(self.gathered) + 2)
+            shape = self.trace.shapes[value]
+            whole = math.prod(shape) * itemsize(self.trace.dtypes[value])
+            pieces = math.prod(self.sizes[a] for entry in self._input(value) for a in entry)
+            self._gathered_bytes[synthetic] = whole // max(pieces, 1)
+            self.gathered[synthetic] = (min(reads), max(reads))
+
+    def _reads(self, value: int) -> list[int]:
+        """The nodes that read `value` (through casts and transposes) as a projection, conv or look-up."""
+        found, stack = [], [value]
+        while stack:
+            current = stack.pop()
+            for index in self.trace.consumers.get(current, ()):
+                node = self.trace.nodes[index]
+                if node.primitive in _GATHERING:
+                    found.append(index)
+                elif node.primitive in ("convert_element_type", "transpose", "reshape", "copy"):
+                    stack.extend(node.outputs)
+        return found
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element; a random key (`key<fry>`) holds two uint32 words."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 8
+
+
+def _none(shape: Sequence[int]) -> Spec:
+    return tuple(() for _ in shape)
+
+
+def _like(out: tuple[int, ...], ins: list[Spec], in_shapes: list[tuple[int, ...]]) -> Spec:
+    """Each dimension's axes from the first input of the same rank whose dimension has the same size."""
+    spec = list(_none(out))
+    for spec_in, shape in zip(ins, in_shapes, strict=True):
+        if len(shape) != len(out):
+            continue
+        for d, (size, entry) in enumerate(zip(shape, spec_in, strict=True)):
+            if not spec[d] and size == out[d] and entry:
+                spec[d] = entry
+    return tuple(spec)
+
+
+def _reshape(spec: Spec, shape: tuple[int, ...], out: tuple[int, ...]) -> Spec:
+    """Axes carried to the output dimension that starts where the input dimension starts."""
+    starts_out: dict[int, int] = {}
+    position = 1
+    for d, size in enumerate(out):
+        starts_out.setdefault(position, d)
+        position *= size
+    result = list(_none(out))
+    position = 1
+    for d, size in enumerate(shape):
+        if spec[d] and position in starts_out:
+            result[starts_out[position]] = spec[d]
+        position *= size
+    return tuple(result)
