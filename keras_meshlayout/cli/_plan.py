@@ -208,22 +208,7 @@ def run(args: argparse.Namespace) -> int:
             step(f"compiling the training step for {platform_name(mesh)} (XLA, ahead of time)")
             compiled = compile_for(build, distribution, args)
     messages = _messages(plan, caught)
-    failure = None
-    try:
-        # Under a memory budget the planner replicates on purpose wherever the budget allows,
-        # so the budget replaces the replication guard.
-        guard = 1.0 if args.memory_budget is not None else args.max_replicated_fraction
-        plan.check(max_replicated_fraction=guard, device_memory=args.device_memory)
-    except MemoryBudgetError as err:
-        failure = str(err)
-    capacity = plan.memory(args.device_memory).capacity
-    if failure is None and peak is not None and capacity is not None and peak.peak > capacity:
-        failure = (
-            f"one training step needs {format_bytes(peak.peak)} per device at its predicted peak (training "
-            f"state {format_bytes(peak.state)}, batch, activations and temporaries "
-            f"{format_bytes(peak.non_state)}), more than the {format_bytes(capacity)} available. Fix: a "
-            "smaller --batch-size, a mesh with a larger model axis, or --auto --memory-budget SIZE"
-        )
+    failure = _failure(args, plan, peak)
     note = None if args.memory_budget is not None else plan.intended_replication(args.max_replicated_fraction)
     if args.json:
         _print_json(args, plan, rules, messages, failure, note, peak, compiled)
@@ -236,6 +221,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"plan fails: {len(messages)} warning(s) with --strict", file=sys.stderr)
         return EXIT_PLAN_FAILS
     return EXIT_OK
+
+
+def _failure(args: argparse.Namespace, plan: Any, peak: Any) -> str | None:
+    """Why the plan fails its checks (replication guard, device memory, the predicted peak), or `None`."""
+    try:
+        # Under a memory budget the planner replicates on purpose wherever the budget allows,
+        # so the budget replaces the replication guard.
+        guard = 1.0 if args.memory_budget is not None else args.max_replicated_fraction
+        plan.check(max_replicated_fraction=guard, device_memory=args.device_memory)
+    except MemoryBudgetError as err:
+        return str(err)
+    capacity = plan.memory(args.device_memory).capacity
+    if peak is not None and capacity is not None and peak.peak > capacity:
+        return (
+            f"one training step needs {format_bytes(peak.peak)} per device at its predicted peak (training "
+            f"state {format_bytes(peak.state)}, batch, activations and temporaries "
+            f"{format_bytes(peak.non_state)}), more than the {format_bytes(capacity)} available. Fix: a "
+            "smaller --batch-size, a mesh with a larger model axis, or --auto --memory-budget SIZE"
+        )
+    return None
 
 
 def _the_rules(args: argparse.Namespace, build: Callable[[], Any], mesh: Any, policy: Any) -> Any:

@@ -220,9 +220,7 @@ def trace_step(model: keras.Model, batch: Any) -> Trace:
     return _flat(closed.jaxpr, [v.path for v in trainable + non_trainable], keep_uses=False)
 
 
-def _flat(
-    jaxpr: Any, paths: list[str], *, trained: set[str] = frozenset(), keep_uses: bool = True
-) -> Trace:
+def _flat(jaxpr: Any, paths: list[str], *, trained: set[str] = frozenset(), keep_uses: bool = True) -> Trace:
     """`jaxpr`, whose first inputs are the variables at `paths`, as a flat `Trace`.
 
     The values computed from the variables at `trained` paths are the trace's `trained`.
