@@ -19,10 +19,12 @@ row end, whose output is all-reduced. On the way:
   split channels, a second one expanding back) is a row end and a second
   column of the same unit.
 
-Output channels that do not divide, a unit whose kernels are all smaller than
-`replicate_below` (unless it carries a grouped convolution), and anything
-that would need the whole channel dimension leave the convolutions to the
-later strategies, which keep them whole.
+Output channels that do not divide and a unit with a kernel smaller than
+`replicate_below` (which `kml.ModelParallel` keeps whole) are replicated with
+the reason; anything that would need the whole channel dimension leaves the
+convolutions to the later strategies. A grouped convolution left whole on a
+mesh that splits more than the batch is what `kml.GroupedConvWarning` warns
+about, at plan time and when `fit` starts.
 """
 
 from __future__ import annotations
@@ -177,10 +179,11 @@ def conv_units(ledger: Ledger, setting: Setting) -> None:
             for variable, _ in members:
                 ledger.record(variable.path, (None,) * len(variable.shape), note)
             continue
-        kernels = [math.prod(v.shape) for v, m in members if m.role != "bias"]
-        grouped = any(m.role == "grouped" for _, m in members)
-        if not grouped and max(kernels) < setting.replicate_below:
-            note = _notes.too_small(name, max(kernels), setting.replicate_below)
+        small = [(v, m) for v, m in members if m.role != "bias" and math.prod(v.shape) < setting.replicate_below]
+        if small:
+            # `kml.ModelParallel` keeps a suggested kernel this small whole: the unit would not be one.
+            label = setting.display(small[0][0].path)
+            note = _notes.too_small(label, math.prod(small[0][0].shape), setting.replicate_below)
             for variable, _ in members:
                 ledger.record(variable.path, (None,) * len(variable.shape), note)
             continue
