@@ -197,7 +197,9 @@ def _grouped_convs(model: keras.Model) -> list[tuple[str, str, Any, int]]:
             continue
         path = getattr(layer, "path", None) or f"{model.name}/{layer.name}"
         if all(path != seen for seen, *_ in found):
-            found.append((path, type(layer).__name__, kernel, dim % len(kernel.shape) if kernel is not None else 0))
+            found.append(
+                (path, type(layer).__name__, kernel, dim % len(kernel.shape) if kernel is not None else 0)
+            )
     return found
 
 

@@ -179,7 +179,9 @@ def conv_units(ledger: Ledger, setting: Setting) -> None:
             for variable, _ in members:
                 ledger.record(variable.path, (None,) * len(variable.shape), note)
             continue
-        small = [(v, m) for v, m in members if m.role != "bias" and math.prod(v.shape) < setting.replicate_below]
+        small = [
+            (v, m) for v, m in members if m.role != "bias" and math.prod(v.shape) < setting.replicate_below
+        ]
         if small:
             # `kml.ModelParallel` keeps a suggested kernel this small whole: the unit would not be one.
             label = setting.display(small[0][0].path)
