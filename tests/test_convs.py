@@ -121,6 +121,25 @@ def test_the_unit_is_named_after_its_convolutions(mbconv_rules):
     assert note.endswith("stem × se_expand → project × se_reduce")
 
 
+def test_each_conv_strategy_alone_decides_only_what_it_owns():
+    """`conv_units` decides the units and leaves the lone conv; `lone_convs` then takes it, alone."""
+    from keras_meshlayout.planner import _convs, trace_model
+    from keras_meshlayout.planner._ledger import Ledger, Setting
+
+    with kml.dry_build(mbconv) as model:
+        trace = trace_model(model, np.zeros((2, 8, 8, 3), "float32"))
+        setting = Setting(model, "model", 4, 0, "data", trace)
+        ledger = Ledger(model.name, "model", "data")
+        _convs.conv_units(ledger, setting)
+        assert ledger.axes("dw/kernel") == (None, None, "model", None)
+        assert not ledger.decided("lone/kernel") and not ledger.decided("head/kernel")
+        _convs.lone_convs(ledger, setting)
+        proposal = ledger.proposal()
+    assert proposal.axes["lone/kernel"] == (None, None, "model", None)
+    assert proposal.lone_convs == {"lone/kernel"}
+    assert proposal.conv_units == {"stem × se_expand → project × se_reduce"}
+
+
 def test_channels_that_do_not_divide_stay_whole_with_the_reason():
     def build():
         layers = [L.Conv2D(6, 3, use_bias=False, name="a"), L.ReLU(), L.Conv2D(8, 3, name="b")]

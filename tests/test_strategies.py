@@ -208,6 +208,7 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_experts.expert_banks",
         "_by_trace.traced_units",
         "_convs.conv_units",
+        "_convs.lone_convs",
         "_by_trace.final_layers",
         "_by_layers.projection_pairs",
         "_embeddings.vocab_parallel_tables",

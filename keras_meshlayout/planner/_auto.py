@@ -53,6 +53,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _experts.expert_banks,  # mixture-of-experts weights split on their expert dimension
     _by_trace.traced_units,  # column → row pairs and attention heads in the dataflow
     _convs.conv_units,  # convolutions' output → input channels, through batch norms and depthwise convs
+    _convs.lone_convs,  # a convolution no unit took, split on its input channels
     _by_trace.final_layers,  # a language model's head, split when it is the largest kernel
     _by_layers.projection_pairs,  # pairs along the layer graph when nothing was traced
     _embeddings.vocab_parallel_tables,  # large look-up tables split over their vocabulary

@@ -19,6 +19,9 @@ row end, whose output is all-reduced. On the way:
   split channels, a second one expanding back) is a row end and a second
   column of the same unit.
 
+A convolution no unit takes (between two units, as ResNet's 3 × 3 ones can
+be) is split on its input channels alone by `lone_convs`, the next strategy.
+
 Output channels that do not divide and a unit with a kernel smaller than
 `replicate_below` (which `kml.ModelParallel` keeps whole) are replicated with
 the reason; anything that would need the whole channel dimension leaves the
@@ -36,7 +39,7 @@ from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import Member, Unit, _dynamic, _Fail, _Grower, _name, _reshape_dim, _uses_inside, find_added
 
-__all__ = ["CONV", "conv_kernel", "conv_units", "find_conv_units"]
+__all__ = ["CONV", "conv_kernel", "conv_units", "find_conv_units", "lone_convs"]
 
 CONV = "conv_general_dilated"
 
@@ -196,7 +199,6 @@ def conv_units(ledger: Ledger, setting: Setting) -> None:
             if path in variables and not ledger.decided(path):
                 ledger.record(path, (None,) * len(variables[path].shape), _notes.conv_after(name))
         ledger.conv_units.add(name)
-    _lone_convs(ledger, setting)
 
 
 def lone_conv_reads(trace: Trace, path: str, size: int) -> list[tuple[object, int]]:
@@ -211,14 +213,16 @@ def lone_conv_reads(trace: Trace, path: str, size: int) -> list[tuple[object, in
     return reads
 
 
-def _lone_convs(ledger: Ledger, setting: Setting) -> None:
-    """A convolution no unit took, reading an activation (not the model's input): input channels split.
+def lone_convs(ledger: Ledger, setting: Setting) -> None:
+    """Splits a convolution no unit took, reading an activation (not the input), on its input channels.
 
     Each device convolves its slice of the (whole) input's channels with its
     slice of the kernel, and the partial outputs are all-reduced; backward,
     the input gradient comes out split over the channels and is gathered.
     """
     trace = setting.trace
+    if trace is None:
+        return
     for variable in setting.model.trainable_weights:
         if ledger.decided(variable.path) or len(variable.shape) < 3:
             continue
