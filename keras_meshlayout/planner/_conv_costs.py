@@ -15,7 +15,10 @@ compiled HLO):
   all-gathered backward;
 - batch normalisation in training: its batch statistics, per channel, summed
   over the batch axis, twice forward and twice backward, at the size each
-  device holds (1/model of the channels in a unit).
+  device holds (1/model of the channels in a unit), costed with the unit
+  whose channels it normalises (whole when the search leaves that unit
+  replicated). Under the 2-D layout XLA was seen to reduce some of them
+  whole and some split; the 2-D layout's bytes are not checked yet.
 
 Partial sums travel in float32, as for projections (`Bytes._summed`).
 """
@@ -150,17 +153,31 @@ class ConvCosts(Bytes):
             stack.extend(node.inputs)
         return leaves, rsqrt and bool(leaves)
 
+    def batch_norms(self) -> list[keras.layers.BatchNormalization]:
+        """The model's trainable batch norms (their statistics are summed over the batch axis in training)."""
+        return [
+            layer
+            for layer in _compat.sublayers(self.model)
+            if isinstance(layer, keras.layers.BatchNormalization)
+            and layer.trainable
+            and getattr(layer, "moving_mean", None) is not None
+        ]
+
+    def batch_norm_stats(self, layer: keras.layers.BatchNormalization, shards: int) -> float:
+        """Bytes each device sends over the batch axis for one batch norm's statistics, in `shards`."""
+        channels = math.prod(layer.moving_mean.shape) / shards * 4
+        return 4 * wire_bytes("all-reduce", channels, self.d)
+
     def batch_norm_traffic(self) -> float:
-        """Bytes each device sends over the batch axis for the batch statistics of every batch norm."""
-        total = 0.0
-        for layer in _compat.sublayers(self.model):
-            if not isinstance(layer, keras.layers.BatchNormalization) or not layer.trainable:
-                continue
-            mean = getattr(layer, "moving_mean", None)
-            if mean is None:
-                continue
-            axes = self.tp_axes.get(mean.path, ())
-            shards = self.m if self.model_axis in axes else 1
-            channels = math.prod(mean.shape) / shards * 4
-            total += 4 * wire_bytes("all-reduce", channels, self.d)
-        return total
+        """The statistics of every batch norm outside the units (those inside cost with their unit)."""
+        units = self.proposal.units
+        return sum(
+            self.batch_norm_stats(layer, 1)
+            for layer in self.batch_norms()
+            if layer.moving_mean.path not in units
+        )
+
+    def unit_batch_norms(self, variables: list[keras.Variable]) -> list[keras.layers.BatchNormalization]:
+        """The batch norms whose moving statistics are among a unit's `variables`."""
+        paths = {v.path for v in variables}
+        return [layer for layer in self.batch_norms() if layer.moving_mean.path in paths]
