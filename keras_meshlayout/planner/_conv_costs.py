@@ -31,7 +31,7 @@ import keras
 
 from .. import _compat
 from ..report._collectives import wire_bytes
-from ._candidates import Bytes, add_wire, nbytes
+from ._candidates import Bytes, Candidate, add_wire, candidate, nbytes, plus_wire
 from ._convs import CONV, conv_kernel
 from ._units import ELEMENTWISE
 
@@ -177,7 +177,15 @@ class ConvCosts(Bytes):
             if layer.moving_mean.path not in units
         )
 
-    def unit_batch_norms(self, variables: list[keras.Variable]) -> list[keras.layers.BatchNormalization]:
-        """The batch norms whose moving statistics are among a unit's `variables`."""
+    def unit_batch_norm_traffic(
+        self, variables: list[keras.Variable], replicated: Candidate, split: dict[str, float]
+    ) -> Candidate:
+        """A unit's batch norms: their statistics whole on `replicated` (returned anew), split on `split`."""
         paths = {v.path for v in variables}
-        return [layer for layer in self.batch_norms() if layer.moving_mean.path in paths]
+        norms = [layer for layer in self.batch_norms() if layer.moving_mean.path in paths]
+        if not norms:
+            return replicated
+        add_wire(split, self.batch_axis, sum(self.batch_norm_stats(layer, self.m) for layer in norms))
+        whole = sum(self.batch_norm_stats(layer, 1) for layer in norms)
+        wire = plus_wire(replicated.wire, self.batch_axis, whole)
+        return candidate("replicated", replicated.axes, replicated.state, wire)

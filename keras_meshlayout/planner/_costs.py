@@ -177,16 +177,7 @@ class _Coster(ConvCosts, OneWeightCosts):
         for kv in self._grouped_kv(name, layers):
             add_wire(tp_wire, self.model_axis, kv)
         self._traced_kv(name, tp_wire)
-        norms = self.unit_batch_norms(variables)
-        if norms:  # a conv unit's batch norms: their statistics whole when replicated, split with it
-            whole = sum(self.batch_norm_stats(layer, 1) for layer in norms)
-            replicated = candidate(
-                "replicated",
-                replicated.axes,
-                replicated.state,
-                plus_wire(replicated.wire, self.batch_axis, whole),
-            )
-            add_wire(tp_wire, self.batch_axis, sum(self.batch_norm_stats(layer, self.m) for layer in norms))
+        replicated = self.unit_batch_norm_traffic(variables, replicated, tp_wire)
         layout = "expert-parallel" if name in self.proposal.expert_units else "tensor-parallel"
         options = [replicated, candidate(layout, tp_axes, tp_state, tp_wire)]
         if self.d > 1 and two_d_axes != tp_axes:
