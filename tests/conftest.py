@@ -65,6 +65,11 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_adapters.py": ("*",),  # a LoRA and an int8 keras-hub Llama planned and compiled (one each)
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
     "test_cli_light.py": ("test_the_package_itself_imports_neither_until_a_name_is_used",),  # imports Keras
+    "test_convs.py": (  # convnets compiled, trained against one device, or keras.applications built
+        "test_predicted_bytes_match_the_compiled_step",
+        "test_a_depthwise_convnet_trains_sharded_like_one_device",
+        "test_convnets_near_the_tensor_parallel_ideal_and_the_fully_sharded_floor",
+    ),
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_targets.py": (
         "test_the_step_compiles_for_tpu_v5e_and_its_traffic_is_predicted",

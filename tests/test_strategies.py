@@ -207,6 +207,8 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_by_name.attention_blocks",
         "_experts.expert_banks",
         "_by_trace.traced_units",
+        "_convs.conv_units",
+        "_convs.lone_convs",
         "_by_trace.final_layers",
         "_by_layers.projection_pairs",
         "_embeddings.vocab_parallel_tables",

@@ -181,9 +181,13 @@ class LayoutMismatchWarning(MeshLayoutWarning):
 class GroupedConvWarning(MeshLayoutWarning):
     """The model has grouped convolutions and the mesh splits more than the batch.
 
-    Issued by `dist.plan(model)` for Keras `DepthwiseConv1D`/`DepthwiseConv2D`,
-    `SeparableConv1D`/`SeparableConv2D` and `Conv1D`/`Conv2D`/`Conv3D` with
-    `groups > 1` when a mesh axis other than the batch axis is larger than 1.
+    Issued by `dist.plan(model)`, and by `model.fit` when it starts, for Keras
+    `DepthwiseConv1D`/`DepthwiseConv2D`, `SeparableConv1D`/`SeparableConv2D` and
+    `Conv1D`/`Conv2D`/`Conv3D` with `groups > 1` when a mesh axis other than the
+    batch axis is larger than 1, except those `kml.auto_rules` split over their
+    channels together with their input (a convolution unit of the planner).
+    A rule of your own that splits such a kernel still gets the warning: a
+    kernel split with its input whole gets the same wrong gradient (measured).
 
     The kernel gradient of a grouped convolution (`feature_group_count > 1`) is
     itself a convolution with `batch_group_count > 1`, and XLA's SPMD

@@ -47,8 +47,9 @@ class Plan(Displayed):
             give (built outside the distribution, set after the build), one
             message each kind; also in `warnings` and under the table.
         grouped_convs: `(layer path, class name)` of each grouped convolution
-            (Keras depthwise, separable, or `groups > 1` convolution) of the
-            model; see `grouped_conv_warning`.
+            XLA would train wrongly on this mesh (every one, unless the
+            planner split its channels with its input); see
+            `grouped_conv_warning`.
 
     `str(plan)` (or `print(plan)`) renders a table; `plan.to_dict()` gives the
     same content as JSON-serialisable data; `plan[path]` looks up one variable.

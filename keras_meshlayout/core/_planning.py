@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from ._rules import LayoutRules
 
-__all__ = ["Distributes", "plan_model"]
+__all__ = ["Distributes", "grouped_convs_at_risk", "plan_model"]
 
 
 class Distributes(Protocol):
@@ -93,7 +93,7 @@ def plan_model(
         on_indivisible=distribution.on_indivisible,
         replicate_below=distribution.replicate_below,
         processes=_processes(distribution.device_mesh),
-        grouped_convs=_grouped_convs(model),
+        grouped_convs=grouped_convs_at_risk(distribution, model),
         mismatches=_mismatch_messages(distribution, mismatched, off_devices),
         intended=_intended(entries),
     )
@@ -144,20 +144,63 @@ def _mismatch_messages(
     return tuple(messages)
 
 
-def _grouped_convs(model: keras.Model) -> tuple[tuple[str, str], ...]:
-    """`(path, class name)` of each Keras layer that runs a grouped convolution."""
+def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tuple[tuple[str, str], ...]:
+    """`(path, class name)` of each Keras layer running a grouped convolution that XLA would train wrongly.
+
+    That is every such layer (see `kml.GroupedConvWarning`) when a mesh axis
+    other than the batch axis is larger than 1, except the ones the planner
+    (`kml.auto_rules`, a suggested rule) split over their channels with their
+    input, as part of a convolution unit: there each device convolves its own
+    channels and XLA computes the kernel gradient right. A rule of the
+    user's own that splits such a kernel is not trusted: a kernel split
+    alone, with its input whole, still gets the wrong gradient (measured).
+    """
+    others = {
+        axis
+        for axis, size in distribution.axis_sizes.items()
+        if axis != distribution.batch_dim_name and size > 1
+    }
+    found = []
+    for path, cls, kernel, dim in _grouped_convs(model):
+        if others and kernel is not None:
+            entry = distribution.resolve(kernel.path, tuple(kernel.shape), kernel.dtype, warn=False)
+            named = set(_axis_names(entry.axes[dim])) if len(entry.axes) > dim else set()
+            if entry.rule is not None and entry.rule.suggested and others <= named:
+                continue
+        found.append((path, cls))
+    return tuple(found)
+
+
+def _axis_names(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _grouped_convs(model: keras.Model) -> list[tuple[str, str, Any, int]]:
+    """`(path, class name, grouped kernel, its channel dimension)` of each Keras layer running one."""
     import keras
 
     layers = keras.layers
-    grouped = (layers.DepthwiseConv1D, layers.DepthwiseConv2D, layers.SeparableConv1D, layers.SeparableConv2D)
+    depthwise = (layers.DepthwiseConv1D, layers.DepthwiseConv2D)
+    separable = (layers.SeparableConv1D, layers.SeparableConv2D)
     plain = (layers.Conv1D, layers.Conv2D, layers.Conv3D)
-    found = []
+    found: list[tuple[str, str, Any, int]] = []
     for layer in _compat.sublayers(model):
-        if isinstance(layer, grouped) or (isinstance(layer, plain) and getattr(layer, "groups", 1) > 1):
-            path = getattr(layer, "path", None) or f"{model.name}/{layer.name}"
-            if all(path != seen for seen, _ in found):
-                found.append((path, type(layer).__name__))
-    return tuple(found)
+        if isinstance(layer, depthwise):
+            kernel, dim = getattr(layer, "kernel", None), -2
+        elif isinstance(layer, separable):
+            kernel, dim = getattr(layer, "depthwise_kernel", None), -2
+        elif isinstance(layer, plain) and getattr(layer, "groups", 1) > 1:
+            kernel, dim = getattr(layer, "kernel", None), -1
+        else:
+            continue
+        path = getattr(layer, "path", None) or f"{model.name}/{layer.name}"
+        if all(path != seen for seen, *_ in found):
+            found.append(
+                (path, type(layer).__name__, kernel, dim % len(kernel.shape) if kernel is not None else 0)
+            )
+    return found
 
 
 def _processes(mesh: keras.distribution.DeviceMesh) -> tuple[str, ...]:

@@ -49,15 +49,26 @@ optimizer state). Private Keras details used here live in `_compat`.
 from __future__ import annotations
 
 import contextvars
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import keras
 
 from .. import _compat as internals
+from ._errors import GroupedConvWarning
 from ._held import check_on_mesh
+from ._plan import grouped_conv_message
+from ._planning import grouped_convs_at_risk
 
-__all__ = ["batch_decision", "batch_layout", "install", "replicated_layout", "replicates_batch"]
+__all__ = [
+    "batch_decision",
+    "batch_layout",
+    "install",
+    "replicated_layout",
+    "replicates_batch",
+    "warn_grouped_convs",
+]
 
 #: `True` inside predict/evaluate (and their *_on_batch forms), `False` inside fit.
 _INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("kml_inference", default=False)
@@ -160,6 +171,8 @@ def _guard(method: Callable[..., Any], inference: bool, is_ours: Callable[[Any],
         if not is_ours(distribution):
             return method(model, *args, **kwargs)
         check_on_mesh(model, distribution)  # built before the distribution was set: say so, before compute
+        if getattr(method, "__name__", "") == "fit":
+            warn_grouped_convs(model, distribution)
         token = _INFERENCE.set(inference)
         purged = {}
         purged_token = _PURGED.set(purged)
@@ -176,6 +189,20 @@ def _guard(method: Callable[..., Any], inference: bool, is_ours: Callable[[Any],
             _INFERENCE.reset(token)
 
     return guarded
+
+
+def warn_grouped_convs(model: Any, distribution: Any) -> None:
+    """Warns (`GroupedConvWarning`) when `fit` starts on grouped convolutions XLA would train wrongly.
+
+    The same check as `dist.plan(model)`'s (`grouped_convs_at_risk`): a rule of
+    the user's own gets the warning where the model trains, not only where it is planned.
+    """
+    layers = grouped_convs_at_risk(distribution, model)
+    batch_axis = distribution.batch_dim_name
+    others = {a: s for a, s in distribution.axis_sizes.items() if a != batch_axis and s > 1}
+    if layers and others:
+        message = grouped_conv_message(layers, distribution.axis_sizes, batch_axis, others)
+        warnings.warn(f"fit: {message}", GroupedConvWarning, stacklevel=4)
 
 
 def _record_before_purge(model: Any) -> None:

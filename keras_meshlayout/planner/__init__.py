@@ -8,12 +8,13 @@
    strategies, in the order `_auto.STRATEGIES` lists them, over one ledger
    (`_ledger.Ledger`: one decision per variable, `record(path, axes, note,
    unit)`): Keras layers (`_by_layers`), names (`_by_name`, with
-   `_presets`), the traced units (`_by_trace`), look-up tables (`_embeddings`),
-   expert banks (`_experts`), LoRA adapters (`_lora`),
-   int8 scales (`_quantized`); every note text is in
+   `_presets`), the traced units (`_by_trace`), look-up tables
+   (`_embeddings`), expert banks (`_experts`), convolutions' channels
+   (`_convs`), LoRA adapters (`_lora`), int8 scales (`_quantized`); every note text is in
    `_notes`. The ledger's decisions, frozen, are the `Proposal`: per variable
    its tensor-parallel axes, note and unit.
-3. `cost_units` (`_costs`, over `_candidates` and `_one_weight`): per unit,
+3. `cost_units` (`_costs`, over `_candidates`, `_one_weight` and
+   `_conv_costs`): per unit,
    its candidate layouts (replicated, tensor-parallel, 2-D, vocab-parallel,
    ...), each a `Candidate` with its bytes per device (the one memory model,
    `core._memory.SlotModel`) and its bytes on the wire per step (the ring

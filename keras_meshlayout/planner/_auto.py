@@ -38,7 +38,7 @@ from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
 from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
-from . import _by_layers, _by_name, _by_trace, _embeddings, _experts, _lora, _peak, _quantized
+from . import _by_layers, _by_name, _by_trace, _convs, _embeddings, _experts, _lora, _peak, _quantized
 from ._costs import CostTable, cost_units
 from ._layers import auto_named
 from ._ledger import Ledger, Setting
@@ -56,6 +56,8 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_name.attention_blocks,  # attention blocks in custom layers, by their projections' names
     _experts.expert_banks,  # mixture-of-experts weights split on their expert dimension
     _by_trace.traced_units,  # column → row pairs and attention heads in the dataflow
+    _convs.conv_units,  # convolutions' output → input channels, through batch norms and depthwise convs
+    _convs.lone_convs,  # a convolution no unit took, split on its input channels
     _by_trace.final_layers,  # a language model's head, split when it is the largest kernel
     _by_layers.projection_pairs,  # pairs along the layer graph when nothing was traced
     _embeddings.vocab_parallel_tables,  # large look-up tables split over their vocabulary

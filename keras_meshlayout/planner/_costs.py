@@ -58,6 +58,7 @@ from ._candidates import (
     plus_wire,
     second_axis,
 )
+from ._conv_costs import ConvCosts
 from ._layers import heads_dim
 from ._layers import owners as layer_owners
 from ._ledger import Proposal
@@ -85,7 +86,7 @@ def cost_units(
     return CostTable(tuple(coster.units()), coster.activation_reserve())
 
 
-class _Coster(OneWeightCosts):
+class _Coster(ConvCosts, OneWeightCosts):
     """Builds the `CostTable` of one `Proposal` (private: only `cost_units` uses it)."""
 
     # -- units -----------------------------------------------------------------------
@@ -139,6 +140,7 @@ class _Coster(OneWeightCosts):
                 add_wire(fixed_wire, self.batch_axis, max(lookups, 1) * self._grad_sync(variable, 1))
         # The loss is averaged over the batch axis: one scalar all-reduce.
         add_wire(fixed_wire, self.batch_axis, wire_bytes("all-reduce", 4, self.d))
+        add_wire(fixed_wire, self.batch_axis, self.batch_norm_traffic())
         units.append(UnitCosts("(everything else)", (candidate("replicated", {}, fixed_state, fixed_wire),)))
         return units
 
@@ -181,12 +183,16 @@ class _Coster(OneWeightCosts):
         self._lora_traffic(variables, tp_wire)
         if name in self.proposal.expert_units:
             self._expert_traffic(variables, tp_wire)
+        elif name in self.proposal.conv_units or name in self.proposal.lone_convs:
+            self._conv_traffic(variables, tp_wire, lone=name in self.proposal.lone_convs)
+            self._activation_traffic(kernels, False, tp_wire)  # a projection ending the unit (a head)
         else:
             self._activation_traffic(kernels, name in self.proposal.final_units, tp_wire)
         layers = {id(owners[id(k)]): owners[id(k)] for k in kernels if id(k) in owners}
         for kv in self._grouped_kv(name, layers):
             add_wire(tp_wire, self.model_axis, kv)
         self._traced_kv(name, tp_wire)
+        replicated = self.unit_batch_norm_traffic(variables, replicated, tp_wire)
         layout = "expert-parallel" if name in self.proposal.expert_units else "tensor-parallel"
         options = [replicated, candidate(layout, tp_axes, tp_state, tp_wire)]
         if self.d > 1 and two_d_axes != tp_axes:

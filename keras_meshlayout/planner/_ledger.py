@@ -46,6 +46,8 @@ class Proposal:
         whole_kv: Key/value weights kept whole beside a traced attention
             unit's split query heads: weight path → unit.
         expert_units: Units that are expert banks split on their expert dimension.
+        conv_units: Units of convolutions split over their channels (`_convs`).
+        lone_convs: Units of one convolution kernel split on its input channels alone (`_convs`).
     """
 
     model_axis: str
@@ -58,6 +60,8 @@ class Proposal:
     whole_outputs: frozenset[str] = frozenset()
     whole_kv: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     expert_units: frozenset[str] = frozenset()
+    conv_units: frozenset[str] = frozenset()
+    lone_convs: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +139,8 @@ class Ledger:
         self.whole_outputs: set[str] = set()
         self.whole_kv: dict[str, str] = {}
         self.expert_units: set[str] = set()
+        self.conv_units: set[str] = set()
+        self.lone_convs: set[str] = set()
 
     # -- writing --------------------------------------------------------------------------
 
@@ -235,6 +241,8 @@ class Ledger:
             whole_outputs=frozenset(self.whole_outputs),
             whole_kv=MappingProxyType(dict(self.whole_kv)),
             expert_units=frozenset(self.expert_units),
+            conv_units=frozenset(self.conv_units),
+            lone_convs=frozenset(self.lone_convs),
         )
 
     def pattern(self, path: str) -> str:

@@ -200,6 +200,38 @@ def experts_indivisible(bank: str, count: int, axis: str, size: int) -> str:
     return f"experts {bank}: {count} experts do not divide by {axis!r} ({size}), replicated"
 
 
+# -- convolutions ------------------------------------------------------------------------
+
+
+def conv(role: str, unit: str, axis: str) -> str:
+    """A weight of a convolution unit (`_convs`), split over the channels."""
+    if role == "column":
+        return f"conv output channels split over {axis!r}: {unit}"
+    if role == "row":
+        return f"conv input channels split over {axis!r}: {unit}; its output all-reduced forward"
+    if role == "grouped":
+        return (
+            f"grouped conv, channels split over {axis!r} with its input: {unit}; each device convolves "
+            "its own channels, so XLA computes its kernel gradient right"
+        )
+    return f"channels split over {axis!r} with the convolution before: {unit}"
+
+
+def conv_lone(kernel: str, axis: str) -> str:
+    return (
+        f"conv input channels split over {axis!r}, no unit: {kernel} convolves each device's slice of its "
+        "input; its output all-reduced forward, its input gradient gathered backward"
+    )
+
+
+def conv_after(unit: str) -> str:
+    return f"conv unit {unit}: added after the all-reduce, replicated"
+
+
+def conv_indivisible(unit: str, width: int, axis: str, size: int) -> str:
+    return f"conv unit {unit}: {width} channels do not divide by {axis!r} ({size}), replicated"
+
+
 def unused(axes: tuple) -> str:
     """A trainable weight the traced step never reads."""
     over = " and ".join(repr(a) for a in axes if a is not None)

@@ -1,0 +1,191 @@
+"""Costs of convolutions split over their channels: the collectives `_convs`' layouts cause.
+
+Measured on XLA:CPU (jax 0.10.2) on keras.applications and keras-hub
+convnets on data=2 × model=4 (`tests/test_convs.py` holds them against the
+compiled HLO):
+
+- a unit (`_convs.conv_units`): forward, the output of each convolution that
+  sums over the split channels (the row end) is all-reduced over the model
+  axis; backward, the input gradient of each convolution whose output
+  channels are split (a column) is all-reduced over it, unless it reads the
+  model's input; a grouped or depthwise convolution inside the unit sends
+  nothing;
+- a lone convolution split on its input channels: its output all-reduced
+  over the model axis forward, its input gradient (split over the channels)
+  all-gathered backward;
+- batch normalisation in training: its batch statistics, per channel, summed
+  over the batch axis, twice forward and twice backward, at the size each
+  device holds (1/model of the channels in a unit), costed with the unit
+  whose channels it normalises (whole when the search leaves that unit
+  replicated). Under the 2-D layout XLA was seen to reduce some of them
+  whole and some split; the 2-D layout's bytes are not checked yet.
+
+Partial sums travel in float32, as for projections (`Bytes._summed`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+
+from .. import _compat
+from ..report._collectives import wire_bytes
+from ._candidates import Bytes, Candidate, add_wire, candidate, nbytes, plus_wire
+from ._convs import CONV, conv_kernel
+from ._units import ELEMENTWISE
+
+__all__ = ["ConvCosts"]
+
+
+class ConvCosts(Bytes):
+    """The traffic of convolution units, over the byte counts of `Bytes`."""
+
+    def conv_reads(self, path: str) -> list[tuple[object, int]]:
+        """`(node, kernel dimension of the output channels)` of each convolution reading kernel `path`."""
+        reads = []
+        for node in self.trace.nodes:
+            if node.primitive != CONV:
+                continue
+            found = conv_kernel(
+                self.trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[0], self.m
+            )
+            if found is not None and found[0] == path:
+                reads.append((node, found[1]))
+        return reads
+
+    def _conv_traffic(self, variables: list[keras.Variable], wire: dict[str, float], lone: bool) -> None:
+        """The model-axis collectives of a conv unit's activations (or a lone conv's), added to `wire`."""
+        for variable in variables:
+            axes = self.tp_axes.get(variable.path, ())
+            if self.model_axis not in axes:
+                continue
+            split = axes.index(self.model_axis)
+            for node, out_dim in self.conv_reads(variable.path):
+                if node.params["feature_group_count"] != 1:
+                    continue  # each device convolves its own channels
+                lhs, out = node.inputs[0], node.outputs[0]
+                dtype = self.trace.dtypes[out]
+                if split != out_dim:  # the row end: partial sums over the split input channels
+                    add_wire(
+                        wire,
+                        self.model_axis,
+                        wire_bytes("all-reduce", self._summed(self.trace.shapes[out], dtype), self.m),
+                    )
+                    if lone and not self.trace.from_input(lhs):
+                        gathered = self._activation(self.trace.shapes[lhs], dtype)
+                        add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
+                    if lone:
+                        self._lone_bias(out, wire)
+                elif not self.trace.from_input(lhs):
+                    summed = self._summed(self.trace.shapes[lhs], dtype)
+                    add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
+
+    def _lone_bias(self, output: int, wire: dict[str, float]) -> None:
+        """Weights applied channel-wise after a lone convolution's all-reduce (a bias, a batch norm).
+
+        Measured on XLA:CPU (keras-hub ResNet, MobileNetV3Small's `conv_2`):
+        XLA computes them split over the model axis and all-gathers each
+        (with its optimizer slots) after the update; when a batch norm
+        follows, the convolution's output gradient is all-gathered over the
+        model axis too, before its input gradient is.
+        """
+        variables = {v.path: v for v in self.model.weights}
+        trainable = {v.path for v in self.model.trainable_weights}
+        found, normalised = self._channelwise_after(output)
+        for path in found:
+            variable = variables.get(path)
+            if variable is None or any(self.tp_axes.get(path, ())):
+                continue
+            copies = 1 + self.memory.like_parameter if path in trainable else 1
+            add_wire(wire, self.model_axis, copies * wire_bytes("all-gather", nbytes(variable), self.m))
+        if normalised:
+            shape, dtype = self.trace.shapes[output], self.trace.dtypes[output]
+            add_wire(wire, self.model_axis, wire_bytes("all-gather", self._activation(shape, dtype), self.m))
+
+    def _channelwise_after(self, output: int) -> tuple[list[str], bool]:
+        """The variables combined element-wise with `output` downstream, and whether one is a normaliser.
+
+        A normaliser is a variable reached through `rsqrt` (a batch norm's moving variance).
+        """
+        found: list[str] = []
+        normalised = False
+        stack, seen = [output], set()
+        while stack:
+            value = stack.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            for index in self.trace.consumers.get(value, ()):
+                node = self.trace.nodes[index]
+                if node.primitive not in ELEMENTWISE:
+                    continue
+                for operand in node.inputs:
+                    if operand == value or operand < 0:
+                        continue
+                    leaves, through_rsqrt = self._weights_of(operand)
+                    found.extend(p for p in leaves if p not in found)
+                    normalised = normalised or through_rsqrt
+                stack.extend(node.outputs)
+        return found, normalised
+
+    def _weights_of(self, value: int, limit: int = 16) -> tuple[list[str], bool]:
+        """Variables `value` is computed from without any activation, and whether through `rsqrt`."""
+        leaves: list[str] = []
+        rsqrt = False
+        stack, seen = [value], set()
+        while stack and len(seen) < limit:
+            current = stack.pop()
+            if current < 0 or current in seen:
+                continue
+            seen.add(current)
+            if current in self.trace.variables:
+                leaves.append(self.trace.variables[current])
+                continue
+            index = self.trace.producer.get(current)
+            if index is None:
+                return [], False  # a model input: an activation, not a weight
+            node = self.trace.nodes[index]
+            if node.primitive == "rsqrt":
+                rsqrt = True
+            elif node.primitive not in ELEMENTWISE and node.primitive not in ("broadcast_in_dim", "reshape"):
+                return [], False
+            stack.extend(node.inputs)
+        return leaves, rsqrt and bool(leaves)
+
+    def batch_norms(self) -> list[keras.layers.BatchNormalization]:
+        """The model's trainable batch norms (their statistics are summed over the batch axis in training)."""
+        return [
+            layer
+            for layer in _compat.sublayers(self.model)
+            if isinstance(layer, keras.layers.BatchNormalization)
+            and layer.trainable
+            and getattr(layer, "moving_mean", None) is not None
+        ]
+
+    def batch_norm_stats(self, layer: keras.layers.BatchNormalization, shards: int) -> float:
+        """Bytes each device sends over the batch axis for one batch norm's statistics, in `shards`."""
+        channels = math.prod(layer.moving_mean.shape) / shards * 4
+        return 4 * wire_bytes("all-reduce", channels, self.d)
+
+    def batch_norm_traffic(self) -> float:
+        """The statistics of every batch norm outside the units (those inside cost with their unit)."""
+        units = self.proposal.units
+        return sum(
+            self.batch_norm_stats(layer, 1)
+            for layer in self.batch_norms()
+            if layer.moving_mean.path not in units
+        )
+
+    def unit_batch_norm_traffic(
+        self, variables: list[keras.Variable], replicated: Candidate, split: dict[str, float]
+    ) -> Candidate:
+        """A unit's batch norms: their statistics whole on `replicated` (returned anew), split on `split`."""
+        paths = {v.path for v in variables}
+        norms = [layer for layer in self.batch_norms() if layer.moving_mean.path in paths]
+        if not norms:
+            return replicated
+        add_wire(split, self.batch_axis, sum(self.batch_norm_stats(layer, self.m) for layer in norms))
+        whole = sum(self.batch_norm_stats(layer, 1) for layer in norms)
+        wire = plus_wire(replicated.wire, self.batch_axis, whole)
+        return candidate("replicated", replicated.axes, replicated.state, wire)

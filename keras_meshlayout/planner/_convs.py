@@ -1,0 +1,238 @@
+"""Strategy: convolutions split over their channels, output → input, the conv analogue of column → row.
+
+A convolution (`conv_general_dilated` reading a kernel, one feature group)
+whose output channels are split over the model axis starts a unit. The split
+is followed forward as `find_units` follows a projection's (element-wise
+operations, batch normalisation's scale and shift, activations, pooling over
+the spatial dimensions, the squeeze-and-excitation product) until every path
+ends in a convolution, or a projection, that sums over the channels: the
+row end, whose output is all-reduced. On the way:
+
+- a grouped or depthwise convolution (`feature_group_count` > 1, as many
+  groups as divide by the model axis) keeps the split: each device convolves
+  its own channels, its kernel split with them. This is also the one layout in
+  which XLA computes its kernel gradient right on a mesh that splits more than
+  the batch (`kml.GroupedConvWarning`): its input is split over the channels;
+- batch normalisation's scale, offset and moving statistics are split with
+  the channels they normalise;
+- a squeeze-and-excitation gate (pooling, a small convolution summing over the
+  split channels, a second one expanding back) is a row end and a second
+  column of the same unit.
+
+A convolution no unit takes (between two units, as ResNet's 3 × 3 ones can
+be) is split on its input channels alone by `lone_convs`, the next strategy.
+
+Output channels that do not divide and a unit with a kernel smaller than
+`replicate_below` (which `kml.ModelParallel` keeps whole) are replicated with
+the reason; anything that would need the whole channel dimension leaves the
+convolutions to the later strategies. A grouped convolution left whole on a
+mesh that splits more than the batch is what `kml.GroupedConvWarning` warns
+about, at plan time and when `fit` starts.
+"""
+
+from __future__ import annotations
+
+import math
+
+from . import _notes
+from ._ledger import Ledger, Setting
+from ._trace import Trace
+from ._units import Member, Unit, _dynamic, _Fail, _Grower, _name, _reshape_dim, _uses_inside, find_added
+
+__all__ = ["CONV", "conv_kernel", "conv_units", "find_conv_units", "lone_convs"]
+
+CONV = "conv_general_dilated"
+
+
+def conv_kernel(trace: Trace, value: int, dim: int, size: int) -> tuple[str, int, tuple[int, ...]] | None:
+    """`(path, dimension, nodes passed)` of the kernel variable `value` reads, `dim` of `value` mapped back.
+
+    A kernel reaches a convolution cast, transposed or reshaped (a depthwise
+    kernel `(h, w, channels, multiplier)` becomes `(h, w, 1, channels·multiplier)`);
+    `None` when `value` is no variable's, or a reshape would cut `dim`'s blocks over `size`.
+    """
+    passed: list[int] = []
+    while value not in trace.variables:
+        index = trace.producer.get(value)
+        if index is None:
+            return None
+        node = trace.nodes[index]
+        if node.primitive == "transpose":
+            dim = tuple(node.params["permutation"])[dim]
+        elif node.primitive == "reshape":
+            inner = _reshape_dim(trace.shapes[value], trace.shapes[node.inputs[0]], dim, size)
+            if inner is None:
+                return None
+            dim = inner
+        elif node.primitive not in ("convert_element_type", "copy", "copy_p", "reduce_precision"):
+            return None
+        passed.append(index)
+        value = node.inputs[0]
+    return trace.variables[value], dim, tuple(passed)
+
+
+class _ConvGrower(_Grower):
+    """`find_units`' grower, which also carries a channel split through convolutions."""
+
+    def kernel(self, node, dim: int) -> tuple[str, int]:
+        found = conv_kernel(self.trace, node.inputs[1], dim, self.m)
+        if found is None or self.trace.weight_of(node.inputs[0]) is not None:
+            raise _Fail("not a convolution of an activation by a kernel")
+        path, kernel_dim, passed = found
+        self.state.visited.update(passed)
+        self.state.visited.add(node.index)
+        return path, kernel_dim
+
+    def seed_conv(self, node) -> None:
+        """Starts a unit at a convolution of one feature group: its output channels split."""
+        params = node.params
+        if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+            raise _Fail("a grouped convolution does not start a unit")
+        numbers = params["dimension_numbers"]
+        path, dim = self.kernel(node, numbers.rhs_spec[0])
+        self.member(path, dim, "column")
+        self.set_split(node.outputs[0], numbers.out_spec[1])
+        self.run()
+
+    def forward(self, node, value: int, dim: int) -> None:
+        if node.primitive != CONV:
+            return super().forward(node, value, dim)
+        params = node.params
+        numbers = params["dimension_numbers"]
+        if value != node.inputs[0] or dim != numbers.lhs_spec[1] or params["batch_group_count"] != 1:
+            raise _Fail("a convolution over the split dimension")
+        groups = params["feature_group_count"]
+        if groups == 1:
+            path, kernel_dim = self.kernel(node, numbers.rhs_spec[1])
+            self.member(path, kernel_dim, "row")
+            self.state.rows.append(node.outputs[0])
+            return  # the row end: its output is summed over the model axis, whole
+        if groups % self.m:
+            raise _Fail("groups that do not divide")
+        path, kernel_dim = self.kernel(node, numbers.rhs_spec[0])
+        self.member(path, kernel_dim, "grouped")
+        self.set_split(node.outputs[0], numbers.out_spec[1])
+
+    def require(self, value: int, dim: int) -> None:
+        index = self.trace.producer.get(value)
+        if (
+            index is None
+            or value in self.state.split
+            or value not in self.dynamic
+            or self.trace.nodes[index].primitive != CONV
+        ):
+            return super().require(value, dim)
+        node = self.trace.nodes[index]
+        params = node.params
+        numbers = params["dimension_numbers"]
+        if dim != numbers.out_spec[1] or params["batch_group_count"] != 1:
+            raise _Fail("a convolution's output split on another dimension")
+        groups = params["feature_group_count"]
+        path, kernel_dim = self.kernel(node, numbers.rhs_spec[0])
+        if groups == 1:
+            self.member(path, kernel_dim, "column")
+        elif groups % self.m == 0:
+            self.member(path, kernel_dim, "grouped")
+            self.require(node.inputs[0], numbers.lhs_spec[1])
+        else:
+            raise _Fail("groups that do not divide")
+        self.set_split(value, dim)
+
+
+def find_conv_units(trace: Trace, size: int, taken: frozenset[str] = frozenset()) -> tuple[Unit, ...]:
+    """The units of `trace` that start at a convolution, over a model axis of `size`, in trace order."""
+    if size <= 1:
+        return ()
+    dynamic = _dynamic(trace)
+    claimed = set(taken)
+    units: list[Unit] = []
+    for node in trace.nodes:
+        if node.primitive != CONV or node.params["feature_group_count"] != 1:
+            continue
+        grower = _ConvGrower(trace, size, claimed, dynamic)
+        try:
+            grower.seed_conv(node)
+        except _Fail:
+            continue
+        state = grower.state
+        if "row" not in {role for _, role in state.members.values()} or not _uses_inside(trace, state):
+            continue
+        members = tuple(Member(p, d, r) for p, (d, r) in state.members.items())
+        claimed.update(state.members)
+        after = tuple(p for p in find_added(trace, state.rows) if p not in state.members)
+        units.append(Unit(_name(members), "conv", members, (), after))
+    return tuple(units)
+
+
+def conv_units(ledger: Ledger, setting: Setting) -> None:
+    """Splits the channels of every convolution unit over the model axis."""
+    if setting.trace is None:
+        return
+    variables = setting.variables
+    decided = frozenset(p for p in variables if ledger.decided(p))
+    for unit in find_conv_units(setting.trace, setting.size, decided):
+        members = [(variables[m.path], m) for m in unit.members if m.path in variables]
+        if len(members) != len(unit.members):
+            continue
+        name = setting.display(unit.name)
+        indivisible = [(v, m) for v, m in members if v.shape[m.dim] % setting.size]
+        if indivisible:
+            variable, member = indivisible[0]
+            note = _notes.conv_indivisible(name, variable.shape[member.dim], setting.axis, setting.size)
+            for variable, _ in members:
+                ledger.record(variable.path, (None,) * len(variable.shape), note)
+            continue
+        small = [
+            (v, m) for v, m in members if m.role != "bias" and math.prod(v.shape) < setting.replicate_below
+        ]
+        if small:
+            # `kml.ModelParallel` keeps a suggested kernel this small whole: the unit would not be one.
+            label = setting.display(small[0][0].path)
+            note = _notes.too_small(label, math.prod(small[0][0].shape), setting.replicate_below)
+            for variable, _ in members:
+                ledger.record(variable.path, (None,) * len(variable.shape), note)
+            continue
+        for variable, member in members:
+            axes = tuple(setting.axis if i == member.dim else None for i in range(len(variable.shape)))
+            ledger.record(variable.path, axes, _notes.conv(member.role, name, setting.axis), unit=name)
+        for path in unit.after:
+            if path in variables and not ledger.decided(path):
+                ledger.record(path, (None,) * len(variables[path].shape), _notes.conv_after(name))
+        ledger.conv_units.add(name)
+
+
+def lone_conv_reads(trace: Trace, path: str, size: int) -> list[tuple[object, int]]:
+    """`(node, kernel input-channel dimension)` of each convolution of one group reading kernel `path`."""
+    reads = []
+    for node in trace.nodes:
+        if node.primitive != CONV or node.params["feature_group_count"] != 1:
+            continue
+        found = conv_kernel(trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[1], size)
+        if found is not None and found[0] == path:
+            reads.append((node, found[1]))
+    return reads
+
+
+def lone_convs(ledger: Ledger, setting: Setting) -> None:
+    """Splits a convolution no unit took, reading an activation (not the input), on its input channels.
+
+    Each device convolves its slice of the (whole) input's channels with its
+    slice of the kernel, and the partial outputs are all-reduced; backward,
+    the input gradient comes out split over the channels and is gathered.
+    """
+    trace = setting.trace
+    if trace is None:
+        return
+    for variable in setting.model.trainable_weights:
+        if ledger.decided(variable.path) or len(variable.shape) < 3:
+            continue
+        reads = lone_conv_reads(trace, variable.path, setting.size)
+        if len(reads) != 1 or trace.from_input(reads[0][0].inputs[0]):
+            continue
+        _, dim = reads[0]
+        if variable.shape[dim] % setting.size or math.prod(variable.shape) < setting.replicate_below:
+            continue
+        name = setting.display(variable.path)
+        axes = tuple(setting.axis if i == dim else None for i in range(len(variable.shape)))
+        ledger.record(variable.path, axes, _notes.conv_lone(name, setting.axis), unit=name)
+        ledger.lone_convs.add(name)
