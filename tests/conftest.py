@@ -60,6 +60,8 @@ SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_adapters.py": ("*",),  # a LoRA and an int8 keras-hub Llama planned and compiled (one each)
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
+    # a keras-hub Llama planned and compiled once (7 s), and trained sharded and on one device (4 s)
+    "test_grouped_kv.py": ("*",),
     "test_cli_light.py": ("test_the_package_itself_imports_neither_until_a_name_is_used",),  # imports Keras
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_embeddings.py": (  # the tied table's plan and compile (one, shared), and its fit against one device
