@@ -134,11 +134,12 @@ class OneWeightCosts(Bytes):
         over the batch axis it permutes the kernel (319,276 bytes, more state
         than head_dim): neither is offered. Split on head_dim and on hidden
         over the batch axis (266,028 bytes, state 343,208 on that model) is
-        not offered either: inside budget plans of other models XLA:CPU
-        gathered it over both axes at once, which no formula here predicts
-        yet. Nor is the split offered to the projections of Keras's own
-        `GroupQueryAttention`, where XLA:CPU sends 8% more than this formula
-        (measured on 2×4).
+        not offered either: it is predicted exactly there, but in the budget
+        plans of `tests/test_budget.py` (Llama and Gemma, 2×4) the compiled
+        step sent 2.0–2.6× the predicted bytes over both axes together, for a
+        reason not yet pinned. Nor is the split offered to the projections of
+        Keras's own `GroupQueryAttention`: in the smallest plan of a Keras
+        encoder (2×4) the compiled step sent 8% more than predicted.
         """
         heads = heads_dim(owner)
         if (
