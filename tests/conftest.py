@@ -64,6 +64,8 @@ SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_adapters.py": ("*",),  # a LoRA and an int8 keras-hub Llama planned and compiled (one each)
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
+    # a keras-hub Llama planned and compiled once (7 s), and trained sharded and on one device (4 s)
+    "test_grouped_kv.py": ("*",),
     "test_cli_light.py": ("test_the_package_itself_imports_neither_until_a_name_is_used",),  # imports Keras
     "test_convs.py": (  # convnets compiled, trained against one device, or keras.applications built
         "test_predicted_bytes_match_the_compiled_step",

@@ -34,7 +34,7 @@ class Candidate:
 
     Attributes:
         layout: `"replicated"`, `"tensor-parallel"`, `"expert-parallel"`, `"2-D"`, `"vocab-parallel"`,
-            `"fully sharded"` or `"split, unused"`.
+            `"fully sharded"`, `"head_dim split"` or `"split, unused"`.
         axes: Per variable path of the unit, its axes under this layout.
         state: Per-device bytes of its parameters, gradients and optimizer slots.
         wire: Bytes each device sends per step for it, by mesh axis.

@@ -23,7 +23,10 @@ per-device state and the bytes each device sends per training step:
   scale, a small head) split over the batch axis, or over the batch and model
   axes together (one dimension in `d × m` pieces) when it divides, and
   gathered when used;
-- `split, unused`: a trainable weight the step never reads, split over both axes.
+- `split, unused`: a trainable weight the step never reads, split over both axes;
+- `head_dim split`: a grouped-query key/value kernel whose heads do not
+  divide the model axis, split on its head_dim and gathered over the model
+  axis once per step.
 
 Bytes on the wire are counted with the ring formulas of the communication
 report (`report._collectives.wire_bytes`, what `kml.comm_report` reads off the
@@ -112,7 +115,11 @@ class _Coster(ConvCosts, OneWeightCosts):
             if self._kept_whole(variable):
                 pass  # the policy keeps it whole: one layout, below
             elif owner is not None:
-                embedding = self._embedding_unit(owner, variable) or self._tied_unit(owner, variable)
+                embedding = (
+                    self._embedding_unit(owner, variable)
+                    or self._tied_unit(owner, variable)
+                    or self._head_dim_unit(owner, variable)
+                )
             if embedding is not None:
                 units.append(embedding)
                 continue

@@ -33,6 +33,14 @@ def kv_heads_replicated(count: int, axis: str, size: int) -> str:
     )
 
 
+def kv_head_dim_split(count: int, head_dim: int, axis: str, size: int) -> str:
+    """Grouped-query key/value heads too few to divide the model axis: the kernel split on head_dim."""
+    return (
+        f"grouped-query attention: {count} key/value heads do not divide by {axis!r} ({size}), so the "
+        f"kernel's head_dim ({head_dim}) is split over it, gathered once per step; its output stays whole"
+    )
+
+
 def heads_indivisible(heads: int, axis: str, size: int) -> str:
     return f"attention replicated: {heads} heads do not divide by {axis!r} ({size})"
 

@@ -4,6 +4,8 @@
   `take`): vocab-parallel, or fully sharded over the batch axis or both;
 - a tied table (looked up, and read again as the language-model head):
   vocab-parallel;
+- a key/value kernel of grouped-query attention with too few heads to split
+  over the model axis: split on its head_dim, gathered where used;
 - a weight outside every unit (a norm's scale, a small head): fully
   sharded (ZeRO-3), gathered when used;
 - a trainable weight the step never reads: split over both axes, no traffic.
@@ -21,10 +23,12 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
+from .. import _compat
 from ..report._collectives import wire_bytes
 from . import _notes
+from ._by_layers import ATTENTION
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
-from ._layers import idle_axes, lookup_table, tied_table
+from ._layers import heads_dim, idle_axes, lookup_table, tied_table
 
 __all__ = ["OneWeightCosts"]
 
@@ -109,6 +113,79 @@ class OneWeightCosts(Bytes):
         candidates = [replicated, split]
         proposed = 1 if self.tp_axes.get(variable.path) == (self.model_axis, None) else 0
         return UnitCosts(getattr(owner, "path", variable.path), tuple(candidates), frozen(note), proposed)
+
+    def _head_dim_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
+        """A grouped-query key/value kernel whose heads do not divide the model axis: split on head_dim.
+
+        The kernel of an `EinsumDense` key or value projection (`(hidden,
+        kv_heads, head_dim)`) whose output the rules keep whole. Split over
+        the model axis on its head_dim, each device holds `1/model` of it;
+        measured on XLA:CPU (keras-hub Llama, 2 key/value heads on 2×4), the
+        kernel is all-gathered over the model axis once per step (the forward
+        gather serves the backward pass too) and its gradient is all-reduced
+        over the batch axis in model-axis shards. The activations move as
+        when it is replicated (`_grouped_kv`). With a batch axis of 2 that
+        sends as many bytes as replicated, at `1/model` of the state, so the
+        plan without a budget takes it whenever it sends no more.
+
+        Split on its hidden dimension instead, XLA splits the block's norm
+        and gathers the query projection's input (337,468 bytes per step
+        against 261,932 on the same model, at the same state), and split
+        over the batch axis it permutes the kernel (319,276 bytes, more state
+        than head_dim): neither is offered. Split on head_dim and on hidden
+        over the batch axis (266,028 bytes, state 343,208 on that model) is
+        not offered either: it is predicted exactly there, but in the budget
+        plans of `tests/test_budget.py` (Llama and Gemma, 2×4) the compiled
+        step sent 2.0–2.6× the predicted bytes over both axes together, for a
+        reason not yet pinned. Nor is the split offered to the projections of
+        Keras's own `GroupQueryAttention`: in the smallest plan of a Keras
+        encoder (2×4) the compiled step sent 8% more than predicted. Nor to
+        a projection with a bias (Qwen's): keras-hub QwenMoe on 2×4 sent more
+        over the model axis than this formula, not yet measured apart.
+        """
+        heads = heads_dim(owner)
+        if (
+            heads is None
+            or heads[1] != "in"
+            or getattr(owner, "path", None) not in self.proposal.whole_outputs
+            or getattr(getattr(owner, "kernel", None), "path", None) != variable.path
+            or len(variable.shape) != 3
+            or self.m <= 1
+            or getattr(owner, "bias", None) is not None
+            or id(owner) in self._keras_attention_projections()
+        ):
+            return None
+        uses = [use for use in self.uses.get(variable.path, ()) if use.kind == "matmul"]
+        if len(uses) != 1 or uses[0].batch:
+            return None
+        free = [i for i in range(3) if i not in uses[0].contracted and i != heads[0]]
+        if len(free) != 1 or variable.shape[free[0]] % self.m:
+            return None
+        (index,) = free
+        size = nbytes(variable)
+        wire: dict[str, float] = {}
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
+        add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
+        axes = tuple(self.model_axis if i == index else None for i in range(3))
+        split = candidate("head_dim split", {variable.path: axes}, self._state(variable, self.m, True), wire)
+        replicated = self._replicated([variable])
+        count, width = variable.shape[heads[0]], variable.shape[index]
+        note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m)}
+        proposed = 1 if split.total <= replicated.total * (1 + 1e-9) else 0
+        return UnitCosts(owner.path, (replicated, split), frozen(note), proposed=proposed)
+
+    def _keras_attention_projections(self) -> set[int]:
+        """The ids of the projections inside Keras's own attention layers (`MultiHeadAttention`, ...)."""
+        if self._keras_attention is None:
+            self._keras_attention = {
+                id(sub)
+                for layer in _compat.sublayers(self.model)
+                if isinstance(layer, ATTENTION)
+                for sub in _compat.sublayers(layer)
+            }
+        return self._keras_attention
+
+    _keras_attention: set[int] | None = None
 
     def _sharded_table(
         self, variable: keras.Variable, vocab_wire: Mapping[str, float], looked_up: float

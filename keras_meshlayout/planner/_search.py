@@ -30,7 +30,7 @@ class UnitChoice:
     Attributes:
         unit: The unit: a layer path, a projection pair or an attention block.
         layout: `"replicated"`, `"tensor-parallel"`, `"expert-parallel"`, `"2-D"`, `"vocab-parallel"`,
-            `"fully sharded"` or `"split, unused"`.
+            `"fully sharded"`, `"head_dim split"` or `"split, unused"`.
         state_bytes: Per-device bytes of its parameters, gradients and optimizer slots.
         wire_bytes: Bytes each device sends for it per training step.
         note: Why, against keeping the unit replicated.
