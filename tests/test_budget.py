@@ -109,8 +109,20 @@ CHOSEN_LAYOUTS = {
         "vocab-parallel": 1,
         "split, unused": 1,
     },
-    ("gemma", "2x4", 1.05): {"replicated": 7, "2-D": 2, "tensor-parallel": 2, "vocab-parallel": 1},
-    ("gemma", "4x2", 1.0): {"replicated": 6, "2-D": 2, "tensor-parallel": 2, "vocab-parallel": 1},
+    ("gemma", "2x4", 1.05): {
+        "replicated": 7,
+        "2-D": 2,
+        "tensor-parallel": 2,
+        "vocab-parallel": 1,
+        "head_dim split": 4,
+    },
+    ("gemma", "4x2", 1.0): {
+        "replicated": 6,
+        "2-D": 2,
+        "tensor-parallel": 2,
+        "vocab-parallel": 1,
+        "head_dim split": 4,
+    },
 }
 
 
