@@ -43,8 +43,8 @@ class MeshOption:
             mesh was not planned.
         compute_seconds: FLOPs per device over the target's peak FLOP/s (`None` without a target).
         comm_seconds: Each axis's bytes over the interconnect bandwidth, summed (`None` without a target).
-        excluded: Why the mesh cannot be used (the peak exceeds the budget, the batch does not
-            divide), or `None`.
+        excluded: Why the mesh cannot be used (its predicted peak exceeds the budget, the batch
+            does not divide), or `None`.
     """
 
     axis_sizes: dict[str, int]
@@ -175,8 +175,11 @@ def choose_mesh(
     FLOP/s, plus each axis's bytes over the target's ICI bandwidth, with no overlap. Compute is
     taken as evenly split on every mesh, so on one target the ranking follows the bytes sent;
     work a layer repeats on each model shard is not counted. Multi-slice targets are costed as
-    ICI too. Meshes whose predicted peak exceeds the budget (default: the target's HBM), or
-    whose data axis does not divide the batch, are listed as excluded.
+    ICI too. Each mesh is planned with the planner's tensor-parallel layouts (no budget: a
+    budget would let it replicate everything on a model axis, whose repeated compute this model
+    does not count); meshes whose predicted peak exceeds the budget (default: the target's HBM),
+    or whose data axis does not divide the batch, are listed as excluded, and the chosen mesh is
+    then planned within the budget.
 
     Args:
         build: A function returning the Keras model, built with its weights deferred (as
