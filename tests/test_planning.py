@@ -359,6 +359,7 @@ PLANNER_ORDER = [
     "_peak",
     "_search",
     "_auto",
+    "_flops",
     "_mesh_choice",
 ]
 

@@ -2,11 +2,12 @@
 
 `choose_mesh` plans the model (`auto_rules` with a batch) on each way of splitting the devices
 into a data axis and a model axis, over `jax.sharding.AbstractMesh`es (no device is needed,
-not even emulated), and ranks the meshes whose predicted peak fits the budget by
+not even emulated), each within the memory budget, and ranks the meshes that fit by
 
     step time = FLOPs per device / peak FLOP/s + Σ over axes (bytes sent on it / link bandwidth)
 
-with no overlap of compute and communication. Mixture-of-experts banks need no axis of their
+(`_flops`: XLA's count of the unsharded step, split as the layouts split each matmul), with no
+overlap of compute and communication. Mixture-of-experts banks need no axis of their
 own: the planner splits them over the model axis.
 """
 
@@ -21,6 +22,8 @@ from ..core._format import Displayed, format_bytes, to_text
 from ..core._memory import parse_bytes
 from ..core._targets import Target, parse_target
 from ._auto import auto_rules
+from ._flops import device_flops, step_flops
+from ._trace import trace_step
 
 if TYPE_CHECKING:
     import keras
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from ..core._mesh import Mesh
     from ..core._rules import LayoutRules
 
-__all__ = ["MeshChoice", "MeshOption", "choose_mesh", "step_flops"]
+__all__ = ["MeshChoice", "MeshOption", "choose_mesh"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +44,8 @@ class MeshOption:
         wire_bytes_by_axis: Bytes each device sends per step on each axis (`PlanCost`).
         peak_bytes: The predicted per-device peak of one training step, or `None` when the
             mesh was not planned.
-        compute_seconds: FLOPs per device over the target's peak FLOP/s (`None` without a target).
+        flops_per_device: One device's FLOPs of the step under the mesh's layouts (`None` when not planned).
+        compute_seconds: `flops_per_device` over the target's peak FLOP/s (`None` without a target).
         comm_seconds: Each axis's bytes over the interconnect bandwidth, summed (`None` without a target).
         excluded: Why the mesh cannot be used (its predicted peak exceeds the budget, the batch
             does not divide), or `None`.
@@ -50,6 +54,7 @@ class MeshOption:
     axis_sizes: dict[str, int]
     wire_bytes_by_axis: dict[str, float]
     peak_bytes: int | None
+    flops_per_device: float | None
     compute_seconds: float | None
     comm_seconds: float | None
     excluded: str | None = None
@@ -79,6 +84,7 @@ class MeshOption:
             "wire_bytes_per_device": self.wire_bytes,
             "wire_bytes_by_axis": dict(self.wire_bytes_by_axis),
             "peak_bytes": self.peak_bytes,
+            "flops_per_device": self.flops_per_device,
             "compute_seconds": self.compute_seconds,
             "comm_seconds": self.comm_seconds,
             "step_seconds": self.step_seconds,
@@ -125,9 +131,18 @@ class MeshChoice(Displayed):
     def __rich_console__(self, console: rich.console.Console, options: Any) -> Iterator[Any]:
         from rich.table import Table
 
-        ranked = "predicted step time" if self.target is not None else "bytes sent per device"
+        ranked = "predicted step time" if self.target is not None else "FLOPs per device, then bytes sent"
         table = Table(title=f"Meshes for {self.target or f'{self.mesh.size} devices'}, by {ranked}")
-        for column in ("mesh", "step", "compute", "comm", "sent/device", "peak/device", "note"):
+        for column in (
+            "mesh",
+            "step",
+            "compute",
+            "comm",
+            "FLOPs/device",
+            "sent/device",
+            "peak/device",
+            "note",
+        ):
             table.add_column(column, justify="left" if column in ("mesh", "note") else "right")
         for index, option in enumerate(self.alternatives):
             note = option.excluded or ("chosen" if index == 0 else "")
@@ -136,13 +151,14 @@ class MeshChoice(Displayed):
                 _seconds(option.step_seconds),
                 _seconds(option.compute_seconds),
                 _seconds(option.comm_seconds),
+                "-" if option.flops_per_device is None else f"{option.flops_per_device:.3g}",
                 format_bytes(option.wire_bytes) if option.excluded is None else "-",
                 "-" if option.peak_bytes is None else format_bytes(option.peak_bytes),
                 note,
             )
         yield table
         budget = "no budget" if self.budget is None else f"budget {format_bytes(self.budget)}/device"
-        yield f"{self.flops:.3g} FLOPs per step (XLA, unsharded), {budget}; no overlap of compute and comm"
+        yield f"{self.flops:.3g} FLOPs per step (XLA, unsharded), {budget}; compute and comm not overlapped"
 
     def __str__(self) -> str:
         return to_text(self)
@@ -168,24 +184,26 @@ def choose_mesh(
 ) -> MeshChoice:
     """Plans the model on every data × model split of the devices; returns the fastest that fits.
 
-    Each factorization `data × model = devices` is planned with `kml.auto_rules` (with `batch`,
-    so its rules carry the bytes sent per axis and the predicted peak) on an abstract mesh. The
-    step time is predicted as the FLOPs of one unsharded step (XLA's `cost_analysis` of the
-    lowered step, before partitioning) divided by the device count and the target's peak
-    FLOP/s, plus each axis's bytes over the target's ICI bandwidth, with no overlap. Compute is
-    taken as evenly split on every mesh, so on one target the ranking follows the bytes sent;
-    work a layer repeats on each model shard is not counted. Multi-slice targets are costed as
-    ICI too. Each mesh is planned with the planner's tensor-parallel layouts (no budget: a
-    budget would let it replicate everything on a model axis, whose repeated compute this model
-    does not count); meshes whose predicted peak exceeds the budget (default: the target's HBM),
-    or whose data axis does not divide the batch, are listed as excluded, and the chosen mesh is
-    then planned within the budget.
+    Each factorization `data × model = devices` is planned with `kml.auto_rules` on an abstract
+    mesh, with `batch` and within the budget (default: the target's HBM), so its rules carry the
+    bytes each device sends per axis and the predicted peak, and trade traffic for memory as
+    `auto_rules(memory_budget=...)` does. The step time is predicted as
+
+        FLOPs per device / the target's peak FLOP/s + Σ axes (bytes sent on it / ICI bandwidth)
+
+    with no overlap of compute and communication. The FLOPs are XLA's `cost_analysis` of the
+    lowered, unsharded step; each device's share divides every traced matmul and convolution
+    by the axes its output and contracted dimensions are split over (a layer left replicated
+    on the model axis counts in full on each of its devices), the rest of the step evenly over
+    all devices. Multi-slice targets are costed as ICI. Without a target, the splits rank by
+    FLOPs per device, then bytes sent. A mesh on which no layout fits the budget, or whose data
+    axis does not divide the batch, is listed as excluded.
 
     Args:
         build: A function returning the Keras model, built with its weights deferred (as
             `kml.dry_plan` does).
         devices: A TPU target (`"tpu-v5e:16x16"`, a `kml.Target`) or a device count (then ranked
-            by bytes sent, with no budget unless given).
+            by FLOPs per device and bytes sent, with no budget unless given).
         batch: One global batch of inputs (arrays or `jax.ShapeDtypeStruct`s).
         memory_budget: Per-device memory the predicted peak must fit (bytes or `"16GiB"`).
         optimizer: The optimizer whose slots the peak counts (as for `kml.auto_rules`).
@@ -218,9 +236,8 @@ def choose_mesh(
         )
     budget = _budget(memory_budget, target)
     with _dry(build) as model:
-        flops = step_flops(model, batch)
-        options = [_option(model, sizes, batch, optimizer, flops, target, budget, axes) for sizes in
-                   _factorizations(count, axes)]  # fmt: skip
+        step = _Step(model, batch, step_flops(model, batch), trace_step(model, batch), optimizer, axes)
+        options = [_option(step, sizes, target, budget) for sizes in _factorizations(count, axes)]
     ranked = sorted((o for o in options if o.excluded is None), key=_rank)
     if not ranked:
         peaks = [o.peak_bytes for o in options if o.peak_bytes is not None]
@@ -231,7 +248,7 @@ def choose_mesh(
     with _dry(build) as model:
         rules = _plan(model, mesh, batch, optimizer, budget, axes)
     alternatives = (*ranked, *(o for o in options if o.excluded is not None))
-    return MeshChoice(mesh, rules, alternatives, target, flops, budget)
+    return MeshChoice(mesh, rules, alternatives, target, step.flops, budget)
 
 
 def _devices_of(devices: int | str | Target) -> tuple[Target | None, int]:
@@ -260,40 +277,59 @@ def _factorizations(count: int, axes: tuple[str, str]) -> list[dict[str, int]]:
     return [{axes[0]: d, axes[1]: count // d} for d in range(count, 0, -1) if count % d == 0]
 
 
-def _option(
-    model: Any,
-    sizes: dict[str, int],
-    batch: Any,
-    optimizer: Any,
-    flops: float,
-    target: Target | None,
-    budget: int | None,
-    axes: tuple[str, str],
-) -> MeshOption:
-    """One factorization planned: its bytes per axis, peak and predicted times, or why it is excluded."""
-    rows = _rows(batch)
-    data = sizes[axes[0]]
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What every factorization is planned from: the dry model, its batch, its step's FLOPs and trace."""
+
+    model: Any
+    batch: Any
+    flops: float
+    trace: Any
+    optimizer: Any
+    axes: tuple[str, str]
+
+
+def _option(step: _Step, sizes: dict[str, int], target: Target | None, budget: int | None) -> MeshOption:
+    """One factorization planned within the budget: bytes per axis, peak, FLOPs and times, or why not."""
+    rows = _rows(step.batch)
+    data = sizes[step.axes[0]]
     if rows % data:
-        why = f"the batch of {rows} rows does not split over {axes[0]}={data}"
-        return MeshOption(sizes, {}, None, None, None, excluded=why)
-    rules = _plan(model, _mesh(sizes, None), batch, optimizer, None, axes)
+        why = f"the batch of {rows} rows does not split over {step.axes[0]}={data}"
+        return MeshOption(sizes, {}, None, None, None, None, excluded=why)
+    try:
+        rules = _plan(step.model, _mesh(sizes, None), step.batch, step.optimizer, budget, step.axes)
+    except MemoryBudgetError as err:
+        why = f"no layout fits the budget (needs {format_bytes(err.smallest_bytes or 0)})"
+        return MeshOption(sizes, {}, err.smallest_bytes, None, None, None, excluded=why)
     cost = rules.cost
     peak = cost.peak_bytes if cost.peak_bytes is not None else cost.memory_bytes
     by_axis = {axis: float(cost.wire_bytes_by_axis.get(axis, 0.0)) for axis in sizes}
+    flops = device_flops(step.flops, step.trace, _layouts(step.model, rules, sizes), sizes, step.axes[0])
     compute = comm = None
     if target is not None:
-        compute = flops / (data * sizes[axes[1]]) / target.peak_flops
+        compute = flops / target.peak_flops
         comm = sum(by_axis.values()) / target.ici_bytes_per_s
-    excluded = None
-    if budget is not None and peak > budget:
-        excluded = f"predicted peak {format_bytes(peak)} > budget {format_bytes(budget)}"
-    return MeshOption(sizes, by_axis, peak, compute, comm, excluded)
+    return MeshOption(sizes, by_axis, peak, flops, compute, comm)
+
+
+def _layouts(model: Any, rules: Any, sizes: dict[str, int]) -> dict[str, Any]:
+    """Each variable's layout as `kml.ModelParallel` resolves it under `rules`."""
+    from ..core._resolve import resolve
+
+    below = rules.policy.replicate_below if rules.policy is not None else 0
+    return {
+        v.path: resolve(v.path, v.shape, v.dtype, rules, sizes, replicate_below=below, warn=False).axes
+        for v in model.weights
+    }
 
 
 def _rank(option: MeshOption) -> tuple[float, float, int]:
-    """Step time (bytes sent without a target), then bytes, then the larger data axis."""
-    time = option.step_seconds if option.step_seconds is not None else option.wire_bytes
-    return (time, option.wire_bytes, -next(iter(option.axis_sizes.values())))
+    """Step time, then bytes, then the larger data axis; without a target the FLOPs per device
+    (to 0.1%) come first, then the bytes sent."""
+    if option.step_seconds is not None:
+        return (option.step_seconds, option.wire_bytes, -next(iter(option.axis_sizes.values())))
+    flops = float(f"{option.flops_per_device or 0.0:.3g}")
+    return (flops, option.wire_bytes, -next(iter(option.axis_sizes.values())))
 
 
 def _plan(model: Any, mesh: Any, batch: Any, optimizer: Any, budget: int | None, axes: Sequence[str]) -> Any:
@@ -334,25 +370,3 @@ def _none_fit(count: int, target: Target | None, budget: int | None, options: li
         f"choose_mesh: no data × model split of {where} fits ({reasons}). Fix: a smaller batch, a "
         f"larger target, or a larger memory budget (now {format_bytes(budget) if budget else 'none'})."
     )
-
-
-def step_flops(model: keras.Model, batch: Any) -> float:
-    """FLOPs of one unsharded training step: XLA's cost analysis of the lowered forward and backward.
-
-    The loss is the sum of the outputs (the loss's own FLOPs are negligible); nothing is compiled
-    and no weight is allocated (the variables enter as `jax.ShapeDtypeStruct`s).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from ..report._comm import _flops
-
-    trainable = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.trainable_variables]
-    frozen = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.non_trainable_variables]
-    inputs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype), batch)
-
-    def loss(weights: Any, others: Any, x: Any) -> Any:
-        outputs, _ = model.stateless_call(weights, others, x, training=True)
-        return sum(jnp.sum(out.astype("float32")) for out in jax.tree_util.tree_leaves(outputs))
-
-    return _flops(jax.jit(jax.grad(loss)).lower(trainable, frozen, inputs))
