@@ -69,6 +69,9 @@ if TYPE_CHECKING:  # the names, for type checkers and the docs; at run time each
     from .core._targets import Target as Target
     from .core._targets import parse_target as parse_target
     from .planner._auto import auto_rules as auto_rules
+    from .planner._mesh_choice import MeshChoice as MeshChoice
+    from .planner._mesh_choice import MeshOption as MeshOption
+    from .planner._mesh_choice import choose_mesh as choose_mesh
     from .planner._presets import conv_rules as conv_rules
     from .planner._presets import mlp_rules as mlp_rules
     from .planner._presets import transformer_rules as transformer_rules
@@ -141,6 +144,9 @@ _LAZY = {
     "Target": "core._targets",
     "parse_target": "core._targets",
     "auto_rules": "planner._auto",
+    "MeshChoice": "planner._mesh_choice",
+    "MeshOption": "planner._mesh_choice",
+    "choose_mesh": "planner._mesh_choice",
     "conv_rules": "planner._presets",
     "mlp_rules": "planner._presets",
     "transformer_rules": "planner._presets",
@@ -223,6 +229,9 @@ __all__ = [
     "UnmatchedRuleWarning",
     "UnsupportedBackendError",
     "auto_rules",
+    "choose_mesh",
+    "MeshChoice",
+    "MeshOption",
     "check_plan",
     "dry_build",
     "dry_plan",

@@ -577,3 +577,29 @@ def test_plan_for_a_tpu_target_compiles_the_step_and_reports_it_as_json(workdir)
     )
     assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1
     assert "does not fit target tpu-v5e:2x4" in wrong.stderr and "Valid forms: tpu-v5e:RxC" in wrong.stderr
+
+
+def test_plan_mesh_auto_on_a_v5e_16x16_lists_the_alternatives_and_plans_the_best(workdir):
+    """Issue 21: `--mesh auto` ranks the 9 splits of 256 chips and plans the first; bad input is one line."""
+    result = cli(
+        *("plan", "--mesh", "auto", "--target", "tpu-v5e:16x16", "--model", "models:mlp"),
+        *("--optimizer", "adam", "--batch-size", "256", "--json"),
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    alternatives = data["alternatives"]
+    assert len(alternatives) == 9 and alternatives[0]["axis_sizes"] == data["mesh"]
+    times = [option["step_seconds"] for option in alternatives]
+    assert (
+        times == sorted(times)
+        and data["predicted"]["wire_bytes_per_device"] == alternatives[0]["wire_bytes_per_device"]
+    )
+    missing = cli("plan", "--mesh", "auto", "--model", "models:mlp", cwd=workdir)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: --mesh auto needs --batch-size")
+    tight = cli(
+        *("plan", "--mesh", "auto", "--model", "models:mlp", "--batch-size", "8", "--memory-budget", "1KB"),
+        cwd=workdir,
+    )
+    assert tight.returncode == 1 and len(tight.stderr.strip().splitlines()) == 1
+    assert "no data × model split of 8 devices fits" in tight.stderr and "Fix:" in tight.stderr

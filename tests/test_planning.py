@@ -361,6 +361,8 @@ PLANNER_ORDER = [
     "_peak",
     "_search",
     "_auto",
+    "_flops",
+    "_mesh_choice",
 ]
 
 

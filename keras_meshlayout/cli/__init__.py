@@ -6,6 +6,7 @@
 - `_plan`: `keras-meshlayout plan` (its arguments, the run, the output and progress);
   `_plan_inputs`: what it reads (model builders, rules files, presets, optimizers, batches);
   `_plan_compile`: what `--target` and `--compile` add (the target, the compile check);
+  `_plan_mesh`: `--mesh auto` (the mesh chosen, `kml.choose_mesh`);
   `_preset_table`: the presets as `plan --help` lists them, without importing the planner.
 - `_demo`: `keras-meshlayout demo`.
 - `_launch`: `keras-meshlayout launch`, handed to the launcher in `runtime._launch`.

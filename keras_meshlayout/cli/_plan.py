@@ -36,6 +36,7 @@ from ._plan_inputs import (
     preset_rules,
     rules_file,
 )
+from ._plan_mesh import AUTO, choose_for
 from ._preset_table import PRESET_TABLE
 
 __all__ = ["HELP", "NAME", "PRESETS", "add_parser", "run"]
@@ -86,7 +87,13 @@ def add_parser(commands: Any) -> None:
 
 def _add_inputs(plan: argparse.ArgumentParser) -> None:
     """The mesh, the model, where the rules come from, and the optimizer."""
-    plan.add_argument("--mesh", required=True, help='mesh spec: "2x4", "8" or "data=2,model=4" (-1 infers)')
+    plan.add_argument(
+        "--mesh",
+        required=True,
+        help='mesh spec: "2x4", "8" or "data=2,model=4" (-1 infers), or "auto": every data x model split '
+        "of the --target's chips (else of the local devices) ranked by predicted step time, the best planned "
+        "with --auto (needs --batch-size)",
+    )
     plan.add_argument(
         "--target",
         default=None,
@@ -178,8 +185,9 @@ def run(args: argparse.Namespace) -> int:
     from ..core._dry import dry_plan
     from ..core._policy import DEFAULT_REPLICATE_BELOW, LayoutPolicy
 
-    mesh = _parse_mesh(args.mesh, args.emulate_devices, args.target)
     build = load_builder(args.model)
+    choice = _choice(args, build)
+    mesh = choice.mesh if choice is not None else _parse_mesh(args.mesh, args.emulate_devices, args.target)
     check_optimizer(args.optimizer)
     replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
     policy = LayoutPolicy(on_indivisible=args.on_indivisible, replicate_below=replicate_below)
@@ -193,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     with spinner("plan", wanted=not args.json) as step:
         if args.auto:
             step("planning the layouts (kml.auto_rules: tracing the model, costing each unit)")
-        rules = _the_rules(args, build, mesh, policy)
+        rules = choice.rules if choice is not None else _the_rules(args, build, mesh, policy)
         distribution = ModelParallel(mesh, rules, batch_axis=args.batch_axis, policy=policy)
         step("building the model without allocating its weights, and resolving every variable")
         with warnings.catch_warnings(record=True) as caught:
@@ -211,9 +219,9 @@ def run(args: argparse.Namespace) -> int:
     failure = _failure(args, plan, peak)
     note = None if args.memory_budget is not None else plan.intended_replication(args.max_replicated_fraction)
     if args.json:
-        _print_json(args, plan, rules, messages, failure, note, peak, compiled)
+        _print_json(args, plan, rules, messages, failure, note, peak, compiled, choice)
     else:
-        _print_table(plan, rules, messages, note, peak, full=args.full, compiled=compiled)
+        _print_table(plan, rules, messages, note, peak, full=args.full, compiled=compiled, choice=choice)
     if failure is not None:
         print(f"plan fails: {failure}", file=sys.stderr)
         return EXIT_PLAN_FAILS
@@ -221,6 +229,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"plan fails: {len(messages)} warning(s) with --strict", file=sys.stderr)
         return EXIT_PLAN_FAILS
     return EXIT_OK
+
+
+def _choice(args: argparse.Namespace, build: Callable[[], Any]) -> Any:
+    """With `--mesh auto`, the chosen mesh and its alternatives (the rules are then `--auto`'s)."""
+    if args.mesh != AUTO:
+        return None
+    choice = choose_for(args, build)
+    args.auto = True
+    return choice
 
 
 def _failure(args: argparse.Namespace, plan: Any, peak: Any) -> str | None:
@@ -299,8 +316,12 @@ def _print_json(
     note: str | None,
     peak: Any,
     compiled: Any = None,
+    choice: Any = None,
 ) -> None:
     data = plan.to_dict()
+    if choice is not None:
+        # "mesh" (the plan's own: the chosen mesh's axis sizes) stays as every plan gives it.
+        data["alternatives"] = [option.to_dict() for option in choice.alternatives]
     data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
     data["memory_per_device"]["peak_bytes"] = None if peak is None else peak.peak
     data["memory_per_device"]["activation_bytes"] = None if peak is None else peak.non_state
@@ -341,8 +362,11 @@ def _print_table(
     *,
     full: bool = False,
     compiled: Any = None,
+    choice: Any = None,
 ) -> None:
     console = _console()
+    if choice is not None:
+        console.print(choice)
     console.print(plan if full or len(plan) <= SUMMARY_ABOVE else plan.summary())
     if peak is not None:
         console.print(

@@ -28,8 +28,11 @@
    activation reserve until the chosen layouts' predicted peak fits.
 5. Rules (`_auto`): the chosen candidates become one exact rule per variable,
    each with a note that says why.
+6. The mesh (`_mesh_choice`): `choose_mesh` runs 1 → 5 on every data × model split
+   of a device count or TPU target and ranks them by predicted step time, with each
+   device's FLOPs from `_flops`.
 
-Imports run one way, 1 → 5: no stage imports a later one
+Imports run one way, 1 → 6: no stage imports a later one
 (`tests/test_planning.py` holds the module order).
 """
 

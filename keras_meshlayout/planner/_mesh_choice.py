@@ -1,0 +1,372 @@
+"""The mesh chosen for you: every data × model factorization planned, ranked by predicted step time.
+
+`choose_mesh` plans the model (`auto_rules` with a batch) on each way of splitting the devices
+into a data axis and a model axis, over `jax.sharding.AbstractMesh`es (no device is needed,
+not even emulated), each within the memory budget, and ranks the meshes that fit by
+
+    step time = FLOPs per device / peak FLOP/s + Σ over axes (bytes sent on it / link bandwidth)
+
+(`_flops`: XLA's count of the unsharded step, split as the layouts split each matmul), with no
+overlap of compute and communication. Mixture-of-experts banks need no axis of their
+own: the planner splits them over the model axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..core._errors import InvalidOptionError, MemoryBudgetError
+from ..core._format import Displayed, format_bytes, to_text
+from ..core._memory import parse_bytes
+from ..core._targets import Target, parse_target
+from ._auto import auto_rules
+from ._flops import device_flops, step_flops
+from ._trace import trace_step
+
+if TYPE_CHECKING:
+    import keras
+    import rich.console
+
+    from ..core._mesh import Mesh
+    from ..core._rules import LayoutRules
+
+__all__ = ["MeshChoice", "MeshOption", "choose_mesh"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshOption:
+    """One factorization of the devices, planned and costed.
+
+    Attributes:
+        axis_sizes: The mesh's axes and sizes, `{"data": 16, "model": 16}`.
+        wire_bytes_by_axis: Bytes each device sends per step on each axis (`PlanCost`).
+        peak_bytes: The predicted per-device peak of one training step, or `None` when the
+            mesh was not planned.
+        flops_per_device: One device's FLOPs of the step under the mesh's layouts (`None` when not planned).
+        compute_seconds: `flops_per_device` over the target's peak FLOP/s (`None` without a target).
+        comm_seconds: Each axis's bytes over the interconnect bandwidth, summed (`None` without a target).
+        excluded: Why the mesh cannot be used (its predicted peak exceeds the budget, the batch
+            does not divide), or `None`.
+    """
+
+    axis_sizes: dict[str, int]
+    wire_bytes_by_axis: dict[str, float]
+    peak_bytes: int | None
+    flops_per_device: float | None
+    compute_seconds: float | None
+    comm_seconds: float | None
+    excluded: str | None = None
+
+    @property
+    def spec(self) -> str:
+        """The mesh as `--mesh` takes it: `"data=16,model=16"`."""
+        return ",".join(f"{axis}={size}" for axis, size in self.axis_sizes.items())
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends per step, over every axis."""
+        return float(sum(self.wire_bytes_by_axis.values()))
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Predicted step time: compute plus communication, no overlap (`None` without a target)."""
+        if self.compute_seconds is None or self.comm_seconds is None:
+            return None
+        return self.compute_seconds + self.comm_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        """The option as JSON-ready data."""
+        return {
+            "mesh": self.spec,
+            "axis_sizes": dict(self.axis_sizes),
+            "wire_bytes_per_device": self.wire_bytes,
+            "wire_bytes_by_axis": dict(self.wire_bytes_by_axis),
+            "peak_bytes": self.peak_bytes,
+            "flops_per_device": self.flops_per_device,
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "step_seconds": self.step_seconds,
+            "excluded": self.excluded,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshChoice(Displayed):
+    """The mesh `choose_mesh` picked, its rules, and every alternative, best first.
+
+    Attributes:
+        mesh: The best mesh (over the target's compile-only devices with a target, else an
+            abstract mesh of the device count).
+        rules: `kml.auto_rules` for it, with `rules.cost`.
+        alternatives: Every factorization, the usable ones best first, then the excluded.
+        target: The TPU target ranked for, or `None` (a device count: ranked by bytes sent).
+        flops: FLOPs of one unsharded training step (XLA's cost analysis of the lowered step).
+        budget: The per-device memory budget the peaks were held to, or `None`.
+    """
+
+    mesh: Mesh
+    rules: LayoutRules
+    alternatives: tuple[MeshOption, ...]
+    target: Target | None
+    flops: float
+    budget: int | None
+
+    @property
+    def best(self) -> MeshOption:
+        """The chosen mesh's row."""
+        return self.alternatives[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """`{"mesh": ..., "alternatives": [...], ...}` as `plan --json` prints it."""
+        return {
+            "mesh": self.best.spec,
+            "target": None if self.target is None else self.target.spec,
+            "flops_per_step": self.flops,
+            "budget": self.budget,
+            "alternatives": [option.to_dict() for option in self.alternatives],
+        }
+
+    def __rich_console__(self, console: rich.console.Console, options: Any) -> Iterator[Any]:
+        from rich.table import Table
+
+        ranked = "predicted step time" if self.target is not None else "FLOPs per device, then bytes sent"
+        table = Table(title=f"Meshes for {self.target or f'{self.mesh.size} devices'}, by {ranked}")
+        for column in (
+            "mesh",
+            "step",
+            "compute",
+            "comm",
+            "FLOPs/device",
+            "sent/device",
+            "peak/device",
+            "note",
+        ):
+            table.add_column(column, justify="left" if column in ("mesh", "note") else "right")
+        for index, option in enumerate(self.alternatives):
+            note = option.excluded or ("chosen" if index == 0 else "")
+            table.add_row(
+                option.spec,
+                _seconds(option.step_seconds),
+                _seconds(option.compute_seconds),
+                _seconds(option.comm_seconds),
+                "-" if option.flops_per_device is None else f"{option.flops_per_device:.3g}",
+                format_bytes(option.wire_bytes) if option.excluded is None else "-",
+                "-" if option.peak_bytes is None else format_bytes(option.peak_bytes),
+                note,
+            )
+        yield table
+        budget = "no budget" if self.budget is None else f"budget {format_bytes(self.budget)}/device"
+        yield f"{self.flops:.3g} FLOPs per step (XLA, unsharded), {budget}; compute and comm not overlapped"
+
+    def __str__(self) -> str:
+        return to_text(self)
+
+
+def _seconds(value: float | None) -> str:
+    """`1.5 ms`, `2.3 µs`, `-` for none."""
+    if value is None:
+        return "-"
+    scale, unit = next(((s, u) for s, u in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs"))
+                        if value >= s), (1e-9, "ns"))  # fmt: skip
+    return f"{value / scale:.3g} {unit}"
+
+
+def choose_mesh(
+    build: Callable[[], keras.Model],
+    devices: int | str | Target,
+    *,
+    batch: Any,
+    memory_budget: int | str | None = None,
+    optimizer: str | keras.optimizers.Optimizer | None = None,
+    axes: tuple[str, str] = ("data", "model"),
+) -> MeshChoice:
+    """Plans the model on every data × model split of the devices; returns the fastest that fits.
+
+    Each factorization `data × model = devices` is planned with `kml.auto_rules` on an abstract
+    mesh, with `batch` and within the budget (default: the target's HBM), so its rules carry the
+    bytes each device sends per axis and the predicted peak, and trade traffic for memory as
+    `auto_rules(memory_budget=...)` does. The step time is predicted as
+
+        FLOPs per device / the target's peak FLOP/s + Σ axes (bytes sent on it / ICI bandwidth)
+
+    with no overlap of compute and communication. The FLOPs are XLA's `cost_analysis` of the
+    lowered, unsharded step; each device's share divides every traced matmul and convolution
+    by the axes its output and contracted dimensions are split over (a layer left replicated
+    on the model axis counts in full on each of its devices), the rest of the step evenly over
+    all devices. Multi-slice targets are costed as ICI. Without a target, the splits rank by
+    FLOPs per device, then bytes sent. A mesh on which no layout fits the budget, or whose data
+    axis does not divide the batch, is listed as excluded.
+
+    Args:
+        build: A function returning the Keras model, built with its weights deferred (as
+            `kml.dry_plan` does).
+        devices: A TPU target (`"tpu-v5e:16x16"`, a `kml.Target`) or a device count (then ranked
+            by FLOPs per device and bytes sent, with no budget unless given).
+        batch: One global batch of inputs (arrays or `jax.ShapeDtypeStruct`s).
+        memory_budget: Per-device memory the predicted peak must fit (bytes or `"16GiB"`).
+        optimizer: The optimizer whose slots the peak counts (as for `kml.auto_rules`).
+        axes: The names of the batch axis and the tensor-parallel axis.
+
+    Returns:
+        A `MeshChoice`: the best mesh (over the target's devices, or abstract), its rules, and
+        the alternatives, best first.
+
+    Raises:
+        InvalidOptionError: `devices` is not a positive count or a target, or `axes` not two names.
+        MemoryBudgetError: No factorization fits the budget (or divides the batch).
+
+    Example:
+        >>> import keras, numpy as np, keras_meshlayout as kml
+        >>> def build():
+        ...     return keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, name="up"),
+        ...                              keras.layers.Dense(64, name="down")], name="mlp")
+        >>> choice = kml.choose_mesh(build, 8, batch=np.zeros((16, 64), "float32"), optimizer="adam")
+        >>> [option.spec for option in choice.alternatives]
+        ['data=1,model=8', 'data=2,model=4', 'data=4,model=2', 'data=8,model=1']
+        >>> choice.mesh.axis_sizes, choice.best.wire_bytes < choice.alternatives[-1].wire_bytes
+        ({'data': 1, 'model': 8}, True)
+    """
+    target, count = _devices_of(devices)
+    if len(axes) != 2 or len(set(axes)) != 2:
+        raise InvalidOptionError(
+            f"choose_mesh: axes={axes!r} must be two different names, the batch axis then the "
+            "tensor-parallel axis. Fix: axes=('data', 'model')."
+        )
+    budget = _budget(memory_budget, target)
+    with _dry(build) as model:
+        step = _Step(model, batch, step_flops(model, batch), trace_step(model, batch), optimizer, axes)
+        options = [_option(step, sizes, target, budget) for sizes in _factorizations(count, axes)]
+    ranked = sorted((o for o in options if o.excluded is None), key=_rank)
+    if not ranked:
+        peaks = [o.peak_bytes for o in options if o.peak_bytes is not None]
+        raise MemoryBudgetError(
+            _none_fit(count, target, budget, options), smallest_bytes=min(peaks, default=None)
+        )
+    mesh = _mesh(ranked[0].axis_sizes, target)
+    with _dry(build) as model:
+        rules = _plan(model, mesh, batch, optimizer, budget, axes)
+    alternatives = (*ranked, *(o for o in options if o.excluded is not None))
+    return MeshChoice(mesh, rules, alternatives, target, step.flops, budget)
+
+
+def _devices_of(devices: int | str | Target) -> tuple[Target | None, int]:
+    """The target (or `None`) and the device count `devices` names."""
+    if isinstance(devices, bool) or not isinstance(devices, (int, str, Target)):
+        raise InvalidOptionError(
+            f"choose_mesh: devices={devices!r} is neither a device count nor a TPU target. Fix: pass "
+            "an int such as 8, or a target such as 'tpu-v5e:16x16'."
+        )
+    if isinstance(devices, int):
+        if devices < 1:
+            raise InvalidOptionError(f"choose_mesh: devices={devices} must be at least 1. Fix: pass 8.")
+        return None, devices
+    target = parse_target(devices)
+    return target, target.chips
+
+
+def _budget(memory_budget: int | str | None, target: Target | None) -> int | None:
+    if memory_budget is not None:
+        return parse_bytes(memory_budget)
+    return None if target is None else target.hbm_bytes
+
+
+def _factorizations(count: int, axes: tuple[str, str]) -> list[dict[str, int]]:
+    """Every `{data: d, model: count // d}`, the largest data axis first."""
+    return [{axes[0]: d, axes[1]: count // d} for d in range(count, 0, -1) if count % d == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What every factorization is planned from: the dry model, its batch, its step's FLOPs and trace."""
+
+    model: Any
+    batch: Any
+    flops: float
+    trace: Any
+    optimizer: Any
+    axes: tuple[str, str]
+
+
+def _option(step: _Step, sizes: dict[str, int], target: Target | None, budget: int | None) -> MeshOption:
+    """One factorization planned within the budget: bytes per axis, peak, FLOPs and times, or why not."""
+    rows = _rows(step.batch)
+    data = sizes[step.axes[0]]
+    if rows % data:
+        why = f"the batch of {rows} rows does not split over {step.axes[0]}={data}"
+        return MeshOption(sizes, {}, None, None, None, None, excluded=why)
+    try:
+        rules = _plan(step.model, _mesh(sizes, None), step.batch, step.optimizer, budget, step.axes)
+    except MemoryBudgetError as err:
+        why = f"no layout fits the budget (needs {format_bytes(err.smallest_bytes or 0)})"
+        return MeshOption(sizes, {}, err.smallest_bytes, None, None, None, excluded=why)
+    cost = rules.cost
+    peak = cost.peak_bytes if cost.peak_bytes is not None else cost.memory_bytes
+    by_axis = {axis: float(cost.wire_bytes_by_axis.get(axis, 0.0)) for axis in sizes}
+    flops = device_flops(step.flops, step.trace, _layouts(step.model, rules, sizes), sizes, step.axes[0])
+    compute = comm = None
+    if target is not None:
+        compute = flops / target.peak_flops
+        comm = sum(by_axis.values()) / target.ici_bytes_per_s
+    return MeshOption(sizes, by_axis, peak, flops, compute, comm)
+
+
+def _layouts(model: Any, rules: Any, sizes: dict[str, int]) -> dict[str, Any]:
+    """Each variable's layout as `kml.ModelParallel` resolves it under `rules`."""
+    from ..core._resolve import resolve
+
+    below = rules.policy.replicate_below if rules.policy is not None else 0
+    return {
+        v.path: resolve(v.path, v.shape, v.dtype, rules, sizes, replicate_below=below, warn=False).axes
+        for v in model.weights
+    }
+
+
+def _rank(option: MeshOption) -> tuple[float, float, int]:
+    """Step time, then bytes, then the larger data axis; without a target the FLOPs per device
+    (to 0.1%) come first, then the bytes sent."""
+    if option.step_seconds is not None:
+        return (option.step_seconds, option.wire_bytes, -next(iter(option.axis_sizes.values())))
+    flops = float(f"{option.flops_per_device or 0.0:.3g}")
+    return (flops, option.wire_bytes, -next(iter(option.axis_sizes.values())))
+
+
+def _plan(model: Any, mesh: Any, batch: Any, optimizer: Any, budget: int | None, axes: Sequence[str]) -> Any:
+    return auto_rules(
+        model, mesh, model_axis=axes[1], batch_axis=axes[0], batch=batch, optimizer=optimizer,
+        memory_budget=budget,
+    )  # fmt: skip
+
+
+def _mesh(sizes: dict[str, int], target: Target | None) -> Any:
+    """The mesh of `sizes`: over the target's compile-only devices, else abstract."""
+    import jax
+
+    from ..core._mesh import Mesh
+
+    if target is not None:
+        return Mesh(**sizes, target=target)
+    return Mesh(jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)))
+
+
+def _rows(batch: Any) -> int:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(batch)
+    return int(leaves[0].shape[0])
+
+
+def _dry(build: Callable[[], Any]) -> Any:
+    from ..core._dry import dry_build
+
+    return dry_build(build)
+
+
+def _none_fit(count: int, target: Target | None, budget: int | None, options: list[MeshOption]) -> str:
+    where = target.spec if target is not None else f"{count} devices"
+    reasons = "; ".join(f"{o.spec}: {o.excluded}" for o in options)
+    return (
+        f"choose_mesh: no data × model split of {where} fits ({reasons}). Fix: a smaller batch, a "
+        f"larger target, or a larger memory budget (now {format_bytes(budget) if budget else 'none'})."
+    )
