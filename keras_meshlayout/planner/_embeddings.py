@@ -19,6 +19,7 @@ small all-reduces), and the head's input gradient is all-reduced backward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from . import _notes
 from ._layers import lookup_table, owners, tied_table
@@ -29,36 +30,29 @@ __all__ = ["tied_tables", "vocab_parallel_tables"]
 
 def vocab_parallel_tables(ledger: Ledger, setting: Setting) -> None:
     """Splits every large look-up table's rows over the model axis."""
-    trace = setting.trace
-    if trace is None:
-        return
-    owner_of = owners(setting.model)
-    for variable in setting.model.weights:
-        uses = trace.uses.get(variable.path, ())
-        if ledger.decided(variable.path) or not lookup_table(
-            owner_of.get(id(variable)), variable, uses, setting.size
-        ):
-            continue
-        if math.prod(variable.shape) < max(setting.replicate_below, 1):
-            continue
-        rows, width = variable.shape
-        ledger.record(variable.path, (setting.axis, None), _notes.vocab_parallel(rows, width, setting.axis))
+    _split_rows(ledger, setting, lookup_table, _notes.vocab_parallel)
 
 
 def tied_tables(ledger: Ledger, setting: Setting) -> None:
     """Splits every large tied table's rows (look-up and language-model head) over the model axis."""
+    _split_rows(ledger, setting, tied_table, _notes.tied_vocab_parallel)
+
+
+def _split_rows(
+    ledger: Ledger, setting: Setting, is_table: Callable[..., bool], note: Callable[..., str]
+) -> None:
+    """Records the rows of every undecided variable `is_table` takes, from `replicate_below` up, split."""
     trace = setting.trace
     if trace is None:
         return
     owner_of = owners(setting.model)
     for variable in setting.model.weights:
         uses = trace.uses.get(variable.path, ())
-        if ledger.decided(variable.path) or not tied_table(
+        if ledger.decided(variable.path) or not is_table(
             owner_of.get(id(variable)), variable, uses, setting.size
         ):
             continue
         if math.prod(variable.shape) < max(setting.replicate_below, 1):
             continue
         rows, width = variable.shape
-        note = _notes.tied_vocab_parallel(rows, width, setting.axis)
-        ledger.record(variable.path, (setting.axis, None), note)
+        ledger.record(variable.path, (setting.axis, None), note(rows, width, setting.axis))
