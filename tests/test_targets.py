@@ -193,11 +193,14 @@ def compiled(name: str) -> Compiled:
 
 #: Predicted ÷ XLA:TPU's bytes per step, by mesh axis (measured with libtpu 0.0.42.1, jax 0.10.2).
 #: The decoder and the convnet are exact, as on XLA:CPU; XLA:TPU routes the MoE's dispatch with
-#: all-to-alls and sends 12% less on the model axis than the planner (and XLA:CPU) say.
+#: all-to-alls and sends 12% less on the model axis than the planner (and XLA:CPU) say (1.13, with the
+#: key/value kernels replicated). Since the planner splits key/value kernels with too few heads on
+#: head_dim (issue 19), XLA:TPU sends about twice what it predicts on the model axis (0.49; XLA:CPU
+#: sends what it predicts): a measured gap, pinned until the costs follow the target.
 AGREEMENT = {
     "decoder": {"data": (1.0, 0.02), "model": (1.0, 0.02)},
     "convnet": {"data": (1.0, 0.02)},
-    "moe": {"data": (1.0, 0.02), "model": (1.13, 0.03)},
+    "moe": {"data": (1.0, 0.02), "model": (0.49, 0.03)},
 }
 
 
