@@ -136,19 +136,29 @@ def assert_bit_identical(model: keras.Model, expected: list[np.ndarray]) -> None
         assert a.dtype == b.dtype and np.array_equal(a, b), path
 
 
-def assert_predicted_as_compiled(build, rules: kml.LayoutRules, dist: kml.ModelParallel, x, y) -> None:
-    """The planner's bytes per axis = the compiled step's ± 2%, and its state bytes = the plan's, exactly.
+def compiled_step(build, dist: kml.ModelParallel, x, y) -> tuple[kml.CommReport, int]:
+    """The comm report of `build()`'s Adam step compiled under `dist`, and its state bytes per device.
 
-    `build` makes the model under `dist` (already set as the global distribution).
+    `dist` is the global distribution while the model is built and compiled, and is unset after.
     """
-    model = build()
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    report = kml.comm_report(model, x, y)
+    keras.distribution.set_distribution(dist)
+    try:
+        model = build()
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        report = kml.comm_report(model, x, y)
+        model.optimizer.build(model.trainable_variables)
+        memory = dist.plan(model).memory()
+    finally:
+        keras.distribution.set_distribution(None)
+    return report, memory.parameters + memory.gradients + memory.optimizer
+
+
+def assert_predicted_as_compiled(build, rules: kml.LayoutRules, dist: kml.ModelParallel, x, y) -> None:
+    """The planner's bytes per axis = the compiled step's ± 2%, and its state bytes = the plan's, exactly."""
+    report, state = compiled_step(build, dist, x, y)
     for axis, measured in report.wire_bytes_by_axis.items():
         assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
-    model.optimizer.build(model.trainable_variables)
-    memory = dist.plan(model).memory()
-    assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
+    assert rules.cost.state_bytes == state
 
 
 def compiled_peak(model: keras.Model, x, y) -> int:

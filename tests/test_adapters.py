@@ -17,6 +17,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from helpers import compiled_step
 from hub_models import BATCH, HEADS, ROWS, Row, build_classifier, inputs_for
 
 import keras_meshlayout as kml
@@ -58,17 +59,8 @@ def plan_and_compile(build) -> Planned:
     model = build()
     x, y = inputs_for(model), np.zeros(BATCH, "int32")
     rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
-    dist = kml.ModelParallel(mesh, rules)
-    keras.distribution.set_distribution(dist)
-    try:
-        model = build()
-        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        report = kml.comm_report(model, x, y)
-        model.optimizer.build(model.trainable_variables)
-        memory = dist.plan(model).memory()
-    finally:
-        keras.distribution.set_distribution(None)
-    return Planned(rules, report, memory.parameters + memory.gradients + memory.optimizer)
+    report, state = compiled_step(build, kml.ModelParallel(mesh, rules), x, y)
+    return Planned(rules, report, state)
 
 
 @pytest.fixture(scope="module")

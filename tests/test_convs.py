@@ -226,7 +226,6 @@ def test_predicted_bytes_match_the_compiled_step(name, shape):
         rules = kml.auto_rules(model, mesh(), replicate_below=0, batch=x, optimizer="adam")
     assert rules.cost.layouts()["tensor-parallel"] >= 1
     dist = kml.ModelParallel(mesh(), rules, replicate_below=0)
-    keras.distribution.set_distribution(dist)
     assert_predicted_as_compiled(build, rules, dist, x, y)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from helpers import Reference, assert_predicted_as_compiled, assert_same_weights, train
+from helpers import Reference, assert_predicted_as_compiled, assert_same_weights, compiled_step, train
 
 import keras_meshlayout as kml
 
@@ -71,17 +71,8 @@ def tied_plan():
     x = tokens(32768)
     y = np.random.default_rng(1).integers(0, 32768, (BATCH, LENGTH)).astype("int32")
     rules = kml.auto_rules(build_tied(32768), mesh, batch=x, optimizer="adam")
-    dist = kml.ModelParallel(mesh, rules)
-    keras.distribution.set_distribution(dist)
-    try:
-        model = build_tied(32768)
-        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        report = kml.comm_report(model, x, y)
-        model.optimizer.build(model.trainable_variables)
-        memory = dist.plan(model).memory()
-    finally:
-        keras.distribution.set_distribution(None)
-    return rules, report, memory
+    report, state = compiled_step(lambda: build_tied(32768), kml.ModelParallel(mesh, rules), x, y)
+    return rules, report, state
 
 
 def test_a_tied_table_is_vocab_parallel_without_a_budget(tied_plan):
@@ -100,11 +91,11 @@ def test_a_tied_table_is_vocab_parallel_without_a_budget(tied_plan):
 
 def test_a_tied_table_prediction_matches_the_compiled_step(tied_plan):
     """Look-up all-reduce, four loss all-reduces, the head's input gradient, one gradient sync per read."""
-    rules, report, memory = tied_plan
+    rules, report, state = tied_plan
     assert set(report.wire_bytes_by_axis) == {"data", "model"}
     for axis, measured in report.wire_bytes_by_axis.items():
         assert rules.cost.wire_bytes_by_axis[axis] == pytest.approx(measured, rel=0.02), axis
-    assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
+    assert rules.cost.state_bytes == state
     table_reduces = [t for t in report.transfers if t.layer == "token_embedding" and t.axes == ("data",)]
     assert len(table_reduces) == 2  # the gradient is all-reduced once per read, split or not
 
@@ -133,7 +124,6 @@ def test_vocab_parallel_prediction_matches_the_compiled_step(vocab, mesh_shape):
     assert rules.match("token_embedding/embeddings").axes == ("model", None)
     assert rules.cost.layouts()["vocab-parallel"] == 1
     dist = kml.ModelParallel(mesh, rules)
-    keras.distribution.set_distribution(dist)
     assert_predicted_as_compiled(lambda: build(vocab), rules, dist, x, y)
 
 
@@ -183,5 +173,4 @@ def test_the_smallest_plan_is_predicted_under_the_default_policy():
     mix = rules.match("mix/kernel")
     assert mix.axes == (None, None)
     dist = kml.ModelParallel(mesh, rules)
-    keras.distribution.set_distribution(dist)
     assert_predicted_as_compiled(lambda: build_tied(4096), rules, dist, x, y)

@@ -98,7 +98,6 @@ def test_expert_parallel_prediction_matches_the_compiled_step(name, mesh_name):
         rules = kml.auto_rules(model, mesh, replicate_below=0, batch=x, optimizer="adam")
     assert rules.cost.layouts()["expert-parallel"] == 2  # one bank per layer
     dist = kml.ModelParallel(mesh, rules)
-    keras.distribution.set_distribution(dist)
     assert_predicted_as_compiled(build, rules, dist, x, y)
 
 

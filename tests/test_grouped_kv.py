@@ -16,7 +16,7 @@ import dataclasses
 import keras
 import numpy as np
 import pytest
-from helpers import Reference, assert_laid_out_as_planned, assert_same_weights, train
+from helpers import Reference, assert_laid_out_as_planned, assert_same_weights, compiled_step, train
 from hub_models import BATCH, CLASSES, ROWS, build_classifier, inputs_for
 
 import keras_meshlayout as kml
@@ -43,16 +43,8 @@ def planned() -> Planned:
     x = inputs_for(build())
     rules = kml.auto_rules(build(), mesh, batch=x, optimizer="adam", replicate_below=0)
     dist = kml.ModelParallel(mesh, rules, replicate_below=0)
-    keras.distribution.set_distribution(dist)
-    try:
-        model = build()
-        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        report = kml.comm_report(model, x, np.zeros(BATCH, "int32"))
-        model.optimizer.build(model.trainable_variables)
-        memory = dist.plan(model).memory()
-    finally:
-        keras.distribution.set_distribution(None)
-    return Planned(mesh, rules, report, memory.parameters + memory.gradients + memory.optimizer)
+    report, state = compiled_step(build, dist, x, np.zeros(BATCH, "int32"))
+    return Planned(mesh, rules, report, state)
 
 
 def test_key_value_kernels_split_on_head_dim(planned):
