@@ -221,3 +221,27 @@ def test_the_step_compiles_for_tpu_v5e_and_its_traffic_is_predicted(name):
     assert {"platform", "device_kind", "argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"} <= set(
         data
     )
+
+
+def test_a_data_parallel_v5e_16x16_mesh_feeds_each_host_one_block_and_compiles():
+    """Regression: `data=256, model=1` on v5e 16x16 failed "not contiguous" in `compile_step`.
+
+    JAX's mesh utilities order 256 chips along the physical ring, which put host 0's 2x2
+    square of chips at data positions 0, 1, 16 and 17; each host must feed one block.
+    """
+    from keras_meshlayout.core._process_data import process_batch_block
+
+    mesh = kml.Mesh(data=256, model=1, target="tpu-v5e:16x16")
+    hosts = sorted({device.process_index for device in mesh.devices.flat})
+    blocks = [process_batch_block(mesh, "data", process=host)[:2] for host in hosts]
+    assert len(hosts) == 64 and sorted(blocks) == [(start, start + 4) for start in range(0, 256, 4)]
+    # The ring order is kept within each host: one host's chips sit on one 2x2 square.
+    assert len({(d.coords[0] // 2, d.coords[1] // 2) for d in mesh.devices[:4].flat}) == 1
+
+    def build():
+        return keras.Sequential([keras.Input((128,)), keras.layers.Dense(256, name="up")], name="m")
+
+    dist = kml.ModelParallel(mesh, [(r".*up/kernel", (None, "model"))])
+    x, y = jax.ShapeDtypeStruct((512, 128), "float32"), jax.ShapeDtypeStruct((512, 256), "float32")
+    step = kml.compile_step(build, dist, x, y)
+    assert step.platform == "tpu" and step.comm.wire_bytes_by_axis["data"] > 0

@@ -17,7 +17,7 @@ from ._errors import InvalidMeshError, InvalidTargetError
 from ._mesh_spec import DEVICES_HINT, infer_sizes
 from ._targets import TARGET_FORMS, Target, target_devices
 
-__all__ = ["AbstractDevice", "abstract_grid", "check_target_form", "target_grid"]
+__all__ = ["AbstractDevice", "abstract_grid", "check_target_form", "hosts_in_blocks", "target_grid"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,8 @@ def target_grid(named: Mapping[str, int], target: Target) -> tuple[tuple[int, ..
         ) from None
     devices = target_devices(target)
     if target.slices == 1:
-        return shape, mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
+        grid = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
+        return shape, hosts_in_blocks(grid)
     if shape[0] % target.slices:
         raise InvalidTargetError(
             f"Mesh {spec} on target {target.spec}: the first axis, {next(iter(named))}={shape[0]}, is "
@@ -80,6 +81,30 @@ def target_grid(named: Mapping[str, int], target: Target) -> tuple[tuple[int, ..
         ici, dcn, devices=devices, process_is_granule=False, allow_split_physical_axes=True
     )
     return shape, grid
+
+
+def hosts_in_blocks(grid: np.ndarray) -> np.ndarray:
+    """`grid` with its first axis reordered so that each host's chips hold one block of it.
+
+    JAX's mesh utilities order a long first axis along the chips' physical ring: on v5e 16x16,
+    `data=256` puts host 0's four chips (a 2x2 square) at positions 0, 1, 16 and 17. Each
+    process must feed one contiguous block of every batch (`process_batch_block`), so the
+    positions are grouped by the hosts they hold, in the order each group first appears; the
+    other axes, and which chips share each position, do not change. A grid on which no such
+    order exists (hosts sharing positions unevenly) is returned as it is, and the batch check
+    says so.
+    """
+    hosts = np.vectorize(lambda device: int(getattr(device, "process_index", 0)), otypes=[int])(grid)
+    groups: dict[frozenset[int], list[int]] = {}
+    for position in range(grid.shape[0]):
+        groups.setdefault(frozenset(hosts[position].ravel().tolist()), []).append(position)
+    order = [position for positions in groups.values() for position in positions]
+    reordered = hosts[order]
+    for host in np.unique(hosts):
+        held = np.flatnonzero((reordered == host).reshape(len(order), -1).any(axis=1))
+        if held[-1] - held[0] + 1 != len(held):
+            return grid
+    return grid[order]
 
 
 def abstract_grid(
