@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         peak = None
         if args.batch_size is not None:
             step("predicting the peak memory of one training step (tracing its forward and backward passes)")
-            peak = _peak(args, build, plan, distribution.batch_dim_name)
+            peak = _peak(args, build, plan, distribution)
         compiled = None
         if args.compile:
             step(f"compiling the training step for {platform_name(mesh)} (XLA, ahead of time)")
@@ -287,13 +287,16 @@ def _the_rules(args: argparse.Namespace, build: Callable[[], Any], mesh: Any, po
     return None
 
 
-def _peak(args: argparse.Namespace, build: Callable[[], Any], plan: Any, batch_axis: str | None) -> Any:
-    """The predicted per-device peak of one training step on `--batch-size` (`planner._peak`)."""
+def _peak(args: argparse.Namespace, build: Callable[[], Any], plan: Any, distribution: Any) -> Any:
+    """The predicted per-device peak of one training step on `--batch-size` (`planner._peak`),
+    following XLA:TPU's buffers on a `--target` mesh."""
     from ..core._dry import dry_build
-    from ..planner._peak import plan_peak
+    from ..planner._peak import compiler_of, plan_peak
 
+    compiler = compiler_of(distribution.device_mesh)
     with dry_build(build) as model:
-        return plan_peak(model, plan, batch_spec(model, args.batch_size, args.sequence_length), batch_axis)
+        batch = batch_spec(model, args.batch_size, args.sequence_length)
+        return plan_peak(model, plan, batch, distribution.batch_dim_name, compiler)
 
 
 def _messages(plan: Any, caught: list[warnings.WarningMessage]) -> list[str]:

@@ -208,7 +208,7 @@ def auto_rules(
         table = cost_units(
             model, proposal, trace, mesh_axis_sizes(mesh), optimizer, chosen_policy.replicate_below
         )
-    step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis)
+    step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis, _peak.compiler_of(mesh))
     table, chosen, peak = _search_within_peak(table, budget, step)
     _apply(ledger, table, chosen)
     rules = LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)

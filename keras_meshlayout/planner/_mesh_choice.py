@@ -297,7 +297,8 @@ def _option(step: _Step, sizes: dict[str, int], target: Target | None, budget: i
         why = f"the batch of {rows} rows does not split over {step.axes[0]}={data}"
         return MeshOption(sizes, {}, None, None, None, None, excluded=why)
     try:
-        rules = _plan(step.model, _mesh(sizes, None), step.batch, step.optimizer, budget, step.axes)
+        # Over the target's devices, so that the predicted peak follows its compiler (`_peak`).
+        rules = _plan(step.model, _mesh(sizes, target), step.batch, step.optimizer, budget, step.axes)
     except MemoryBudgetError as err:
         why = f"no layout fits the budget (needs {format_bytes(err.smallest_bytes or 0)})"
         return MeshOption(sizes, {}, err.smallest_bytes, None, None, None, excluded=why)

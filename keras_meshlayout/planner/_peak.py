@@ -40,7 +40,7 @@ from ..core._axes import Axes, entry_axes
 from ._propagate import REDUCTIONS, Specs
 from ._trace import Trace, trace_step
 
-__all__ = ["PeakMemory", "PeakWalk", "peak_memory", "plan_peak", "transient_peak"]
+__all__ = ["PeakMemory", "PeakWalk", "compiler_of", "peak_memory", "plan_peak", "transient_peak"]
 
 
 #: Operations XLA fuses into their readers: element-wise arithmetic, casts, broadcasts, reshapes.
@@ -67,12 +67,15 @@ class PeakMemory:
         batch: The batch's shard on each device.
         transient: The most the step holds at once beyond its parameters and slots:
             activations, temporaries and the gradients written so far.
+        held: Whether every gradient is held until the update (XLA:CPU); on XLA:TPU each is
+            applied as it is written, so the peak may hold fewer than all of them.
     """
 
     state: int
     gradients: int
     batch: int
     transient: int
+    held: bool = True
 
     @property
     def non_state(self) -> int:
@@ -82,27 +85,39 @@ class PeakMemory:
     @property
     def peak(self) -> int:
         """State without gradients, the batch, and the transient peak (gradients included)."""
-        return self.state - self.gradients + self.batch + max(self.transient, self.gradients)
+        transient = max(self.transient, self.gradients) if self.held else self.transient
+        return self.state - self.gradients + self.batch + transient
 
 
 class PeakWalk:
     """One traced training step, walked again for each set of layouts the search tries."""
 
     def __init__(
-        self, model: Any, trace: Trace, axis_sizes: Mapping[str, int], batch_axis: str | None
+        self,
+        model: Any,
+        trace: Trace,
+        axis_sizes: Mapping[str, int],
+        batch_axis: str | None,
+        compiler: str = "cpu",
     ) -> None:
         self.trace = _live_code(trace)
         self.axis_sizes = dict(axis_sizes)
         self.batch_axis = batch_axis
+        self.compiler = compiler
         self.trainable = {v.path: v for v in model.trainable_variables}
 
     @classmethod
     def of(
-        cls, model: Any, batch: Any, axis_sizes: Mapping[str, int], batch_axis: str | None
+        cls,
+        model: Any,
+        batch: Any,
+        axis_sizes: Mapping[str, int],
+        batch_axis: str | None,
+        compiler: str = "cpu",
     ) -> PeakWalk | None:
         """The walk of `model`'s step on `batch`, or `None` when its gradient cannot be traced."""
         try:
-            return cls(model, trace_step(model, batch), axis_sizes, batch_axis)
+            return cls(model, trace_step(model, batch), axis_sizes, batch_axis, compiler)
         except Exception:  # a model whose gradient JAX cannot trace still plans, on its reserve
             return None
 
@@ -119,15 +134,29 @@ class PeakWalk:
             pieces = math.prod(self.axis_sizes.get(a, 1) for entry in axes for a in entry_axes(entry))
             gradients += math.prod(variable.shape) * np.dtype(variable.dtype).itemsize // pieces
         return peak_memory(
-            self.trace, layouts, self.axis_sizes, self.batch_axis, state=state, gradients=gradients
+            self.trace,
+            layouts,
+            self.axis_sizes,
+            self.batch_axis,
+            state=state,
+            gradients=gradients,
+            compiler=self.compiler,
         )
 
 
-def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None) -> PeakMemory:
+def compiler_of(mesh: Any) -> str:
+    """The compiler whose buffers the walk follows for `mesh`: `"tpu"` on a TPU target, else `"cpu"`."""
+    return "tpu" if getattr(mesh, "target", None) is not None else "cpu"
+
+
+def plan_peak(
+    model: Any, plan: Any, batch: Any, batch_axis: str | None, compiler: str = "cpu"
+) -> PeakMemory:
     """The predicted per-device peak of one training step of `model` on `batch` under `plan`.
 
     `plan` is a `kml.Plan` of `model` (its entries give each variable's layout and its
-    `memory()` the training state); `model` may be a `kml.dry_build` model.
+    `memory()` the training state); `model` may be a `kml.dry_build` model. `compiler`
+    (`compiler_of(mesh)`) is the XLA whose buffers the walk follows.
     """
     memory = plan.memory()
     layouts = {entry.path: entry.axes for entry in plan.entries}
@@ -138,6 +167,7 @@ def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None) -> Peak
         batch_axis,
         state=memory.total,
         gradients=memory.gradients,
+        compiler=compiler,
     )
 
 
@@ -149,13 +179,16 @@ def peak_memory(
     *,
     state: int,
     gradients: int,
+    compiler: str = "cpu",
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
     `state` and `gradients` are the per-device training-state bytes and their gradients' share
     (`core._memory`: a plan's `memory()`, or the planner's candidates).
     """
-    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis)
+    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler)
+    if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
+        return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient, held=False)
     return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient)
 
 
@@ -164,18 +197,20 @@ def transient_peak(
     layouts: Mapping[str, Axes],
     axis_sizes: Mapping[str, int],
     batch_axis: str | None,
+    compiler: str = "cpu",
 ) -> tuple[int, int]:
     """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
 
     `layouts` gives each variable path its axes (missing: replicated).
     """
+    held = compiler != "tpu"
     specs = Specs(trace, layouts, axis_sizes, batch_axis)
     sizes = {value: specs.bytes(value) for value in trace.shapes}
-    fused = _fused(trace)
+    fused = _fused(trace) | (_laid_out(trace) if not held else set())
     last = _last_reads(trace, fused)
     end = len(trace.nodes)
     for value in trace.outputs:
-        if value >= 0:
+        if value >= 0 and held:
             last[value] = end
     written = _written(trace)
     starts: dict[int, int] = {}
@@ -188,12 +223,13 @@ def transient_peak(
     for value, (first, final) in specs.gathered.items():
         starts[first] = starts.get(first, 0) + specs.bytes(value)
         frees[final] = frees.get(final, 0) + specs.bytes(value)
-    if axis_sizes.get(batch_axis or "", 1) > 1:
+    if held and axis_sizes.get(batch_axis or "", 1) > 1:
         # The gradients are summed over the batch axis into buffers of their own (one combined
         # all-reduce at the end of the backward pass, measured on XLA:CPU), before the update.
         summed = sum(sizes[value] for value in set(trace.outputs) if value >= 0)
         specs.scratch[end] = specs.scratch.get(end, 0) + summed
-    for when, extra in specs.scratch.items():
+    extras = [specs.scratch, specs.partial_sums] if held else [specs.scratch]
+    for when, extra in ((w, e) for scratch in extras for w, e in scratch.items()):
         starts[when] = starts.get(when, 0) + extra
         frees[when] = frees.get(when, 0) + extra
     live = peak = 0
@@ -263,6 +299,23 @@ def _fused(trace: Trace) -> set[int]:
             elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
                 fused.add(value)
     return fused
+
+
+def _laid_out(trace: Trace) -> set[int]:
+    """Values XLA:TPU writes in their one reader's layout: a result read only by a transpose.
+
+    XLA:TPU's layout assignment turns such a transpose into a change of layout of its operand
+    (measured: a weight's gradient, `dot_general` then `transpose`, is written once, not twice).
+    """
+    outputs = set(trace.outputs)
+    laid_out = set()
+    for node in trace.nodes:
+        for value in node.outputs:
+            readers = set(trace.consumers.get(value, ()))
+            if value not in outputs and len(readers) == 1:
+                if trace.nodes[next(iter(readers))].primitive == "transpose":
+                    laid_out.add(value)
+    return laid_out
 
 
 def _fusing(primitive: str) -> bool:

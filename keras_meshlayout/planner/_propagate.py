@@ -49,6 +49,8 @@ class Specs:
         self._gathered_bytes: dict[int, int] = {}
         #: Per node, bytes of buffers alive only while it runs (copies of operands, partial sums).
         self.scratch: dict[int, int] = {}
+        #: Per node, bytes of partial sums it writes before their all-reduce (XLA:CPU's second buffer).
+        self.partial_sums: dict[int, int] = {}
         weights: dict[int, Spec] = {}
         for value, path in trace.variables.items():
             axes = layouts.get(path)
@@ -119,7 +121,7 @@ class Specs:
             self.spec[value] = self._valid(spec, shape)
         if name == "dot_general" and self._summed_over_axis(node, ins):
             # Partial sums over a mesh axis: XLA all-reduces them into a second buffer.
-            self.scratch[node.index] = self.scratch.get(node.index, 0) + self.bytes(node.outputs[0])
+            self.partial_sums[node.index] = self.partial_sums.get(node.index, 0) + self.bytes(node.outputs[0])
         elif name == "conv_general_dilated":
             self.scratch[node.index] = self.scratch.get(node.index, 0) + self._conv_copies(node)
 

@@ -1,0 +1,166 @@
+"""Planning for rented TPUs: Llama-3 8 B / 70 B and Mixtral 8×7 B shapes, meshes chosen and compiled.
+
+Each model is a keras-hub backbone with its language-model head (the untied 128K-row output
+table of Llama-3, Mixtral's 32K one), built inside `kml.dry_build` (nothing is allocated),
+for one step of one sequence of 2048 tokens per chip with Adam and float32 weights. For each
+target, TPU v5e 16×16 (256 chips, 16 GiB HBM each) and v5p 4×4×4 (64 chips, 95 GiB):
+
+1. `kml.choose_mesh` plans every data × model split of the chips (abstract meshes) and picks
+   the one with the least predicted step time ("plan s": its wall time);
+2. `kml.compile_step` AOT-compiles Keras's own training step for that mesh and its rules with
+   XLA:TPU, from libtpu's compile-only devices on this CPU-only machine ("compile s").
+
+Printed per row: the chosen mesh, the predicted and compiled per-device peak and bytes sent
+per step, their ratios, whether the compiled peak fits the chip's HBM, and the process's peak
+host memory.
+
+Depth: the widths (hidden, heads, key/value heads, feed-forward, vocabulary, experts) are the
+real models', the depth is not. One XLA:TPU compile of a single Llama-3 8 B layer for 256 chips
+takes about 100 s here (2 loaded cores) and the compile time grows with every layer, so the
+default is `--layers 2`: every figure is of a 2-layer model at full width (the state, the
+traffic and the peak all grow with depth; the choice of mesh can change with it). Memory is
+not the limit (about 1.5 GiB of host memory per compile).
+
+The choice is made with no memory budget (`memory_budget="1TiB"`): the peak the walk
+predicts for these steps is about twice what XLA:TPU compiles (see docs/status.md), so
+within the chips' HBM nothing would be left to choose from.
+
+    python benchmarks/targets.py                # about 20 min on 2 cores; each row in a fresh process
+    python benchmarks/targets.py --json docs/benchmarks/targets.json
+    python benchmarks/targets.py --layers 1 --only "Llama-3 8B"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+_LLAMA3 = dict(vocabulary_size=128256, num_key_value_heads=8, rope_max_wavelength=500000)
+SHAPES = {
+    "Llama-3 8B": (
+        "Llama3Backbone",
+        dict(_LLAMA3, hidden_dim=4096, num_query_heads=32, intermediate_dim=14336),
+        32,
+    ),
+    "Llama-3 70B": (
+        "Llama3Backbone",
+        dict(_LLAMA3, hidden_dim=8192, num_query_heads=64, intermediate_dim=28672),
+        80,
+    ),
+    "Mixtral 8x7B": (
+        "MixtralBackbone",
+        dict(
+            vocabulary_size=32000,
+            hidden_dim=4096,
+            num_query_heads=32,
+            num_key_value_heads=8,
+            intermediate_dim=14336,
+            num_experts=8,
+            top_k=2,
+        ),
+        32,
+    ),
+}
+TARGETS = ("tpu-v5e:16x16", "tpu-v5p:4x4x4")
+SEQUENCE = 2048
+GiB = 2**30
+
+
+def build_lm(cls: str, config: dict, layers: int):
+    """The backbone under its output table (`reverse=True`), as keras-hub's causal LMs run it."""
+    import keras
+    import keras_hub
+
+    backbone = getattr(keras_hub.models, cls)(**config, num_layers=layers, dtype="float32")
+    inputs = {name: keras.Input((SEQUENCE,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")}
+    logits = backbone.token_embedding(backbone(inputs), reverse=True)
+    return keras.Model(inputs, logits, name="lm")
+
+
+def measure(name: str, target: str, layers: int) -> dict:
+    """Runs in a fresh process: the mesh chosen for one model on one target, and its compile."""
+    import jax
+    import keras
+
+    import keras_meshlayout as kml
+
+    cls, config, depth = SHAPES[name]
+    chips = kml.parse_target(target).chips
+    x = {key: jax.ShapeDtypeStruct((chips, SEQUENCE), "int32") for key in ("token_ids", "padding_mask")}
+    y = jax.ShapeDtypeStruct((chips, SEQUENCE), "int32")
+
+    def build():
+        return build_lm(cls, config, layers)
+
+    start = time.perf_counter()
+    choice = kml.choose_mesh(build, target, batch=x, optimizer="adam", memory_budget="1TiB")
+    plan_seconds = time.perf_counter() - start
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = kml.compile_step(
+        build, kml.ModelParallel(choice.mesh, choice.rules), x, y, optimizer="adam", loss=loss
+    )
+    predicted = {axis: b for axis, b in choice.rules.cost.wire_bytes_by_axis.items() if b > 64}
+    compiled = {axis: b for axis, b in step.comm.wire_bytes_by_axis.items() if b > 64}  # not scalar sums
+    hbm = choice.target.hbm_bytes
+    return {
+        "model": name,
+        "target": target,
+        "layers": layers,
+        "full_depth": depth,
+        "mesh": choice.best.spec,
+        "alternatives": [option.to_dict() for option in choice.alternatives],
+        "plan_seconds": round(plan_seconds, 1),
+        "compile_seconds": round(step.compile_seconds, 1),
+        "predicted_peak_bytes": choice.best.peak_bytes,
+        "compiled_peak_bytes": step.peak_bytes,
+        "peak_ratio": choice.best.peak_bytes / step.peak_bytes,
+        "compiled": step.to_dict(),
+        "hbm_bytes": hbm,
+        "fits": step.peak_bytes <= hbm,
+        "predicted_wire_bytes_by_axis": predicted,
+        "compiled_wire_bytes_by_axis": compiled,
+        "wire_ratio": sum(predicted.values()) / max(sum(compiled.values()), 1.0),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def _row(r: dict) -> str:
+    sent = sum(r["compiled_wire_bytes_by_axis"].values())
+    return (
+        f"| {r['model']} ({r['layers']} of {r['full_depth']} layers) | {r['target']} | {r['mesh']} | "
+        f"{r['predicted_peak_bytes'] / GiB:.2f} | {r['compiled_peak_bytes'] / GiB:.2f} | {r['peak_ratio']:.2f} | "
+        f"{'yes' if r['fits'] else 'no'} | {sent / GiB:.2f} | {r['wire_ratio']:.3f} | "
+        f"{r['plan_seconds']:.0f} | {r['compile_seconds']:.0f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of each model (default 2)")
+    parser.add_argument("--only", choices=SHAPES, help="one model only")
+    parser.add_argument("--measure", nargs=2, metavar=("MODEL", "TARGET"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(*args.measure, args.layers)))
+        return
+    results = []
+    for name in [args.only] if args.only else SHAPES:
+        for target in TARGETS:
+            command = [sys.executable, __file__, "--measure", name, target, "--layers", str(args.layers)]
+            out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+            if out.returncode:
+                sys.exit(f"{name} on {target} failed:\n{out.stderr[-4000:]}")
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(_row(results[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
