@@ -76,7 +76,8 @@ def build_lm(cls: str, config: dict, layers: int):
     import keras_hub
 
     backbone = getattr(keras_hub.models, cls)(**config, num_layers=layers, dtype="float32")
-    inputs = {name: keras.Input((SEQUENCE,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")}
+    names = ("token_ids", "padding_mask")
+    inputs = {name: keras.Input((SEQUENCE,), dtype="int32", name=name) for name in names}
     logits = backbone.token_embedding(backbone(inputs), reverse=True)
     return keras.Model(inputs, logits, name="lm")
 
@@ -132,14 +133,17 @@ def _row(r: dict) -> str:
     sent = sum(r["compiled_wire_bytes_by_axis"].values())
     return (
         f"| {r['model']} ({r['layers']} of {r['full_depth']} layers) | {r['target']} | {r['mesh']} | "
-        f"{r['predicted_peak_bytes'] / GiB:.2f} | {r['compiled_peak_bytes'] / GiB:.2f} | {r['peak_ratio']:.2f} | "
+        f"{r['predicted_peak_bytes'] / GiB:.2f} | {r['compiled_peak_bytes'] / GiB:.2f} | "
+        f"{r['peak_ratio']:.2f} | "
         f"{'yes' if r['fits'] else 'no'} | {sent / GiB:.2f} | {r['wire_ratio']:.3f} | "
         f"{r['plan_seconds']:.0f} | {r['compile_seconds']:.0f} |"
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of each model (default 2)")
     parser.add_argument("--only", choices=SHAPES, help="one model only")
