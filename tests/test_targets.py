@@ -245,3 +245,38 @@ def test_a_data_parallel_v5e_16x16_mesh_feeds_each_host_one_block_and_compiles()
     x, y = jax.ShapeDtypeStruct((512, 128), "float32"), jax.ShapeDtypeStruct((512, 256), "float32")
     step = kml.compile_step(build, dist, x, y)
     assert step.platform == "tpu" and step.comm.wire_bytes_by_axis["data"] > 0
+
+
+# -- the predicted peak on XLA:TPU ---------------------------------------------------------------
+
+#: Predicted ÷ XLA:TPU's compiled peak of the auto plans above (libtpu 0.0.42.1, jax 0.10.2). XLA:TPU
+#: reports no temporaries (0 B) for these toy steps, whose activations it keeps in on-chip memory;
+#: the walk counts them in HBM, so it is above the compiled peak by their share. Measured, not a goal.
+TOY_PEAK = {"convnet": 1.36, "decoder": 2.72, "moe": 1.23}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS), ids=sorted(BUILDS))
+def test_the_peak_of_toy_steps_on_tpu_is_above_the_compiled_one_by_what_stays_on_chip(name):
+    rules, step = compiled(name)
+    assert step.temp_bytes == 0
+    assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(TOY_PEAK[name], abs=0.02)
+
+
+def _wide_mlp() -> keras.Model:
+    layers = [keras.layers.Dense(4096, activation="gelu", name="up"), keras.layers.Dense(4096, name="mid")]
+    return keras.Sequential([keras.Input((4096,)), *layers, keras.layers.Dense(1000, name="head")], name="mlp")
+
+
+def test_the_peak_follows_xla_tpu_where_its_temporaries_are_in_hbm():
+    """XLA:TPU applies each gradient as it is written (no second, summed copy of them all, no
+    partial-sum buffer) and writes a transposed gradient once: the walk follows it on a target.
+    Before it did, predicted ÷ compiled was 1.44 here (1.48 on 2x4, now 0.992); XLA:CPU: 1.000."""
+    mesh = kml.Mesh(data=8, model=1, target="tpu-v5e:2x4")
+    x, y = jax.ShapeDtypeStruct((64, 4096), "float32"), jax.ShapeDtypeStruct((64,), "int32")
+    with kml.dry_build(_wide_mlp) as model:
+        rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
+    dist = kml.ModelParallel(mesh, rules, replicate_below=0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = kml.compile_step(_wide_mlp, dist, x, y, optimizer="adam", loss=loss)
+    assert step.temp_bytes > 2**24  # the gradients' buffers are in HBM, not on chip
+    assert 0.98 <= rules.cost.peak_bytes / step.peak_bytes <= 1.01, (rules.cost.peak_bytes, step.peak_bytes)
