@@ -101,13 +101,9 @@ def measure(name: str, target: str, layers: int) -> dict:
     choice = kml.choose_mesh(build, target, batch=x, optimizer="adam", memory_budget="1TiB")
     plan_seconds = time.perf_counter() - start
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    step = kml.compile_step(
-        build, kml.ModelParallel(choice.mesh, choice.rules), x, y, optimizer="adam", loss=loss
-    )
+    distribution = kml.ModelParallel(choice.mesh, choice.rules)
     predicted = {axis: b for axis, b in choice.rules.cost.wire_bytes_by_axis.items() if b > 64}
-    compiled = {axis: b for axis, b in step.comm.wire_bytes_by_axis.items() if b > 64}  # not scalar sums
-    hbm = choice.target.hbm_bytes
-    return {
+    row = {
         "model": name,
         "target": target,
         "layers": layers,
@@ -115,21 +111,39 @@ def measure(name: str, target: str, layers: int) -> dict:
         "mesh": choice.best.spec,
         "alternatives": [option.to_dict() for option in choice.alternatives],
         "plan_seconds": round(plan_seconds, 1),
-        "compile_seconds": round(step.compile_seconds, 1),
         "predicted_peak_bytes": choice.best.peak_bytes,
-        "compiled_peak_bytes": step.peak_bytes,
-        "peak_ratio": choice.best.peak_bytes / step.peak_bytes,
-        "compiled": step.to_dict(),
-        "hbm_bytes": hbm,
-        "fits": step.peak_bytes <= hbm,
         "predicted_wire_bytes_by_axis": predicted,
-        "compiled_wire_bytes_by_axis": compiled,
-        "wire_ratio": sum(predicted.values()) / max(sum(compiled.values()), 1.0),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "hbm_bytes": choice.target.hbm_bytes,
     }
+    try:
+        step = kml.compile_step(build, distribution, x, y, optimizer="adam", loss=loss)
+    except jax.errors.JaxRuntimeError as error:  # XLA:TPU refuses a step whose temporaries exceed HBM
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        message = str(error).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0]
+        return {**row, "compile_error": message, "fits": False, "compile_seconds": None}
+    compiled = {axis: b for axis, b in step.comm.wire_bytes_by_axis.items() if b > 64}  # not scalar sums
+    row.update(
+        compile_error=None,
+        compile_seconds=round(step.compile_seconds, 1),
+        compiled_peak_bytes=step.peak_bytes,
+        peak_ratio=choice.best.peak_bytes / step.peak_bytes,
+        compiled=step.to_dict(),
+        fits=step.peak_bytes <= choice.target.hbm_bytes,
+        compiled_wire_bytes_by_axis=compiled,
+        wire_ratio=sum(predicted.values()) / max(sum(compiled.values()), 1.0),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+    return row
 
 
 def _row(r: dict) -> str:
+    if r["compile_error"]:
+        return (
+            f"| {r['model']} ({r['layers']} of {r['full_depth']} layers) | {r['target']} | {r['mesh']} | "
+            f"{r['predicted_peak_bytes'] / GiB:.2f} | XLA:TPU: {r['compile_error']} | | no | | | "
+            f"{r['plan_seconds']:.0f} | |"
+        )
     sent = sum(r["compiled_wire_bytes_by_axis"].values())
     return (
         f"| {r['model']} ({r['layers']} of {r['full_depth']} layers) | {r['target']} | {r['mesh']} | "
@@ -161,9 +175,9 @@ def main() -> None:
                 sys.exit(f"{name} on {target} failed:\n{out.stderr[-4000:]}")
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(_row(results[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            if args.json:  # after every row: a long run keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":
