@@ -252,7 +252,7 @@ def test_a_data_parallel_v5e_16x16_mesh_feeds_each_host_one_block_and_compiles()
 #: Predicted ÷ XLA:TPU's compiled peak of the auto plans above (libtpu 0.0.42.1, jax 0.10.2). XLA:TPU
 #: reports no temporaries (0 B) for these toy steps, whose activations it keeps in on-chip memory;
 #: the walk counts them in HBM, so it is above the compiled peak by their share. Measured, not a goal.
-TOY_PEAK = {"convnet": 1.36, "decoder": 2.72, "moe": 1.23}
+TOY_PEAK = {"convnet": 1.36, "decoder": 2.54, "moe": 1.23}
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS), ids=sorted(BUILDS))
@@ -264,7 +264,8 @@ def test_the_peak_of_toy_steps_on_tpu_is_above_the_compiled_one_by_what_stays_on
 
 def _wide_mlp() -> keras.Model:
     layers = [keras.layers.Dense(4096, activation="gelu", name="up"), keras.layers.Dense(4096, name="mid")]
-    return keras.Sequential([keras.Input((4096,)), *layers, keras.layers.Dense(1000, name="head")], name="mlp")
+    head = keras.layers.Dense(1000, name="head")
+    return keras.Sequential([keras.Input((4096,)), *layers, head], name="mlp")
 
 
 def test_the_peak_follows_xla_tpu_where_its_temporaries_are_in_hbm():

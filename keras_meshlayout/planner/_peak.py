@@ -228,6 +228,10 @@ def transient_peak(
         # all-reduce at the end of the backward pass, measured on XLA:CPU), before the update.
         summed = sum(sizes[value] for value in set(trace.outputs) if value >= 0)
         specs.scratch[end] = specs.scratch.get(end, 0) + summed
+    if not held:
+        for when, reused in _in_place(trace, set(buffers), sizes, last).items():
+            starts[when] -= reused
+            frees[when] -= reused
     extras = [specs.scratch, specs.partial_sums] if held else [specs.scratch]
     for when, extra in ((w, e) for scratch in extras for w, e in scratch.items()):
         starts[when] = starts.get(when, 0) + extra
@@ -299,6 +303,47 @@ def _fused(trace: Trace) -> set[int]:
             elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
                 fused.add(value)
     return fused
+
+
+def _in_place(
+    trace: Trace, buffers: set[int], sizes: Mapping[int, int], last: Mapping[int, int]
+) -> dict[int, int]:
+    """Per node, the bytes of element-wise results XLA:TPU writes over an operand that dies there.
+
+    The operands are the node's inputs and, through values fused into it, theirs. Measured on a
+    language-model head: the logits' gradient takes the logits' own buffer, so one (tokens ×
+    vocabulary) buffer is live where the walk counted two.
+    """
+    reused: dict[int, int] = {}
+    for node in trace.nodes:
+        if node.primitive not in _ELEMENTWISE:
+            continue
+        taken: set[int] = set()
+        for value in (v for v in node.outputs if v in buffers):
+            for operand in _operands(trace, node.inputs, buffers):
+                if operand in buffers and operand not in taken and last.get(operand) == node.index:
+                    if sizes[operand] == sizes[value]:
+                        taken.add(operand)
+                        reused[node.index] = reused.get(node.index, 0) + sizes[value]
+                        break
+    return reused
+
+
+def _operands(trace: Trace, inputs: Sequence[int], buffers: set[int]) -> list[int]:
+    """The buffers `inputs` read: each input that is one, else (fused) those its producer reads."""
+    found: list[int] = []
+    seen: set[int] = set()
+    pending = [v for v in inputs if v >= 0]
+    while pending:
+        value = pending.pop(0)
+        if value in seen:
+            continue
+        seen.add(value)
+        if value in buffers:
+            found.append(value)
+        elif value in trace.producer:
+            pending.extend(v for v in trace.nodes[trace.producer[value]].inputs if v >= 0)
+    return found
 
 
 def _laid_out(trace: Trace) -> set[int]:
