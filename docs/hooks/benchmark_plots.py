@@ -1,7 +1,7 @@
 """MkDocs hook: the benchmark tables and plots, drawn from the benchmarks' JSON output.
 
 `docs/benchmarks/<name>.json` is what `python benchmarks/<name>.py --json PATH` writes
-(`comm`, `hub`, `dry_plan`, `checkpoint`). At build time this hook
+(`comm`, `hub`, `dry_plan`, `checkpoint`, `targets`). At build time this hook
 
 - replaces each `<!-- bench:NAME -->` line of a page with a Markdown table drawn from
   that JSON (`TABLES`), and
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks"
+GiB = 2**30
 MiB = 2**20
 KiB = 2**10
 LAYOUT_COLOURS = {
@@ -143,11 +144,38 @@ def checkpoint_table(data: dict) -> str:
     )
 
 
+def targets_table(data: list) -> str:
+    """The TPU targets benchmark: the mesh chosen, predicted against XLA:TPU's peak and bytes, times."""
+    rows = []
+    for r in data:
+        model = f"{r['model']} ({r['layers']} of {r['full_depth']} layers)"
+        predicted = f"{r['predicted_peak_bytes'] / GiB:.2f}"
+        if r["compile_error"]:
+            cells = [predicted, "refused: " + r["compile_error"], "", "no", "", "", "—"]
+        else:
+            sent = sum(r["compiled_wire_bytes_by_axis"].values())
+            cells = [
+                predicted,
+                f"{r['compiled_peak_bytes'] / GiB:.2f}",
+                f"{r['peak_ratio']:.2f}",
+                "yes" if r["fits"] else "no",
+                f"{sent / GiB:.2f}",
+                f"{r['wire_ratio']:.3f}",
+                f"{r['compile_seconds']:.0f}",
+            ]
+        rows.append([model, r["target"], r["mesh"], *cells[:6], f"{r['plan_seconds']:.0f}", cells[6]])
+    header = ["model (depth compiled)", "target", "mesh chosen", "peak predicted (GiB)",
+              "peak compiled (GiB)", "ratio", "fits HBM", "sent/step compiled (GiB)",
+              "bytes predicted ÷ compiled", "plan (s)", "compile (s)"]  # fmt: skip
+    return _table(header, rows, right=set(range(3, 11)))
+
+
 TABLES: dict[str, tuple[str, Callable[[Any], str]]] = {
     "comm": ("comm", comm_table),
     "hub": ("hub", hub_table),
     "dry_plan": ("dry_plan", dry_plan_table),
     "checkpoint": ("checkpoint", checkpoint_table),
+    "targets": ("targets", targets_table),
 }
 
 
@@ -267,11 +295,43 @@ def checkpoint_plot(data: dict) -> bytes:
     return _svg(figure)
 
 
+def targets_plot(data: list) -> bytes:
+    """Predicted against XLA:TPU's compiled per-device peak, and the compile times, per model and target."""
+    labels = [f"{r['model']}\n{r['target']} ({r['mesh']})" for r in data]
+    figure = _figure(10, 4.2)
+    left, right = figure.subplots(1, 2)
+    rows = range(len(data))
+    left.barh([i - 0.2 for i in rows], [r["predicted_peak_bytes"] / GiB for r in data], height=0.4,
+              color="#1f77b4", label="predicted")  # fmt: skip
+    compiled = [0.0 if r["compile_error"] else r["compiled_peak_bytes"] / GiB for r in data]
+    left.barh([i + 0.2 for i in rows], compiled, height=0.4, color="#ff7f0e", label="XLA:TPU compiled")
+    for i, r in enumerate(data):
+        left.plot([r["hbm_bytes"] / GiB] * 2, [i - 0.45, i + 0.45], color="black", linewidth=1.2)
+        if r["compile_error"]:
+            left.annotate(" refused: over HBM", (0, i + 0.2), va="center", fontsize=7)
+    left.set_yticks(list(rows), labels, fontsize=7)
+    left.set_xlabel("peak per chip (GiB; black: the chip's HBM)")
+    left.legend(fontsize=7, loc="lower right")
+    plan = [r["plan_seconds"] for r in data]
+    right.barh([i - 0.2 for i in rows], plan, height=0.4, color="#2ca02c", label="plan (choose_mesh)")
+    compile_ = [r["compile_seconds"] or 0.0 for r in data]
+    right.barh([i + 0.2 for i in rows], compile_, height=0.4, color="#9467bd", label="compile (XLA:TPU)")
+    right.set_yticks(list(rows), [""] * len(data))
+    right.set_xlabel("seconds (2 loaded CPU cores)")
+    right.legend(fontsize=7, loc="lower right")
+    for ax in (left, right):
+        ax.invert_yaxis()
+        ax.grid(True, axis="x", alpha=0.3)
+    figure.suptitle("Meshes chosen for rented TPUs: predicted and compiled peak, time to plan and to compile")
+    return _svg(figure)
+
+
 PLOTS: dict[str, tuple[str, Callable[[Any], bytes]]] = {
     "comm_sent": ("comm", comm_plot),
     "hub_tradeoff": ("hub", hub_plot),
     "dry_plan": ("dry_plan", dry_plan_plot),
     "checkpoint_memory": ("checkpoint", checkpoint_plot),
+    "targets": ("targets", targets_plot),
 }
 
 
