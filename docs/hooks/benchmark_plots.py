@@ -151,7 +151,9 @@ def targets_table(data: list) -> str:
         model = f"{r['model']} ({r['layers']} of {r['full_depth']} layers)"
         predicted = f"{r['predicted_peak_bytes'] / GiB:.2f}"
         if r["compile_error"]:
-            cells = [predicted, "refused: " + r["compile_error"], "", "no", "", "", "—"]
+            needs = re.search(r"temporaries \(([\d.]+G)\)", r["compile_error"])
+            refused = f"refused: temporaries {needs.group(1)}iB over the HBM" if needs else r["compile_error"]
+            cells = [predicted, refused, "", "no", "", "", "—"]
         else:
             sent = sum(r["compiled_wire_bytes_by_axis"].values())
             cells = [
@@ -322,7 +324,8 @@ def targets_plot(data: list) -> bytes:
     for ax in (left, right):
         ax.invert_yaxis()
         ax.grid(True, axis="x", alpha=0.3)
-    figure.suptitle("Meshes chosen for rented TPUs: predicted and compiled peak, time to plan and to compile")
+    depth = f"{data[0]['layers']} layers at full width" if data else ""
+    figure.suptitle(f"Meshes chosen for rented TPUs ({depth}): peak per chip, time to plan and compile")
     return _svg(figure)
 
 
