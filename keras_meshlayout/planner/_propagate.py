@@ -226,15 +226,38 @@ def _none(shape: Sequence[int]) -> Spec:
 
 
 def _like(out: tuple[int, ...], ins: list[Spec], in_shapes: list[tuple[int, ...]]) -> Spec:
-    """Each dimension's axes from the first input of the same rank whose dimension has the same size."""
+    """Each dimension's axes from the first input of the same rank whose dimension has the same size.
+
+    With no input of the same rank (`unstack`, `squeeze`, `expand_dims`, a split), the
+    dimensions are matched in order by size (`_aligned`): measured on keras-hub's rotary
+    embedding, whose backward `unstack` was taken as replicated, 8 GiB per chip too many.
+    """
     spec = list(_none(out))
+    same_rank = False
     for spec_in, shape in zip(ins, in_shapes, strict=True):
         if len(shape) != len(out):
             continue
+        same_rank = True
         for d, (size, entry) in enumerate(zip(shape, spec_in, strict=True)):
             if not spec[d] and size == out[d] and entry:
                 spec[d] = entry
+    if not same_rank:
+        for spec_in, shape in zip(ins, in_shapes, strict=True):
+            if shape and any(spec_in):
+                return _aligned(out, spec_in, shape)
     return tuple(spec)
+
+
+def _aligned(out: tuple[int, ...], spec: Spec, shape: tuple[int, ...]) -> Spec:
+    """The input's axes carried to the output's dimensions matched in order by size."""
+    result = list(_none(out))
+    d = 0
+    for o, size in enumerate(out):
+        match = next((i for i in range(d, len(shape)) if shape[i] == size), None)
+        if match is not None:  # an output dimension no input dimension matches (a new 1) stays whole
+            result[o] = spec[match]
+            d = match + 1
+    return tuple(result)
 
 
 def _reshape(spec: Spec, shape: tuple[int, ...], out: tuple[int, ...]) -> Spec:
