@@ -16,16 +16,16 @@ host memory.
 
 Depth: the widths (hidden, heads, key/value heads, feed-forward, vocabulary, experts) are the
 real models', the depth is not. One XLA:TPU compile of a single Llama-3 8 B layer for 256 chips
-takes about 100 s here (2 loaded cores) and the compile time grows with every layer, so the
+took 106 s here and two layers 179 s (2 loaded cores) and the compile time grows with every layer, so the
 default is `--layers 2`: every figure is of a 2-layer model at full width (the state, the
 traffic and the peak all grow with depth; the choice of mesh can change with it). Memory is
 not the limit (about 1.5 GiB of host memory per compile).
 
-The choice is made with no memory budget (`memory_budget="1TiB"`): the peak the walk
-predicts for these steps is about twice what XLA:TPU compiles (see docs/status.md), so
-within the chips' HBM nothing would be left to choose from.
+The choice is made with no memory budget (`memory_budget="1TiB"`), so that every model is
+ranked and compiled even where it does not fit: XLA:TPU then refuses the step (its
+temporaries over the HBM), and the row says so.
 
-    python benchmarks/targets.py                # about 20 min on 2 cores; each row in a fresh process
+    python benchmarks/targets.py                # 10-15 min on 2 loaded cores; a fresh process per row
     python benchmarks/targets.py --json docs/benchmarks/targets.json
     python benchmarks/targets.py --layers 1 --only "Llama-3 8B"
 """
