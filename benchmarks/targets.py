@@ -5,7 +5,7 @@ table of Llama-3, Mixtral's 32K one), built inside `kml.dry_build` (nothing is a
 for one step of one sequence of 2048 tokens per chip with Adam and float32 weights. For each
 target, TPU v5e 16×16 (256 chips, 16 GiB HBM each) and v5p 4×4×4 (64 chips, 95 GiB):
 
-1. `kml.choose_mesh` plans every data × model split of the chips (abstract meshes) and picks
+1. `kml.choose_mesh` plans every data × model split of the chips (over the target's devices) and picks
    the one with the least predicted step time ("plan s": its wall time);
 2. `kml.compile_step` AOT-compiles Keras's own training step for that mesh and its rules with
    XLA:TPU, from libtpu's compile-only devices on this CPU-only machine ("compile s").
@@ -16,8 +16,8 @@ host memory.
 
 Depth: the widths (hidden, heads, key/value heads, feed-forward, vocabulary, experts) are the
 real models', the depth is not. One XLA:TPU compile of a single Llama-3 8 B layer for 256 chips
-took 106 s here and two layers 179 s (2 loaded cores) and the compile time grows with every layer, so the
-default is `--layers 2`: every figure is of a 2-layer model at full width (the state, the
+took 106 s here and two layers 179 s (2 loaded cores): the compile time grows with every
+layer, so the default is `--layers 2`: every figure is of a 2-layer model at full width (the state, the
 traffic and the peak all grow with depth; the choice of mesh can change with it). Memory is
 not the limit (about 1.5 GiB of host memory per compile).
 

@@ -1,8 +1,9 @@
 """The mesh chosen for you: every data × model factorization planned, ranked by predicted step time.
 
 `choose_mesh` plans the model (`auto_rules` with a batch) on each way of splitting the devices
-into a data axis and a model axis, over `jax.sharding.AbstractMesh`es (no device is needed,
-not even emulated), each within the memory budget, and ranks the meshes that fit by
+into a data axis and a model axis, over `jax.sharding.AbstractMesh`es for a device count (no
+device is needed, not even emulated) or over a TPU target's compile-only devices (so that the
+predicted peak follows XLA:TPU), each within the memory budget, and ranks the meshes that fit by
 
     step time = FLOPs per device / peak FLOP/s + Σ over axes (bytes sent on it / link bandwidth)
 
@@ -185,7 +186,8 @@ def choose_mesh(
     """Plans the model on every data × model split of the devices; returns the fastest that fits.
 
     Each factorization `data × model = devices` is planned with `kml.auto_rules` on an abstract
-    mesh, with `batch` and within the budget (default: the target's HBM), so its rules carry the
+    mesh (on the target's devices for a target, whose peak follows XLA:TPU), with `batch` and
+    within the budget (default: the target's HBM), so its rules carry the
     bytes each device sends per axis and the predicted peak, and trade traffic for memory as
     `auto_rules(memory_budget=...)` does. The step time is predicted as
 
