@@ -97,12 +97,14 @@ def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
 
 
 def tied_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
-    """Whether `variable` is a tied table (look-up and language-model head) splitting `size` ways.
+    """Whether `variable` is a tied or shared table, read more than once, splitting `size` ways.
 
     A Keras `Embedding`'s table (keras-hub's `ReversibleEmbedding` with
-    `tie_weights=True`), or a custom layer's trainable 2-D weight, read by
-    exactly one look-up (`gather`) and by projections that sum over its width
-    (`x @ table.T`: the logits keep the vocabulary), whose rows divide by `size`.
+    `tie_weights=True` too), or a custom layer's trainable 2-D weight, read by
+    one look-up (`gather`) or more (an encoder-decoder's one table for both
+    sides: T5, BART) and by any number of projections that sum over its width
+    (`x @ table.T`, a tied language-model head: the logits keep the
+    vocabulary), at least two reads in all, whose rows divide by `size`.
     """
     if isinstance(owner, keras.layers.Embedding):
         if variable is not owner.embeddings:
@@ -112,8 +114,8 @@ def tied_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
     gathers = [u for u in uses if u.kind == "gather"]
     heads = [u for u in uses if u.kind == "matmul" and u.contracted == (1,) and not u.batch]
     return (
-        len(gathers) == 1
-        and len(heads) == len(uses) - 1 >= 1
+        len(gathers) >= 1
+        and len(gathers) + len(heads) == len(uses) >= 2
         and len(variable.shape) == 2
         and variable.shape[0] % size == 0
         and bool(variable.trainable)

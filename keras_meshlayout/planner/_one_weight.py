@@ -67,7 +67,7 @@ class OneWeightCosts(Bytes):
         return UnitCosts(name, tuple(candidates), frozen(note), proposed=proposed)
 
     def _tied_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
-        """A tied table: one look-up, and projections `x @ table.T` (a language model's head).
+        """A tied or shared table: look-ups, and any projections `x @ table.T` (a language model's head).
 
         Measured on XLA:CPU (2×4 and 4×2, 4K to 32K rows): its gradient is
         all-reduced over the batch axis once per read, replicated or split.
@@ -80,16 +80,16 @@ class OneWeightCosts(Bytes):
         calls = self.uses.get(variable.path, ())
         if not tied_table(owner, variable, calls, self.m):
             return None
-        (lookup,) = [u for u in calls if u.kind == "gather"]
+        lookups = [u for u in calls if u.kind == "gather"]
         heads = [u for u in calls if u.kind == "matmul"]
         replicated = self._replicated([variable])
         replicated_wire = {self.batch_axis: len(calls) * self._grad_sync(variable, 1)} if self.d > 1 else {}
         replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
         wire: dict[str, float] = {}
         add_wire(wire, self.batch_axis, len(calls) * self._grad_sync(variable, self.m))
-        add_wire(
-            wire, self.model_axis, wire_bytes("all-reduce", self._summed(lookup.output, lookup.dtype), self.m)
-        )
+        for lookup in lookups:
+            looked_up = self._summed(lookup.output, lookup.dtype)
+            add_wire(wire, self.model_axis, wire_bytes("all-reduce", looked_up, self.m))
         for head in heads:
             per_position = math.prod(head.output[:-1]) / self.d * 4
             add_wire(wire, self.model_axis, 4 * wire_bytes("all-reduce", per_position, self.m))
@@ -106,13 +106,30 @@ class OneWeightCosts(Bytes):
             wire,
         )
         rows, width = variable.shape
-        note = {variable.path: _notes.tied_vocab_parallel(rows, width, self.model_axis)}
+        note = {
+            variable.path: _notes.tied_vocab_parallel(rows, width, self.model_axis, len(lookups), len(heads))
+        }
         # Split over both axes as well, XLA:CPU rematerialises the head's operands (an "involuntary
         # full rematerialization" warning) and sends 1.5-2.6x what the look-up and head would need
         # (measured on 2x4 and 4x2, 4K to 32K rows): not offered.
         candidates = [replicated, split]
+        if not heads:
+            candidates.extend(self._shared_over_both(variable, lookups))
         proposed = 1 if self.tp_axes.get(variable.path) == (self.model_axis, None) else 0
         return UnitCosts(getattr(owner, "path", variable.path), tuple(candidates), frozen(note), proposed)
+
+    def _shared_over_both(self, variable: keras.Variable, lookups: list) -> list[Candidate]:
+        """A shared table (look-ups only) split over both axes, larger than what each look-up reads.
+
+        As an untied table's `_moved_rows`, once per look-up (measured on
+        XLA:CPU, 2×4 and 4×2, 32K rows read twice).
+        """
+        d, m, rows = self.d, self.m, variable.shape[0]
+        looked_up = max(self._activation(use.output, use.dtype) for use in lookups)
+        if d <= 1 or rows % (d * m) or nbytes(variable) / m < looked_up:
+            return []
+        axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
+        return [self._moved_rows(variable, axes, self._state(variable, d * m, True))]
 
     def _head_dim_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
         """A grouped-query key/value kernel whose heads do not divide the model axis: split on head_dim.
@@ -260,16 +277,16 @@ class OneWeightCosts(Bytes):
         all-gathered over the batch axis and each device sums its own rows'
         gradient: no gradient all-reduce.
         """
-        (use,) = self.uses[variable.path]
-        ids = math.prod(use.inputs) * 4
-        rows = math.prod(use.output) * max(np.dtype(use.dtype).itemsize, 4)
         wire: dict[str, float] = {}
-        add_wire(
-            wire,
-            self.batch_axis,
-            wire_bytes("all-gather", ids, self.d) + wire_bytes("all-gather", rows, self.d),
-        )
-        add_wire(wire, self.both, wire_bytes("all-reduce", rows, self.d * self.m))
+        for use in self.uses[variable.path]:
+            ids = math.prod(use.inputs) * 4
+            rows = math.prod(use.output) * max(np.dtype(use.dtype).itemsize, 4)
+            add_wire(
+                wire,
+                self.batch_axis,
+                wire_bytes("all-gather", ids, self.d) + wire_bytes("all-gather", rows, self.d),
+            )
+            add_wire(wire, self.both, wire_bytes("all-reduce", rows, self.d * self.m))
         note = {
             variable.path: f"embedding: vocabulary split {self.d * self.m} ways over {self.model_axis!r} and "
             f"{self.batch_axis!r}; the batch's ids gathered and its looked-up vectors all-reduced over both, "
