@@ -16,6 +16,7 @@ from .. import _compat
 __all__ = [
     "auto_named",
     "features",
+    "head_dim_index",
     "heads_dim",
     "idle_axes",
     "labels",
@@ -43,6 +44,37 @@ def heads_dim(layer: Any) -> tuple[int, str] | None:
     if len(inputs) == len(output) + 1 and inputs[-2] in kernel:
         return kernel.index(inputs[-2]), "out"
     return None
+
+
+def head_dim_index(owner: Any, variable: Any, uses: tuple, size: int, whole_outputs: Any) -> int | None:
+    """The head_dim of a grouped-query key/value kernel kept whole, when it can split `size` ways.
+
+    The kernel of an `EinsumDense` projecting into heads (`(hidden, kv_heads,
+    head_dim)` or `(kv_heads, hidden, head_dim)`), without a bias, whose output
+    the rules keep whole (`whole_outputs`: its heads do not divide the model
+    axis), read by one projection: the index of the dimension neither summed
+    over nor holding the heads, if it divides by `size`; else `None`. Where
+    this was measured, and what is not offered, is in
+    `_one_weight.OneWeightCosts._head_dim_unit`.
+    """
+    heads = heads_dim(owner)
+    if (
+        heads is None
+        or heads[1] != "in"
+        or getattr(owner, "path", None) not in whole_outputs
+        or getattr(getattr(owner, "kernel", None), "path", None) != variable.path
+        or len(variable.shape) != 3
+        or size <= 1
+        or getattr(owner, "bias", None) is not None
+    ):
+        return None
+    matmuls = [use for use in uses if use.kind == "matmul"]
+    if len(matmuls) != 1 or matmuls[0].batch:
+        return None
+    free = [i for i in range(3) if i not in matmuls[0].contracted and i != heads[0]]
+    if len(free) != 1 or variable.shape[free[0]] % size:
+        return None
+    return free[0]
 
 
 def labels(layer: Any, variable: Any) -> str:

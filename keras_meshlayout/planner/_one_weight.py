@@ -28,7 +28,7 @@ from ..report._collectives import wire_bytes
 from . import _notes
 from ._by_layers import ATTENTION
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
-from ._layers import heads_dim, idle_axes, lookup_table, tied_table
+from ._layers import head_dim_index, heads_dim, idle_axes, lookup_table, tied_table
 
 __all__ = ["OneWeightCosts"]
 
@@ -142,8 +142,9 @@ class OneWeightCosts(Bytes):
         gather serves the backward pass too) and its gradient is all-reduced
         over the batch axis in model-axis shards. The activations move as
         when it is replicated (`_grouped_kv`). With a batch axis of 2 that
-        sends as many bytes as replicated, at `1/model` of the state, so the
-        plan without a budget takes it whenever it sends no more.
+        sends as many bytes as replicated, at `1/model` of the state (less
+        over a larger one), so the rule writer takes it there
+        (`_by_layers.kv_head_dim`), and the plan without a budget with it.
 
         Split on its hidden dimension instead, XLA splits the block's norm
         and gathers the query projection's input (337,468 bytes per step
@@ -160,25 +161,10 @@ class OneWeightCosts(Bytes):
         a projection with a bias (Qwen's): keras-hub QwenMoe on 2×4 sent more
         over the model axis than this formula, not yet measured apart.
         """
-        heads = heads_dim(owner)
-        if (
-            heads is None
-            or heads[1] != "in"
-            or getattr(owner, "path", None) not in self.proposal.whole_outputs
-            or getattr(getattr(owner, "kernel", None), "path", None) != variable.path
-            or len(variable.shape) != 3
-            or self.m <= 1
-            or getattr(owner, "bias", None) is not None
-            or id(owner) in self._keras_attention_projections()
-        ):
+        uses = self.uses.get(variable.path, ())
+        index = head_dim_index(owner, variable, uses, self.m, self.proposal.whole_outputs)
+        if index is None or id(owner) in self._keras_attention_projections():
             return None
-        uses = [use for use in self.uses.get(variable.path, ()) if use.kind == "matmul"]
-        if len(uses) != 1 or uses[0].batch:
-            return None
-        free = [i for i in range(3) if i not in uses[0].contracted and i != heads[0]]
-        if len(free) != 1 or variable.shape[free[0]] % self.m:
-            return None
-        (index,) = free
         size = nbytes(variable)
         wire: dict[str, float] = {}
         add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
@@ -186,9 +172,9 @@ class OneWeightCosts(Bytes):
         axes = tuple(self.model_axis if i == index else None for i in range(3))
         split = candidate("head_dim split", {variable.path: axes}, self._state(variable, self.m, True), wire)
         replicated = self._replicated([variable])
-        count, width = variable.shape[heads[0]], variable.shape[index]
+        count, width = variable.shape[heads_dim(owner)[0]], variable.shape[index]
         note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m)}
-        proposed = 1 if split.total <= replicated.total * (1 + 1e-9) else 0
+        proposed = 1 if self.tp_axes.get(variable.path) == axes else 0
         return UnitCosts(owner.path, (replicated, split), frozen(note), proposed=proposed)
 
     def _keras_attention_projections(self) -> set[int]:
