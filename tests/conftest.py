@@ -88,6 +88,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_shared_table_is_vocab_parallel_and_predicted",
         "test_a_shared_table_split_over_both_axes_is_predicted",
         "test_a_shared_table_over_both_axes_trains_sharded_as_on_one_device",
+        "test_a_sliced_position_table_over_both_axes_trains_as_on_one_device",  # planned twice, and fit
     ),
     "test_experts.py": (  # keras-hub MoE backbones compiled, or trained against one device
         "test_expert_parallel_prediction_matches_the_compiled_step",
