@@ -42,6 +42,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_fully_sharded_predicted_bytes_match_the_compiled_step",
         "test_no_budget_keeps_todays_rules",
         "test_smaller_budgets_never_send_less",
+        "test_a_biased_key_value_kernel_split_on_head_dim_is_predicted_and_trains",  # Qwen compiled, fit
     ),
     "test_peak.py": (  # compile a training step per case, against the predicted peak
         "test_predicted_peak_is_within_ten_percent_of_the_compiled_one",

@@ -46,11 +46,14 @@ def heads_dim(layer: Any) -> tuple[int, str] | None:
     return None
 
 
-def head_dim_index(owner: Any, variable: Any, uses: tuple, size: int, whole_outputs: Any) -> int | None:
+def head_dim_index(
+    owner: Any, variable: Any, uses: tuple, size: int, whole_outputs: Any, with_bias: bool = False
+) -> int | None:
     """The head_dim of a grouped-query key/value kernel kept whole, when it can split `size` ways.
 
     The kernel of an `EinsumDense` projecting into heads (`(hidden, kv_heads,
-    head_dim)` or `(kv_heads, hidden, head_dim)`), without a bias, whose output
+    head_dim)` or `(kv_heads, hidden, head_dim)`), without a bias unless
+    `with_bias`, whose output
     the rules keep whole (`whole_outputs`: its heads do not divide the model
     axis), read by one projection: the index of the dimension neither summed
     over nor holding the heads, if it divides by `size`; else `None`. Where
@@ -65,7 +68,7 @@ def head_dim_index(owner: Any, variable: Any, uses: tuple, size: int, whole_outp
         or getattr(getattr(owner, "kernel", None), "path", None) != variable.path
         or len(variable.shape) != 3
         or size <= 1
-        or getattr(owner, "bias", None) is not None
+        or (getattr(owner, "bias", None) is not None and not with_bias)
     ):
         return None
     matmuls = [use for use in uses if use.kind == "matmul"]

@@ -157,18 +157,27 @@ class OneWeightCosts(Bytes):
         step sent 2.0–2.6× the predicted bytes over both axes together, for a
         reason not yet pinned. Nor is the split offered to the projections of
         Keras's own `GroupQueryAttention`: in the smallest plan of a Keras
-        encoder (2×4) the compiled step sent 8% more than predicted. Nor to
-        a projection with a bias (Qwen's): keras-hub QwenMoe on 2×4 sent more
-        over the model axis than this formula, not yet measured apart.
+        encoder (2×4) the compiled step sent 8% more than predicted.
+
+        A projection with a bias (Qwen's) keeps its bias replicated (split
+        too, its gradient was still all-reduced whole), and XLA all-gathers
+        the projection's output over the model axis once more (measured on
+        keras-hub Qwen, 2×4: 6,144 + 3,072 bytes per kernel over 'model'):
+        that sends more than replicated, so only a budget takes it.
         """
         uses = self.uses.get(variable.path, ())
-        index = head_dim_index(owner, variable, uses, self.m, self.proposal.whole_outputs)
+        whole = self.proposal.whole_outputs
+        index = head_dim_index(owner, variable, uses, self.m, whole, with_bias=True)
         if index is None or id(owner) in self._keras_attention_projections():
             return None
         size = nbytes(variable)
         wire: dict[str, float] = {}
         add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
         add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
+        if owner.bias is not None:
+            for use in uses:
+                gathered = self._activation(use.output, use.dtype)
+                add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
         axes = tuple(self.model_axis if i == index else None for i in range(3))
         split = candidate("head_dim split", {variable.path: axes}, self._state(variable, self.m, True), wire)
         replicated = self._replicated([variable])
