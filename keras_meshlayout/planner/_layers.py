@@ -53,11 +53,11 @@ def head_dim_index(
 
     The kernel of an `EinsumDense` projecting into heads (`(hidden, kv_heads,
     head_dim)` or `(kv_heads, hidden, head_dim)`), without a bias unless
-    `with_bias`, whose output
-    the rules keep whole (`whole_outputs`: its heads do not divide the model
-    axis), read by one projection: the index of the dimension neither summed
-    over nor holding the heads, if it divides by `size`; else `None`. Where
-    this was measured, and what is not offered, is in
+    `with_bias`, whose output the rules keep whole (`whole_outputs`: its heads
+    do not divide the model axis), read only by projections that all sum over
+    the same dimensions: the index of the dimension neither summed over nor
+    holding the heads, if it divides by `size`; else `None`. Where this was
+    measured, and what is not offered, is in
     `_one_weight.OneWeightCosts._head_dim_unit`.
     """
     heads = heads_dim(owner)
@@ -72,7 +72,11 @@ def head_dim_index(
     ):
         return None
     matmuls = [use for use in uses if use.kind == "matmul"]
-    if len(matmuls) != 1 or matmuls[0].batch:
+    if (
+        not matmuls
+        or len(matmuls) != len(uses)
+        or any(use.batch or use.contracted != matmuls[0].contracted for use in matmuls)
+    ):
         return None
     free = [i for i in range(3) if i not in matmuls[0].contracted and i != heads[0]]
     if len(free) != 1 or variable.shape[free[0]] % size:

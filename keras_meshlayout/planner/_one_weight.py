@@ -164,6 +164,12 @@ class OneWeightCosts(Bytes):
         the projection's output over the model axis once more (measured on
         keras-hub Qwen, 2×4: 6,144 + 3,072 bytes per kernel over 'model'):
         that sends more than replicated, so only a budget takes it.
+
+        A kernel read by more than one projection (T5Gemma 2's merged
+        self/cross attention: the decoder's and the encoder's keys) has its
+        gradient all-reduced over the batch axis once per read, split or
+        not, and is gathered once per step (measured on keras-hub T5Gemma 2,
+        2×4, without a budget and at its smallest plan).
         """
         uses = self.uses.get(variable.path, ())
         whole = self.proposal.whole_outputs
@@ -172,7 +178,7 @@ class OneWeightCosts(Bytes):
             return None
         size = nbytes(variable)
         wire: dict[str, float] = {}
-        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
+        add_wire(wire, self.batch_axis, len(uses) * self._grad_sync(variable, self.m))
         add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
         if owner.bias is not None:
             for use in uses:
@@ -181,6 +187,9 @@ class OneWeightCosts(Bytes):
         axes = tuple(self.model_axis if i == index else None for i in range(3))
         split = candidate("head_dim split", {variable.path: axes}, self._state(variable, self.m, True), wire)
         replicated = self._replicated([variable])
+        if len(uses) > 1:
+            replicated_wire = plus_wire({}, self.batch_axis, len(uses) * self._grad_sync(variable, 1))
+            replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
         count, width = variable.shape[heads_dim(owner)[0]], variable.shape[index]
         note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m)}
         proposed = 1 if self.tp_axes.get(variable.path) == axes else 0
