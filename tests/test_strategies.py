@@ -189,6 +189,37 @@ def test_attention_blocks_found_by_their_projection_names(kv, key_axes, whole_ou
     assert (ledger.proposal().whole_outputs == {"attn/k_proj", "attn/v_proj"}) is whole_output
 
 
+def kv_model(bias: bool = False) -> keras.Model:
+    """A key projection into 2 heads of 16 (`EinsumDense`, as keras-hub Llama's), then a Dense."""
+    inputs = keras.Input((8, 64))
+    key = keras.layers.EinsumDense("btd,dnh->btnh", (8, 2, 16), bias_axes="nh" if bias else None, name="key")(
+        inputs
+    )
+    return keras.Model(
+        inputs, keras.layers.Dense(4, name="head")(keras.layers.Reshape((8, 32))(key)), name="net"
+    )
+
+
+@pytest.mark.parametrize(
+    ("bias", "batch_size", "axes"),
+    [(False, 2, (None, None, "model")), (False, 1, (None, None, None)), (True, 2, (None, None, None))],
+    ids=["split", "no-batch-axis", "with-a-bias"],
+)
+def test_kv_head_dim_splits_a_whole_key_value_kernel_on_its_head_dim(bias, batch_size, axes):
+    """Issue 19 item 4: the plan without a batch kept these kernels replicated (Gemma 1.22x the ideal at
+    replicate_below=0); only the costs split them. Over a batch axis of 2 or more the split sends no more."""
+    model = kv_model(bias)
+    ledger = Ledger(model.name, MESH_AXIS, "data")
+    ledger.record("key/kernel", (None, None, None), "kept whole before")
+    ledger.keep_output_whole("key")
+    trace = trace_model(model, np.zeros((4, 8, 64), "float32"))
+    _by_layers.kv_head_dim(ledger, Setting(model, MESH_AXIS, SIZE, 0, "data", trace, batch_size))
+    assert decisions(ledger)["key/kernel"] == axes
+    expected = _notes.kv_head_dim_split(2, 16, MESH_AXIS, SIZE) if any(axes) else "kept whole before"
+    assert ledger.proposal().notes["key/kernel"] == expected
+    assert not ledger.unit("key/kernel")  # a unit of its own for the costs, as before
+
+
 def test_named_weights_decide_only_what_is_left():
     tokens = keras.Input((8,), dtype="int32")
     x = keras.layers.Embedding(64, 32, name="token_embedding")(tokens)
@@ -207,6 +238,7 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_by_name.attention_blocks",
         "_experts.expert_banks",
         "_by_trace.traced_units",
+        "_by_layers.kv_head_dim",
         "_convs.conv_units",
         "_convs.lone_convs",
         "_by_trace.final_layers",

@@ -56,6 +56,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_name.attention_blocks,  # attention blocks in custom layers, by their projections' names
     _experts.expert_banks,  # mixture-of-experts weights split on their expert dimension
     _by_trace.traced_units,  # column → row pairs and attention heads in the dataflow
+    _by_layers.kv_head_dim,  # grouped-query key/value kernels kept whole, split on head_dim instead
     _convs.conv_units,  # convolutions' output → input channels, through batch norms and depthwise convs
     _convs.lone_convs,  # a convolution no unit took, split on its input channels
     _by_trace.final_layers,  # a language model's head, split when it is the largest kernel

@@ -3,6 +3,11 @@
 - `attention_layers`: Keras `MultiHeadAttention` and `GroupQueryAttention`
   split over heads, read off their `EinsumDense` equations; key/value
   projections with too few heads stay replicated, their output kept whole.
+- `kv_head_dim`: such a key/value projection (outside Keras's own attention
+  layers) has its kernel split on its head_dim instead, where the batch axis
+  has 2 devices or more: the kernel is gathered once per step, which sends
+  no more than its replicated gradient's all-reduce would
+  (`_one_weight.OneWeightCosts._head_dim_unit` has the measurements).
 - `projection_pairs`: without a trace (a subclassed model never called), a
   `Dense` whose output goes, through element-wise layers (or a `Multiply`
   gate), only into another `Dense` makes a column → row pair; with a trace
@@ -20,10 +25,17 @@ import keras
 
 from .. import _compat
 from . import _notes
-from ._layers import features, heads_dim, labels
+from ._layers import features, head_dim_index, heads_dim, labels, owners
 from ._ledger import Ledger, Setting
 
-__all__ = ["ATTENTION", "ELEMENTWISE", "attention_layers", "heads_projection", "projection_pairs"]
+__all__ = [
+    "ATTENTION",
+    "ELEMENTWISE",
+    "attention_layers",
+    "heads_projection",
+    "kv_head_dim",
+    "projection_pairs",
+]
 
 #: Layers that act on each element alone: a split feature dimension passes through.
 ELEMENTWISE = (
@@ -123,6 +135,50 @@ class _Graph:
         while isinstance(layer, ELEMENTWISE) and len(self.producers[id(layer)]) == 1:
             (layer,) = self.producers[id(layer)]
         return layer if len(self.consumers[id(layer)]) == 1 else None
+
+
+def kv_head_dim(ledger: Ledger, setting: Setting) -> None:
+    """Splits the kernels of grouped-query key/value projections kept whole on their head_dim.
+
+    Only with a batch axis of 2 devices or more: per step the split kernel is
+    all-gathered over the model axis (`(m-1)/m` of it) and its gradient
+    all-reduced over the batch axis in model-axis shards, at most the
+    `2(d-1)/d` of it a replicated kernel's gradient all-reduce sends (equal
+    at `d = 2`), for `1/m` of the state. Never inside Keras's own attention
+    layers, and never with a bias (see `_head_dim_index`).
+    """
+    if setting.trace is None or setting.batch_size < 2:
+        return
+    keras_owned = {
+        id(sub)
+        for layer in _compat.sublayers(setting.model)
+        if isinstance(layer, ATTENTION)
+        for sub in _compat.sublayers(layer)
+    }
+    whole = ledger.proposal().whole_outputs
+    for variable, owner in _owned(setting.model):
+        if (
+            id(owner) in keras_owned
+            or ledger.axes(variable.path) != (None,) * len(variable.shape)
+            or math.prod(variable.shape) < setting.replicate_below  # the policy keeps it whole
+        ):
+            continue
+        uses = setting.trace.uses.get(variable.path, ())
+        index = head_dim_index(owner, variable, uses, setting.size, whole)
+        if index is None:
+            continue
+        heads = variable.shape[heads_dim(owner)[0]]
+        axes = tuple(setting.axis if i == index else None for i in range(3))
+        note = _notes.kv_head_dim_split(heads, variable.shape[index], setting.axis, setting.size)
+        ledger.revise(variable.path, axes, note)
+
+
+def _owned(model: keras.Model) -> Iterator[tuple[Any, Any]]:
+    """Each variable of `model` with the layer that created it."""
+    owner_of = owners(model)
+    for variable in model.weights:
+        if id(variable) in owner_of:
+            yield variable, owner_of[id(variable)]
 
 
 def projection_pairs(ledger: Ledger, setting: Setting) -> None:

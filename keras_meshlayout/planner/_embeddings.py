@@ -13,7 +13,10 @@ A tied table (`tied_tables`: looked up, and read again as the language-model
 head, `x @ table.T`, as Gemma, Qwen and GPT-2 causal models do) is split the
 same way: the look-up is all-reduced forward as above, the head's logits stay
 split over the vocabulary like a final layer's (the loss reduces them with
-small all-reduces), and the head's input gradient is all-reduced backward.
+small all-reduces), and the head's input gradient is all-reduced backward. So
+is a shared table, looked up more than once (the one table of an
+encoder-decoder's two sides: T5, BART), with or without a head: each look-up
+all-reduced forward.
 """
 
 from __future__ import annotations
@@ -30,12 +33,21 @@ __all__ = ["tied_tables", "vocab_parallel_tables"]
 
 def vocab_parallel_tables(ledger: Ledger, setting: Setting) -> None:
     """Splits every large look-up table's rows over the model axis."""
-    _split_rows(ledger, setting, lookup_table, _notes.vocab_parallel)
+    _split_rows(ledger, setting, lookup_table, _vocab_note)
+
+
+def _vocab_note(rows: int, width: int, axis: str, uses: tuple) -> str:
+    return _notes.vocab_parallel(rows, width, axis)
 
 
 def tied_tables(ledger: Ledger, setting: Setting) -> None:
-    """Splits every large tied table's rows (look-up and language-model head) over the model axis."""
-    _split_rows(ledger, setting, tied_table, _notes.tied_vocab_parallel)
+    """Splits every large tied or shared table's rows (look-ups, language-model heads) over the model axis."""
+    _split_rows(ledger, setting, tied_table, _tied_note)
+
+
+def _tied_note(rows: int, width: int, axis: str, uses: tuple) -> str:
+    lookups = sum(1 for use in uses if use.kind == "gather")
+    return _notes.tied_vocab_parallel(rows, width, axis, lookups, len(uses) - lookups)
 
 
 def _split_rows(
@@ -55,4 +67,4 @@ def _split_rows(
         if math.prod(variable.shape) < max(setting.replicate_below, 1):
             continue
         rows, width = variable.shape
-        ledger.record(variable.path, (setting.axis, None), note(rows, width, setting.axis))
+        ledger.record(variable.path, (setting.axis, None), note(rows, width, setting.axis, uses))

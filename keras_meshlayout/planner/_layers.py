@@ -16,6 +16,7 @@ from .. import _compat
 __all__ = [
     "auto_named",
     "features",
+    "head_dim_index",
     "heads_dim",
     "idle_axes",
     "labels",
@@ -43,6 +44,44 @@ def heads_dim(layer: Any) -> tuple[int, str] | None:
     if len(inputs) == len(output) + 1 and inputs[-2] in kernel:
         return kernel.index(inputs[-2]), "out"
     return None
+
+
+def head_dim_index(
+    owner: Any, variable: Any, uses: tuple, size: int, whole_outputs: Any, with_bias: bool = False
+) -> int | None:
+    """The head_dim of a grouped-query key/value kernel kept whole, when it can split `size` ways.
+
+    The kernel of an `EinsumDense` projecting into heads (`(hidden, kv_heads,
+    head_dim)` or `(kv_heads, hidden, head_dim)`), without a bias unless
+    `with_bias`, whose output the rules keep whole (`whole_outputs`: its heads
+    do not divide the model axis), read only by projections that all sum over
+    the same dimensions: the index of the dimension neither summed over nor
+    holding the heads, if it divides by `size`; else `None`. Where this was
+    measured, and what is not offered, is in
+    `_one_weight.OneWeightCosts._head_dim_unit`.
+    """
+    heads = heads_dim(owner)
+    if (
+        heads is None
+        or heads[1] != "in"
+        or getattr(owner, "path", None) not in whole_outputs
+        or getattr(getattr(owner, "kernel", None), "path", None) != variable.path
+        or len(variable.shape) != 3
+        or size <= 1
+        or (getattr(owner, "bias", None) is not None and not with_bias)
+    ):
+        return None
+    matmuls = [use for use in uses if use.kind == "matmul"]
+    if (
+        not matmuls
+        or len(matmuls) != len(uses)
+        or any(use.batch or use.contracted != matmuls[0].contracted for use in matmuls)
+    ):
+        return None
+    free = [i for i in range(3) if i not in matmuls[0].contracted and i != heads[0]]
+    if len(free) != 1 or variable.shape[free[0]] % size:
+        return None
+    return free[0]
 
 
 def labels(layer: Any, variable: Any) -> str:
@@ -97,12 +136,14 @@ def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
 
 
 def tied_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
-    """Whether `variable` is a tied table (look-up and language-model head) splitting `size` ways.
+    """Whether `variable` is a tied or shared table, read more than once, splitting `size` ways.
 
     A Keras `Embedding`'s table (keras-hub's `ReversibleEmbedding` with
-    `tie_weights=True`), or a custom layer's trainable 2-D weight, read by
-    exactly one look-up (`gather`) and by projections that sum over its width
-    (`x @ table.T`: the logits keep the vocabulary), whose rows divide by `size`.
+    `tie_weights=True` too), or a custom layer's trainable 2-D weight, read by
+    one look-up (`gather`) or more (an encoder-decoder's one table for both
+    sides: T5, BART) and by any number of projections that sum over its width
+    (`x @ table.T`, a tied language-model head: the logits keep the
+    vocabulary), at least two reads in all, whose rows divide by `size`.
     """
     if isinstance(owner, keras.layers.Embedding):
         if variable is not owner.embeddings:
@@ -112,8 +153,8 @@ def tied_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
     gathers = [u for u in uses if u.kind == "gather"]
     heads = [u for u in uses if u.kind == "matmul" and u.contracted == (1,) and not u.batch]
     return (
-        len(gathers) == 1
-        and len(heads) == len(uses) - 1 >= 1
+        len(gathers) >= 1
+        and len(gathers) + len(heads) == len(uses) >= 2
         and len(variable.shape) == 2
         and variable.shape[0] % size == 0
         and bool(variable.trainable)

@@ -162,12 +162,24 @@ def vocab_parallel(rows: int, width: int, axis: str) -> str:
 # -- tied tables (look-up and language-model head) ------------------------------------------
 
 
-def tied_vocab_parallel(rows: int, width: int, axis: str) -> str:
-    """A tied table (looked up, and read again as the language-model head) split over its vocabulary."""
+def tied_vocab_parallel(rows: int, width: int, axis: str, lookups: int = 1, heads: int = 1) -> str:
+    """A tied or shared table (looked up, and read again) split over its vocabulary."""
+    if heads and lookups == 1:
+        return (
+            f"tied embedding, vocab-parallel: {rows:,} rows of {width} split over {axis!r}; the look-up is "
+            "all-reduced forward, the head's logits stay split (the loss reduces them with small "
+            "all-reduces) and its input gradient is all-reduced"
+        )
+    read = f"{lookups} look-ups" + (f" and {heads} head{'s' if heads > 1 else ''}" if heads else "")
+    head = (
+        "; the head's logits stay split (the loss reduces them with small all-reduces) and its input "
+        "gradient is all-reduced"
+        if heads
+        else ""
+    )
     return (
-        f"tied embedding, vocab-parallel: {rows:,} rows of {width} split over {axis!r}; the look-up is "
-        "all-reduced forward, the head's logits stay split (the loss reduces them with small "
-        "all-reduces) and its input gradient is all-reduced"
+        f"shared embedding, vocab-parallel: {rows:,} rows of {width} split over {axis!r}, read by {read}; "
+        f"each look-up is all-reduced forward{head}"
     )
 
 

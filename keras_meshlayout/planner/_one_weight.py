@@ -28,7 +28,7 @@ from ..report._collectives import wire_bytes
 from . import _notes
 from ._by_layers import ATTENTION
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
-from ._layers import heads_dim, idle_axes, lookup_table, tied_table
+from ._layers import head_dim_index, heads_dim, idle_axes, lookup_table, tied_table
 
 __all__ = ["OneWeightCosts"]
 
@@ -67,7 +67,7 @@ class OneWeightCosts(Bytes):
         return UnitCosts(name, tuple(candidates), frozen(note), proposed=proposed)
 
     def _tied_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
-        """A tied table: one look-up, and projections `x @ table.T` (a language model's head).
+        """A tied or shared table: look-ups, and any projections `x @ table.T` (a language model's head).
 
         Measured on XLA:CPU (2×4 and 4×2, 4K to 32K rows): its gradient is
         all-reduced over the batch axis once per read, replicated or split.
@@ -80,16 +80,16 @@ class OneWeightCosts(Bytes):
         calls = self.uses.get(variable.path, ())
         if not tied_table(owner, variable, calls, self.m):
             return None
-        (lookup,) = [u for u in calls if u.kind == "gather"]
+        lookups = [u for u in calls if u.kind == "gather"]
         heads = [u for u in calls if u.kind == "matmul"]
         replicated = self._replicated([variable])
         replicated_wire = {self.batch_axis: len(calls) * self._grad_sync(variable, 1)} if self.d > 1 else {}
         replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
         wire: dict[str, float] = {}
         add_wire(wire, self.batch_axis, len(calls) * self._grad_sync(variable, self.m))
-        add_wire(
-            wire, self.model_axis, wire_bytes("all-reduce", self._summed(lookup.output, lookup.dtype), self.m)
-        )
+        for lookup in lookups:
+            looked_up = self._summed(lookup.output, lookup.dtype)
+            add_wire(wire, self.model_axis, wire_bytes("all-reduce", looked_up, self.m))
         for head in heads:
             per_position = math.prod(head.output[:-1]) / self.d * 4
             add_wire(wire, self.model_axis, 4 * wire_bytes("all-reduce", per_position, self.m))
@@ -106,13 +106,30 @@ class OneWeightCosts(Bytes):
             wire,
         )
         rows, width = variable.shape
-        note = {variable.path: _notes.tied_vocab_parallel(rows, width, self.model_axis)}
+        note = {
+            variable.path: _notes.tied_vocab_parallel(rows, width, self.model_axis, len(lookups), len(heads))
+        }
         # Split over both axes as well, XLA:CPU rematerialises the head's operands (an "involuntary
         # full rematerialization" warning) and sends 1.5-2.6x what the look-up and head would need
         # (measured on 2x4 and 4x2, 4K to 32K rows): not offered.
         candidates = [replicated, split]
+        if not heads:
+            candidates.extend(self._shared_over_both(variable, lookups))
         proposed = 1 if self.tp_axes.get(variable.path) == (self.model_axis, None) else 0
         return UnitCosts(getattr(owner, "path", variable.path), tuple(candidates), frozen(note), proposed)
+
+    def _shared_over_both(self, variable: keras.Variable, lookups: list) -> list[Candidate]:
+        """A shared table (look-ups only) split over both axes, larger than what each look-up reads.
+
+        As an untied table's `_moved_rows`, once per look-up (measured on
+        XLA:CPU, 2×4 and 4×2, 32K rows read twice).
+        """
+        d, m, rows = self.d, self.m, variable.shape[0]
+        looked_up = max(self._activation(use.output, use.dtype) for use in lookups)
+        if d <= 1 or rows % (d * m) or nbytes(variable) / m < looked_up:
+            return []
+        axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
+        return [self._moved_rows(variable, axes, self._state(variable, d * m, True))]
 
     def _head_dim_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
         """A grouped-query key/value kernel whose heads do not divide the model axis: split on head_dim.
@@ -125,8 +142,9 @@ class OneWeightCosts(Bytes):
         gather serves the backward pass too) and its gradient is all-reduced
         over the batch axis in model-axis shards. The activations move as
         when it is replicated (`_grouped_kv`). With a batch axis of 2 that
-        sends as many bytes as replicated, at `1/model` of the state, so the
-        plan without a budget takes it whenever it sends no more.
+        sends as many bytes as replicated, at `1/model` of the state (less
+        over a larger one), so the rule writer takes it there
+        (`_by_layers.kv_head_dim`), and the plan without a budget with it.
 
         Split on its hidden dimension instead, XLA splits the block's norm
         and gathers the query projection's input (337,468 bytes per step
@@ -139,39 +157,42 @@ class OneWeightCosts(Bytes):
         step sent 2.0–2.6× the predicted bytes over both axes together, for a
         reason not yet pinned. Nor is the split offered to the projections of
         Keras's own `GroupQueryAttention`: in the smallest plan of a Keras
-        encoder (2×4) the compiled step sent 8% more than predicted. Nor to
-        a projection with a bias (Qwen's): keras-hub QwenMoe on 2×4 sent more
-        over the model axis than this formula, not yet measured apart.
+        encoder (2×4) the compiled step sent 8% more than predicted.
+
+        A projection with a bias (Qwen's) keeps its bias replicated (split
+        too, its gradient was still all-reduced whole), and XLA all-gathers
+        the projection's output over the model axis once more (measured on
+        keras-hub Qwen, 2×4: 6,144 + 3,072 bytes per kernel over 'model'):
+        that sends more than replicated, so only a budget takes it.
+
+        A kernel read by more than one projection (T5Gemma 2's merged
+        self/cross attention: the decoder's and the encoder's keys) has its
+        gradient all-reduced over the batch axis once per read, split or
+        not, and is gathered once per step (measured on keras-hub T5Gemma 2,
+        2×4, without a budget and at its smallest plan).
         """
-        heads = heads_dim(owner)
-        if (
-            heads is None
-            or heads[1] != "in"
-            or getattr(owner, "path", None) not in self.proposal.whole_outputs
-            or getattr(getattr(owner, "kernel", None), "path", None) != variable.path
-            or len(variable.shape) != 3
-            or self.m <= 1
-            or getattr(owner, "bias", None) is not None
-            or id(owner) in self._keras_attention_projections()
-        ):
+        uses = self.uses.get(variable.path, ())
+        whole = self.proposal.whole_outputs
+        index = head_dim_index(owner, variable, uses, self.m, whole, with_bias=True)
+        if index is None or id(owner) in self._keras_attention_projections():
             return None
-        uses = [use for use in self.uses.get(variable.path, ()) if use.kind == "matmul"]
-        if len(uses) != 1 or uses[0].batch:
-            return None
-        free = [i for i in range(3) if i not in uses[0].contracted and i != heads[0]]
-        if len(free) != 1 or variable.shape[free[0]] % self.m:
-            return None
-        (index,) = free
         size = nbytes(variable)
         wire: dict[str, float] = {}
-        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
+        add_wire(wire, self.batch_axis, len(uses) * self._grad_sync(variable, self.m))
         add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
+        if owner.bias is not None:
+            for use in uses:
+                gathered = self._activation(use.output, use.dtype)
+                add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
         axes = tuple(self.model_axis if i == index else None for i in range(3))
         split = candidate("head_dim split", {variable.path: axes}, self._state(variable, self.m, True), wire)
         replicated = self._replicated([variable])
-        count, width = variable.shape[heads[0]], variable.shape[index]
+        if len(uses) > 1:
+            replicated_wire = plus_wire({}, self.batch_axis, len(uses) * self._grad_sync(variable, 1))
+            replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
+        count, width = variable.shape[heads_dim(owner)[0]], variable.shape[index]
         note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m)}
-        proposed = 1 if split.total <= replicated.total * (1 + 1e-9) else 0
+        proposed = 1 if self.tp_axes.get(variable.path) == axes else 0
         return UnitCosts(owner.path, (replicated, split), frozen(note), proposed=proposed)
 
     def _keras_attention_projections(self) -> set[int]:
@@ -260,16 +281,16 @@ class OneWeightCosts(Bytes):
         all-gathered over the batch axis and each device sums its own rows'
         gradient: no gradient all-reduce.
         """
-        (use,) = self.uses[variable.path]
-        ids = math.prod(use.inputs) * 4
-        rows = math.prod(use.output) * max(np.dtype(use.dtype).itemsize, 4)
         wire: dict[str, float] = {}
-        add_wire(
-            wire,
-            self.batch_axis,
-            wire_bytes("all-gather", ids, self.d) + wire_bytes("all-gather", rows, self.d),
-        )
-        add_wire(wire, self.both, wire_bytes("all-reduce", rows, self.d * self.m))
+        for use in self.uses[variable.path]:
+            ids = math.prod(use.inputs) * 4
+            rows = math.prod(use.output) * max(np.dtype(use.dtype).itemsize, 4)
+            add_wire(
+                wire,
+                self.batch_axis,
+                wire_bytes("all-gather", ids, self.d) + wire_bytes("all-gather", rows, self.d),
+            )
+            add_wire(wire, self.both, wire_bytes("all-reduce", rows, self.d * self.m))
         note = {
             variable.path: f"embedding: vocabulary split {self.d * self.m} ways over {self.model_axis!r} and "
             f"{self.batch_axis!r}; the batch's ids gathered and its looked-up vectors all-reduced over both, "
@@ -330,6 +351,8 @@ class OneWeightCosts(Bytes):
         add_wire(wire, self.batch_axis, self._grad_sync(variable, 1))
         uses = self.uses.get(variable.path, ())
         both = dict(wire)  # split over every axis: the same gradient all-reduce, gathers over both
+        if not uses and len(shape) > 1 and self._sliced(variable.path):
+            return self._sliced_unit(variable)
         if not uses and len(shape) == 1:
             gathers = self._elementwise_gathers(variable.path)
             if not gathers:
@@ -390,6 +413,39 @@ class OneWeightCosts(Bytes):
             add_wire(wire, self.model_axis, reduce + (0.0 if use.from_input else gather))
         return wire
 
+    def _sliced_unit(self, variable: keras.Variable) -> UnitCosts | None:
+        """A table read only through a slice (a position table cut to the sequence), over both axes.
+
+        Its rows split `d × m` ways over the batch and model axes. Measured on
+        XLA:CPU (keras-hub BERT's 32-row position table read 8 rows at a
+        time, 2×4 and 4×2): the rows read are moved into place over both axes
+        (collective-permutes) and all-gathered over both, each about an
+        all-gather of the slice; the slice's gradient is all-reduced over the
+        batch axis as when replicated. Not offered over the batch axis alone
+        (not measured).
+        """
+        shape, d, m = tuple(variable.shape), self.d, self.m
+        if d <= 1 or m <= 1 or shape[0] % (d * m) or self._elementwise_gathers(variable.path) != 1:
+            return None
+        read = nbytes(variable) * self.used.get(variable.path, 0.0)
+        wire: dict[str, float] = {}
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, 1))
+        add_wire(wire, self.both, 2 * wire_bytes("all-gather", read, d * m))
+        axes = {variable.path: ((self.batch_axis, self.model_axis), *(None,) * (len(shape) - 1))}
+        note = (
+            f"split {d * m} ways over {self.batch_axis!r} and {self.model_axis!r}; the rows read moved and "
+            f"gathered over both; their gradient reduced over {self.batch_axis!r}"
+        )
+        state = self._state(variable, d * m, True)
+        split = candidate("fully sharded", axes, state, wire, {variable.path: note})
+        return UnitCosts(variable.path, (self._replicated([variable]), split))
+
+    def _sliced(self, path: str) -> bool:
+        """Whether the step reads `path` only through a slice (a position table cut to the sequence)."""
+        values = [v for v, name in self.trace.variables.items() if name == path]
+        readers = [self.trace.nodes[i].primitive for v in values for i in self.trace.consumers.get(v, ())]
+        return bool(readers) and all(p in ("slice", "dynamic_slice") for p in readers)
+
     def _elementwise_gathers(self, path: str) -> int:
         """How often a weight read only element-wise is gathered per step: 2 if it multiplies, else 1.
 
@@ -402,7 +458,14 @@ class OneWeightCosts(Bytes):
             value = values.pop()
             for index in self.trace.consumers.get(value, ()):
                 node = self.trace.nodes[index]
-                if node.primitive in ("broadcast_in_dim", "reshape", "convert_element_type", "squeeze"):
+                if node.primitive in (
+                    "broadcast_in_dim",
+                    "reshape",
+                    "convert_element_type",
+                    "squeeze",
+                    "slice",
+                    "dynamic_slice",
+                ):
                     values.extend(node.outputs)
                 elif node.primitive in ("mul", "div"):
                     multiplies = True
