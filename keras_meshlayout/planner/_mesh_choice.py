@@ -219,7 +219,8 @@ def choose_mesh(
         batch: One global batch of inputs (arrays or `jax.ShapeDtypeStruct`s).
         memory_budget: Per-device memory the predicted peak must fit (bytes or `"16GiB"`).
         optimizer: The optimizer whose slots the peak counts (as for `kml.auto_rules`).
-        axes: The names of the batch axis and the tensor-parallel axis.
+        axes: The names of the batch axis and the tensor-parallel axis (neither may be
+            `"expert"`, the expert axis's name, for the three-axis splits to be planned).
 
     Returns:
         A `MeshChoice`: the best mesh (over the target's devices, or abstract), its rules, and
