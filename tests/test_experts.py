@@ -82,14 +82,19 @@ def test_a_numbered_name_stays_exact_where_relaxing_it_would_match_another_layer
     ]
 
 
-MESHES = {"2x4": (2, 4), "4x2": (4, 2)}
-AGREEMENT = [("MixtralBackbone", "2x4"), ("QwenMoeBackbone", "2x4"), ("Qwen3MoeBackbone", "4x2")]
+MESHES = {
+    "2x4": {"data": 2, "model": 4},
+    "4x2": {"data": 4, "model": 2},
+    "2x2x2": {"data": 2, "expert": 2, "model": 2},  # the banks on the expert axis (issue 21, item 5)
+}
+AGREEMENT = [("MixtralBackbone", "2x2x2"), ("QwenMoeBackbone", "2x4"), ("Qwen3MoeBackbone", "4x2")]
 
 
 @pytest.mark.parametrize(("name", "mesh_name"), AGREEMENT, ids=[f"{n}-{m}" for n, m in AGREEMENT])
 def test_expert_parallel_prediction_matches_the_compiled_step(name, mesh_name):
-    """Predicted bytes per axis = the compiled step's ± 2% (the load-balancing loss is not predicted)."""
-    mesh = kml.Mesh(data=MESHES[mesh_name][0], model=MESHES[mesh_name][1])
+    """Predicted bytes per axis = the compiled step's ± 2% (the load-balancing loss is not predicted);
+    on `data × expert × model` the banks are split over `expert` and their all-reduces run on it."""
+    mesh = kml.Mesh(**MESHES[mesh_name])
     build = functools.partial(hub_models.build_classifier, MOE[name])
     with kml.dry_build(build) as model:
         x, y = hub_models.inputs_for(model), np.zeros(hub_models.BATCH, "int32")
@@ -97,6 +102,10 @@ def test_expert_parallel_prediction_matches_the_compiled_step(name, mesh_name):
         # small configs' key/value kernels), which the default plan does not predict (see test_budget).
         rules = kml.auto_rules(model, mesh, replicate_below=0, batch=x, optimizer="adam")
     assert rules.cost.layouts()["expert-parallel"] == 2  # one bank per layer
+    axis = "expert" if "expert" in MESHES[mesh_name] else "model"
+    with kml.dry_build(build) as model:
+        assert {rules.match(v.path).axes for v in experts_of(model)} == {(axis, None, None)}
+    assert rules.cost.wire_bytes_by_axis[axis] > 0
     dist = kml.ModelParallel(mesh, rules)
     assert_predicted_as_compiled(build, rules, dist, x, y)
 

@@ -7,6 +7,9 @@ for the target, so the predicted ranking is checked against XLA:TPU's bytes.
 
 from __future__ import annotations
 
+import functools
+
+import hub_models
 import jax
 import keras
 import numpy as np
@@ -105,6 +108,37 @@ def test_a_budget_plans_each_split_within_it_and_lists_what_cannot_fit(on_eight)
 def test_bad_arguments_say_what_to_pass(devices, axes, message):
     with pytest.raises(kml.InvalidOptionError, match=message):
         kml.choose_mesh(build, devices, batch=np.zeros((16, 64), "float32"), axes=axes)
+
+
+def test_a_moe_model_is_also_planned_on_expert_axes_and_the_choice_is_no_worse_than_brute_force():
+    """A tiny keras-hub Mixtral (4 experts) on 4 devices: the three data × model splits and the three
+    data × expert × model ones, each as `kml.auto_rules` plans it alone on 4 emulated devices."""
+    row = next(row for row in hub_models.ROWS if row.name == "MixtralBackbone")
+    moe = functools.partial(hub_models.build_classifier, row)
+    with kml.dry_build(moe) as model:
+        batch = hub_models.inputs_for(model)
+    choice = kml.choose_mesh(moe, 4, batch=batch, optimizer="adam")
+    assert [option.spec for option in choice.alternatives if "expert" in option.axis_sizes] == [
+        "data=2,expert=2,model=1",
+        "data=1,expert=4,model=1",
+        "data=1,expert=2,model=2",
+    ]  # ranked: FLOPs per device, then bytes
+    assert len(choice.alternatives) == 6 and not any(option.excluded for option in choice.alternatives)
+    costs = {}
+    for option in choice.alternatives:
+        with kml.dry_build(moe) as model:
+            mesh = kml.Mesh(**option.axis_sizes, devices=jax.devices()[:4])
+            rules = kml.auto_rules(model, mesh, batch=batch, optimizer="adam")
+            banks = {rules.match(v.path).axes for v in model.weights if "/experts/" in v.path}
+        costs[option.spec] = (rules.cost.wire_bytes, rules.cost.peak_bytes)
+        expected = "expert" if "expert" in option.axis_sizes else "model"
+        if option.axis_sizes[expected] > 1:
+            assert banks == {(expected, None, None)}, option.spec
+    assert {o.spec: (o.wire_bytes, o.peak_bytes) for o in choice.alternatives} == costs
+    ranks = [(float(f"{o.flops_per_device:.3g}"), o.wire_bytes) for o in choice.alternatives]
+    assert ranks[0] == min(ranks) and ranks == sorted(ranks)
+    assert choice.to_dict()["mesh"] == choice.best.spec
+    assert {"data=1,expert=4,model=1"} <= {a["mesh"] for a in choice.to_dict()["alternatives"]}
 
 
 def test_on_a_256_chip_v5e_the_choice_is_no_worse_than_brute_force():

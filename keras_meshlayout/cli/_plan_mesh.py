@@ -1,8 +1,9 @@
 """`plan --mesh auto`: the mesh chosen for the model (`kml.choose_mesh`), its table of alternatives.
 
-Every data × model split of the `--target`'s chips (without a target, of the local devices,
-emulated with `--emulate-devices`) is planned with the automatic rules on `--batch-size`
-rows and ranked by predicted step time; the best is planned as `--mesh SPEC` would be.
+Every data × model split (and, for a mixture-of-experts model, data × expert × model) of
+the `--target`'s chips (without a target, of the local devices, emulated with
+`--emulate-devices`) is planned with the automatic rules on `--batch-size` rows and ranked
+by predicted step time; the best is planned as `--mesh SPEC` would be.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ def auto_rules(
     Args:
         model: A built Keras model (any distribution, or none).
         mesh: The mesh the rules are for.
-        model_axis: The mesh axis for tensor parallelism.
+        model_axis: The mesh axis for tensor parallelism. Mixture-of-experts banks are split
+            over it too, unless the mesh has an axis named `expert`, which then takes them.
         batch_axis: The mesh axis the batch is split over (for the layer-output
             rules of grouped-query attention). Defaults to the first other axis.
         replicate_below: Projections whose kernels have fewer elements stay
@@ -185,7 +186,11 @@ def auto_rules(
     chosen_policy = resolve_policy("auto_rules()", policy, replicate_below=replicate_below)
     trace = _trace(model, batch)
     batch_size = mesh_axis_sizes(mesh).get(batch_axis, 1) if batch_axis else 1
-    setting = Setting(model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace, batch_size)
+    expert = _expert_axis(mesh, model_axis, batch_axis)
+    setting = Setting(
+        model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace, batch_size,
+        expert, mesh_axis_sizes(mesh)[expert] if expert else 1,
+    )  # fmt: skip
     paths = tuple(v.path for v in model.weights)
     shapes = {v.path: tuple(v.shape) for v in model.weights}
     ledger = Ledger(
@@ -270,6 +275,12 @@ PEAK_HEADROOM = 0.05
 
 #: How often the search runs again with a larger reserve before the budget is declared too small.
 _ROUNDS = 8
+
+
+def _expert_axis(mesh: Any, model_axis: str, batch_axis: str | None) -> str | None:
+    """The mesh's `expert` axis, which expert banks are split over, unless it is the model or batch axis."""
+    name = _experts.EXPERT_AXIS
+    return name if name in mesh.axis_names and name not in (model_axis, batch_axis) else None
 
 
 def _check_budget_args(memory_budget: int | str | None, batch: Any) -> None:

@@ -117,6 +117,7 @@ class Bytes:
         self.batch_axis = proposal.batch_axis
         self.m = axis_sizes[self.model_axis]
         self.d = axis_sizes.get(self.batch_axis, 1) if self.batch_axis else 1
+        self.axis_sizes = dict(axis_sizes)
         self.trace = trace
         self.used = dict(trace.read)
         self.uses = trace.uses

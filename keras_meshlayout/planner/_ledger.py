@@ -48,6 +48,8 @@ class Proposal:
         expert_units: Units that are expert banks split on their expert dimension.
         conv_units: Units of convolutions split over their channels (`_convs`).
         lone_convs: Units of one convolution kernel split on its input channels alone (`_convs`).
+        expert_axis: The axis expert banks are split over when it is not the model axis (a mesh
+            with an `expert` axis), or `None`.
     """
 
     model_axis: str
@@ -62,6 +64,7 @@ class Proposal:
     expert_units: frozenset[str] = frozenset()
     conv_units: frozenset[str] = frozenset()
     lone_convs: frozenset[str] = frozenset()
+    expert_axis: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,9 @@ class Setting:
         batch_axis: The axis the batch is split over, or `None`.
         trace: The traced forward pass, or `None` (a subclassed model never called).
         batch_size: The size of `batch_axis` (1 without one).
+        expert_axis: The mesh's `expert` axis, which expert banks are split over, or `None`
+            (they are split over the model axis).
+        expert_size: Its size (1 without one).
     """
 
     model: keras.Model
@@ -85,6 +91,8 @@ class Setting:
     batch_axis: str | None
     trace: Trace | None = None
     batch_size: int = 1
+    expert_axis: str | None = None
+    expert_size: int = 1
 
     @property
     def variables(self) -> dict[str, keras.Variable]:
@@ -139,6 +147,7 @@ class Ledger:
         self.whole_outputs: set[str] = set()
         self.whole_kv: dict[str, str] = {}
         self.expert_units: set[str] = set()
+        self.expert_axis: str | None = None
         self.conv_units: set[str] = set()
         self.lone_convs: set[str] = set()
 
@@ -243,6 +252,7 @@ class Ledger:
             expert_units=frozenset(self.expert_units),
             conv_units=frozenset(self.conv_units),
             lone_convs=frozenset(self.lone_convs),
+            expert_axis=self.expert_axis,
         )
 
     def pattern(self, path: str) -> str:

@@ -1,4 +1,4 @@
-"""The mesh chosen for you: every data × model factorization planned, ranked by predicted step time.
+"""The mesh chosen for you: every data × model (× expert) factorization planned, ranked by step time.
 
 `choose_mesh` plans the model (`auto_rules` with a batch) on each way of splitting the devices
 into a data axis and a model axis, over `jax.sharding.AbstractMesh`es for a device count (no
@@ -8,13 +8,16 @@ predicted peak follows XLA:TPU), each within the memory budget, and ranks the me
     step time = FLOPs per device / peak FLOP/s + Σ over axes (bytes sent on it / link bandwidth)
 
 (`_flops`: XLA's count of the unsharded step, split as the layouts split each matmul), with no
-overlap of compute and communication. Mixture-of-experts banks need no axis of their
-own: the planner splits them over the model axis.
+overlap of compute and communication. A model with mixture-of-experts banks is also
+planned on every `data × expert × model` split whose expert axis divides its experts: the
+planner (`_experts`) splits the banks over the `expert` axis there, and over the model axis on
+the two-axis meshes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +26,9 @@ from ..core._format import Displayed, format_bytes, to_text
 from ..core._memory import parse_bytes
 from ..core._targets import Target, parse_target
 from ._auto import auto_rules
+from ._experts import EXPERT_AXIS, expert_counts
 from ._flops import device_flops, step_flops
-from ._trace import trace_step
+from ._trace import trace_model, trace_step
 
 if TYPE_CHECKING:
     import keras
@@ -41,7 +45,8 @@ class MeshOption:
     """One factorization of the devices, planned and costed.
 
     Attributes:
-        axis_sizes: The mesh's axes and sizes, `{"data": 16, "model": 16}`.
+        axis_sizes: The mesh's axes and sizes, `{"data": 16, "model": 16}` (with an `expert`
+            axis between them for a mixture-of-experts model: `{"data": 4, "expert": 4, "model": 2}`).
         wire_bytes_by_axis: Bytes each device sends per step on each axis (`PlanCost`).
         peak_bytes: The predicted per-device peak of one training step, or `None` when the
             mesh was not planned.
@@ -183,7 +188,7 @@ def choose_mesh(
     optimizer: str | keras.optimizers.Optimizer | None = None,
     axes: tuple[str, str] = ("data", "model"),
 ) -> MeshChoice:
-    """Plans the model on every data × model split of the devices; returns the fastest that fits.
+    """Plans the model on every data × model (× expert) split of the devices; returns the fastest that fits.
 
     Each factorization `data × model = devices` is planned with `kml.auto_rules` on an abstract
     mesh (on the target's devices for a target, whose peak follows XLA:TPU), with `batch` and
@@ -201,6 +206,11 @@ def choose_mesh(
     FLOPs per device, then bytes sent. A mesh on which no layout fits the budget, or whose data
     axis does not divide the batch, is listed as excluded.
 
+    A model with mixture-of-experts banks (`kml.auto_rules` splits them on their expert
+    dimension) is also planned on each `data × expert × model = devices` with an expert axis of 2
+    or more that divides every bank's expert count; its banks are split over `expert`, the
+    rest of the model over `model` as on two axes.
+
     Args:
         build: A function returning the Keras model, built with its weights deferred (as
             `kml.dry_plan` does).
@@ -209,7 +219,8 @@ def choose_mesh(
         batch: One global batch of inputs (arrays or `jax.ShapeDtypeStruct`s).
         memory_budget: Per-device memory the predicted peak must fit (bytes or `"16GiB"`).
         optimizer: The optimizer whose slots the peak counts (as for `kml.auto_rules`).
-        axes: The names of the batch axis and the tensor-parallel axis.
+        axes: The names of the batch axis and the tensor-parallel axis (neither may be
+            `"expert"`, the expert axis's name, for the three-axis splits to be planned).
 
     Returns:
         A `MeshChoice`: the best mesh (over the target's devices, or abstract), its rules, and
@@ -239,7 +250,9 @@ def choose_mesh(
     budget = _budget(memory_budget, target)
     with _dry(build) as model:
         step = _Step(model, batch, step_flops(model, batch), trace_step(model, batch), optimizer, axes)
-        options = [_option(step, sizes, target, budget) for sizes in _factorizations(count, axes)]
+        experts = expert_counts(model, trace_model(model, batch)) if EXPERT_AXIS not in axes else set()
+        sizes_list = _factorizations(count, axes, math.gcd(*experts) if experts else 1)
+        options = [_option(step, sizes, target, budget) for sizes in sizes_list]
     ranked = sorted((o for o in options if o.excluded is None), key=_rank)
     if not ranked:
         peaks = [o.peak_bytes for o in options if o.peak_bytes is not None]
@@ -274,9 +287,18 @@ def _budget(memory_budget: int | str | None, target: Target | None) -> int | Non
     return None if target is None else target.hbm_bytes
 
 
-def _factorizations(count: int, axes: tuple[str, str]) -> list[dict[str, int]]:
-    """Every `{data: d, model: count // d}`, the largest data axis first."""
-    return [{axes[0]: d, axes[1]: count // d} for d in range(count, 0, -1) if count % d == 0]
+def _factorizations(count: int, axes: tuple[str, str], experts: int = 1) -> list[dict[str, int]]:
+    """Every `{data: d, model: count // d}`, the largest data axis first; then, for `experts`
+    (the experts' common divisor) above 1, every `{data: d, expert: e, model: m}` with `e` of 2
+    or more dividing both `experts` and the devices, the largest data, then expert axis first."""
+    two = [{axes[0]: d, axes[1]: count // d} for d in range(count, 0, -1) if count % d == 0]
+    three = [
+        {axes[0]: d, EXPERT_AXIS: e, axes[1]: count // (d * e)}
+        for d in range(count, 0, -1)
+        for e in range(count // d, 1, -1)
+        if count % (d * e) == 0 and experts % e == 0
+    ]
+    return two + three
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,8 +390,9 @@ def _dry(build: Callable[[], Any]) -> Any:
 
 def _none_fit(count: int, target: Target | None, budget: int | None, options: list[MeshOption]) -> str:
     where = target.spec if target is not None else f"{count} devices"
+    kinds = "data × model" if all(len(o.axis_sizes) == 2 for o in options) else "data × (expert ×) model"
     reasons = "; ".join(f"{o.spec}: {o.excluded}" for o in options)
     return (
-        f"choose_mesh: no data × model split of {where} fits ({reasons}). Fix: a smaller batch, a "
+        f"choose_mesh: no {kinds} split of {where} fits ({reasons}). Fix: a smaller batch, a "
         f"larger target, or a larger memory budget (now {format_bytes(budget) if budget else 'none'})."
     )
