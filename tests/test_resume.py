@@ -303,14 +303,6 @@ CHILD = """
 
         def on_train_batch_begin(self, batch, logs=None):
             if kill_at and self.steps == kill_at and kill == "mid-epoch":
-                if kind == "resumable_async":
-                    # The kill comes once the last background save is in place, so that it finds
-                    # one state (the other states of a save are the other kill points).
-                    deadline = time.monotonic() + 60
-                    while time.monotonic() < deadline and any(
-                        name.startswith(".latest.") for name in os.listdir(work / "backup")
-                    ):
-                        time.sleep(0.01)
                 (work / "marker").touch()
                 time.sleep(120)
 
@@ -348,9 +340,9 @@ CHILD = """
     if kind == "backup_and_restore":
         backup = keras.callbacks.BackupAndRestore(work / "backup", save_freq="epoch")
     elif kind == "resumable_async":
-        backup = ResumableCheckpoint(work / "backup", save_freq=2, asynchronous=True)
+        backup = ResumableCheckpoint(work / "backup", save_freq=3, asynchronous=True)
     else:
-        backup = ResumableCheckpoint(work / "backup", save_freq=2)
+        backup = ResumableCheckpoint(work / "backup", save_freq=3)
     model.fit(x, y, batch_size={batch}, epochs={epochs}, shuffle=False, verbose=0, callbacks=[hang, backup])
     np.savez(work / "final.npz", *[np.asarray(v.value) for v in model.weights])
     print("iterations", int(model.optimizer.iterations))
@@ -364,13 +356,17 @@ def child_env() -> dict[str, str]:
 
 #: (callback, model, how the first run dies). A SIGKILL during a step (from this process),
 #: or in the backup's own save right after one of its two renames (the child kills itself).
+#: Backups after steps 3, 6, 9 (save_freq=3), the kill at step 11: mid-epoch, epoch 2.
+#: (A background save killed during a step, once in place, left what a save in the training
+#: thread leaves: "resumable_checkpoint" killed mid-epoch, and resuming from background saves
+#: is `test_resumable_checkpoint_saving_in_the_background_resumes_exactly`; dropped as a
+#: duplicate, 17 s. Killed while its files are written is "save in flight".)
 KILLS = [
     ("backup_and_restore", "mlp", "mid-epoch"),
     ("resumable_checkpoint", "dropout", "mid-epoch"),
     # Issue 13: killed between the renames, the next start trained from scratch, silently.
     ("resumable_checkpoint", "dropout", "between the renames"),
     ("resumable_checkpoint", "dropout", "after moving into place"),
-    ("resumable_async", "dropout", "mid-epoch"),
     ("resumable_async", "dropout", "save in flight"),
 ]
 
