@@ -49,7 +49,11 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_plan_said_to_fit_its_budget_stays_under_it_once_compiled",
     ),
     "test_checkpoint.py": ("test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up",),  # kills a process
-    "test_checkpoint_faults.py": (  # real signals to real processes, a tmpfs; 2-3 fits each
+    "test_checkpoint_faults.py": (  # real signals to real processes, a tmpfs; 1-3 fits with backups each
+        "test_a_clean_stop_keeps_the_backup_at_its_step_and_resumes_exactly",
+        "test_the_newest_backups_are_kept_with_their_steps",
+        "test_the_guard_can_be_turned_off",
+        "test_failed_saves_warn_until_too_many_fail_in_a_row",
         "test_sigterm_at_a_random_step_backs_up_that_step_and_the_restart_is_bit_exact",
         "test_a_second_job_on_a_held_directory_is_refused_until_the_holder_is_gone",
         "test_a_full_disk_during_a_background_save_is_one_line_and_training_goes_on",
@@ -57,7 +61,8 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_failed_save_then_a_good_one_resets_the_count",
         "test_a_damaged_latest_backup_falls_back_to_the_one_before",
     ),
-    "test_checkpoint_processes.py": (  # one launcher run of 2 processes × 4 devices
+    "test_checkpoint_processes.py": (  # one launcher run of 2 processes × 4 devices; a save and 6 loads
+        "test_a_load_without_rollback_frees_each_value_before_reading_its_replacement",
         "test_variables_are_split_across_the_processes",
         "test_each_process_wrote_its_own_shards",
         "test_restored_in_two_processes_on_the_other_layout",
@@ -69,6 +74,8 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_grouped_kv.py": ("*",),
     "test_cli_light.py": ("test_the_package_itself_imports_neither_until_a_name_is_used",),  # imports Keras
     "test_convs.py": (  # convnets compiled, trained against one device, or keras.applications built
+        "test_the_planner_never_leaves_a_depthwise_conv_to_be_miscompiled",
+        "test_fit_warns_when_it_starts_on_a_grouped_conv_of_the_users_own_layout",
         "test_predicted_bytes_match_the_compiled_step",
         "test_a_depthwise_convnet_trains_sharded_like_one_device",
         "test_convnets_near_the_tensor_parallel_ideal_and_the_fully_sharded_floor",
@@ -110,7 +117,21 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_on_batch_forms_and_validation_take_any_batch",
         "test_predict_a_generator_of_uneven_batches_on_an_uncompiled_model",
     ),
-    "test_keras_compat.py": ("test_keras_code_trains_the_same_with_our_classes",),  # Keras's own code, fit
+    "test_keras_compat.py": (  # Keras's own code, fit
+        "test_keras_code_trains_the_same_with_our_classes",
+        "test_fit_warns_once_about_a_rule_that_matched_nothing",
+    ),
+    "test_rules.py": (  # fits (against one device, before a checkpoint) and compiled steps
+        "test_fit_with_a_kernel_split_over_both_axes_matches_one_device",
+        "test_checkpoints_keep_multi_axis_layouts",
+        "test_output_rules_are_matched_with_keras_meaning",
+    ),
+    "test_grouped_conv.py": (  # convnets planned, several each
+        "test_plan_warns_for_grouped_convolutions_on_a_2d_mesh",
+        "test_no_warning_with_the_batch_alone_or_without_grouped_convolutions",
+    ),
+    "test_policy.py": ("test_set_once_on_auto_rules_honoured_by_model_parallel",),  # planned and fit
+    "test_comm.py": ("test_report_leaves_the_model_untouched",),  # a step compiled of its own
     "test_layout_map.py": ("test_converted_gemma_map_trains_like_one_device",),
     "test_multiprocess.py": (  # start processes (the launcher, a worker, a coordinator)
         "test_two_processes_train_like_one_process_of_eight_devices",
@@ -124,6 +145,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_unreachable_coordinator_times_out_with_a_clear_message",
         "test_script_runs_unchanged_under_slurm",
         "test_raising_process_exits_at_once_without_the_launcher",
+        "test_keras_loops_longer_than_xla_cpu_in_flight_limit",
     ),
     "test_names.py": ("test_backbone_splits_by_name_and_trains_like_one_device",),
     "test_planning.py": (  # end-to-end fits against one device
@@ -149,6 +171,8 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_smallest_plan_trains_like_one_device",
     ),
     "test_training.py": (  # sharded fit against one device
+        "test_layer_output_rules_apply_and_show_in_the_plan",
+        "test_plain_keras_model_parallel_uses_first_match",
         "test_mlp_fit_matches_single_device",
         "test_attention_and_embedding_fit_with_heads_sharded",
         "test_batch_axis_need_not_be_first",
@@ -157,7 +181,7 @@ SLOW: dict[str, tuple[str, ...]] = {
 
 # Fixtures that start processes: every test using one is slow too (else the fast loop would
 # still pay for the fixture).
-SLOW_FIXTURES = ("two_process_run",)
+SLOW_FIXTURES = ("two_process_run", "full_disk")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

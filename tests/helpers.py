@@ -59,9 +59,12 @@ def train(build, weights, data, distribution=None, batch_size=BATCH) -> keras.Mo
 class Reference:
     """Initial weights and single-device trained weights, computed once per model."""
 
-    def __init__(self, build, data, batch_size=BATCH):
-        keras.utils.set_random_seed(42)
-        self.initial = build().get_weights()
+    def __init__(self, build, data, batch_size=BATCH, initial=None):
+        """`initial`: weights to start from (say, those of a model already built); else a new build's."""
+        if initial is None:
+            keras.utils.set_random_seed(42)
+            initial = build().get_weights()
+        self.initial = initial
         self.trained = train(build, self.initial, data, batch_size=batch_size).get_weights()
         moved = max(np.abs(a - b).max() for a, b in zip(self.initial, self.trained, strict=True))
         assert moved > 1e-3, "training must change the weights for the comparison to mean anything"

@@ -18,6 +18,7 @@ The layers, lowest first: `_compat` < `core` < `report` < `planner` < `runtime`,
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,13 @@ def _everywhere(body: list[ast.stmt]):
 
 def import_graph(lazy: bool = False) -> dict[str, set[str]]:
     """Module -> the package's modules it imports when it loads (with `lazy`: anywhere in it)."""
+    return {name: set(edges) for name, edges in _parsed_graph(lazy).items()}  # a copy to change
+
+
+@functools.cache  # the package is parsed once per run and kind, not once per test
+def _parsed_graph(lazy: bool) -> dict[str, frozenset[str]]:
     files = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
+    graph: dict[str, frozenset[str]] = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = set()
@@ -67,7 +73,7 @@ def import_graph(lazy: bool = False) -> dict[str, set[str]]:
                 edges |= submodules or ({target} & files.keys())
             elif isinstance(node, ast.Import):
                 edges |= {alias.name for alias in node.names} & files.keys()
-        graph[name] = edges - {name}
+        graph[name] = frozenset(edges - {name})
     return graph
 
 
