@@ -1,4 +1,9 @@
-"""The `keras-meshlayout` command line, run as a user runs it: in a fresh process."""
+"""The `keras-meshlayout` command line, run as a user runs it: in a fresh process.
+
+A table of command lines (bad input, exit statuses) runs in one fresh process per table
+(`cli_in_batch`): each line through `cli._main.main`, the function the entry point calls, with
+its own stdout, stderr and warning filters; one interpreter start per table rather than per line.
+"""
 
 from __future__ import annotations
 
@@ -94,18 +99,60 @@ def saved(workdir) -> Path:
     return workdir
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path, python: bool = False) -> subprocess.CompletedProcess:
+    """`keras-meshlayout ARGS` in a fresh process (`python ARGS` with `python=True`), in `cwd`."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
     # The package under test first (a worktree's, where the environment installs another).
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), str(Path(kml.__file__).parents[1])])
     return subprocess.run(
-        [sys.executable, "-m", "keras_meshlayout", *args],
+        [sys.executable, *([] if python else ["-m", "keras_meshlayout"]), *args],
         cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+#: Runs each command line of a JSON list through `main` in this one process, as the entry point
+#: would (`sys.exit(main())`: argparse's exits and uncaught exceptions give their statuses), and
+#: writes each one's status, stdout and stderr to the file named by the second argument.
+BATCH = """
+import contextlib, io, json, sys, traceback, warnings
+from keras_meshlayout.cli._main import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        warnings.simplefilter("default")
+        try:
+            status = main(argv)
+        except SystemExit as exit:
+            status = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
+        except Exception:
+            traceback.print_exc()
+            status = 1
+    results.append([status, out.getvalue(), err.getvalue()])
+with open(sys.argv[2], "w") as f:
+    json.dump(results, f)
+"""
+
+_BATCHES: dict[tuple, dict[tuple[str, ...], subprocess.CompletedProcess]] = {}
+
+
+def cli_in_batch(*args: str, cwd: Path, batch: list[list[str]]) -> subprocess.CompletedProcess:
+    """`cli(*args, cwd=cwd)`, run with every command line of `batch` in one fresh process (`BATCH`)."""
+    key = (cwd, tuple(map(tuple, batch)))
+    if key not in _BATCHES:
+        out = cwd / f"batch-{len(_BATCHES)}.json"
+        done = cli("-c", BATCH, json.dumps(batch), str(out), cwd=cwd, python=True)
+        assert done.returncode == 0, done.stderr[-4000:]
+        results = json.loads(out.read_text())
+        _BATCHES[key] = {
+            tuple(argv): subprocess.CompletedProcess(argv, status, stdout, stderr)
+            for argv, (status, stdout, stderr) in zip(batch, results, strict=True)
+        }
+    return _BATCHES[key][args]
 
 
 def test_devices_lists_emulated_devices_and_meshes(workdir):
@@ -164,37 +211,38 @@ def test_plan_of_a_saved_model_with_optimizer_table(workdir):
     assert "Training state per device" in result.stdout
 
 
-@pytest.mark.parametrize(
-    "args, status, fragments",
-    [
-        (
-            ["--mesh", "3x3", "--model", "models:mlp"],
-            2,
-            ["error: Mesh", "needs 9 devices, but 8 are available"],
-        ),
-        (
-            ["--mesh", "2x4", "--model", "models:nothing"],
-            2,
-            ["error: --model 'models:nothing'", "no function"],
-        ),
-        (["--mesh", "2x4", "--model", "nowhere.keras"], 2, ["error: --model nowhere.keras: no such file"]),
-        (["--mesh", "2x4", "--model", "models:mlp", "--preset", "bogus"], 2, ["unknown preset"]),
-        (
-            ["--mesh", "2x4", "--model", "models:mlp"],
-            1,
-            ["plan fails", "100% of each device", "mlp/fc2/kernel"],
-        ),
-        (["--mesh", "2x4", "--model", "models:mlp", "--rules", "typo.json", "--strict"], 1, ["1 warning(s)"]),
-        (
-            ["--mesh", "2x4", "--model", "models:mlp", "--auto", "--device-memory", "10KB"],
-            1,
-            ["more than the"],
-        ),
-    ],
-    ids=["bad-mesh", "bad-function", "no-file", "bad-preset", "guard", "strict-typo", "capacity"],
-)
+#: `plan` lines with their exit status and what stderr must say (one fresh process for all).
+EXIT_CASES = [
+    (
+        ["--mesh", "3x3", "--model", "models:mlp"],
+        2,
+        ["error: Mesh", "needs 9 devices, but 8 are available"],
+    ),
+    (
+        ["--mesh", "2x4", "--model", "models:nothing"],
+        2,
+        ["error: --model 'models:nothing'", "no function"],
+    ),
+    (["--mesh", "2x4", "--model", "nowhere.keras"], 2, ["error: --model nowhere.keras: no such file"]),
+    (["--mesh", "2x4", "--model", "models:mlp", "--preset", "bogus"], 2, ["unknown preset"]),
+    (
+        ["--mesh", "2x4", "--model", "models:mlp"],
+        1,
+        ["plan fails", "100% of each device", "mlp/fc2/kernel"],
+    ),
+    (["--mesh", "2x4", "--model", "models:mlp", "--rules", "typo.json", "--strict"], 1, ["1 warning(s)"]),
+    (
+        ["--mesh", "2x4", "--model", "models:mlp", "--auto", "--device-memory", "10KB"],
+        1,
+        ["more than the"],
+    ),
+]
+EXIT_IDS = ["bad-mesh", "bad-function", "no-file", "bad-preset", "guard", "strict-typo", "capacity"]
+
+
+@pytest.mark.parametrize("args, status, fragments", EXIT_CASES, ids=EXIT_IDS)
 def test_plan_exit_status_and_one_clear_message(args, status, fragments, workdir):
-    result = cli("plan", *args, cwd=workdir)
+    result = cli_in_batch("plan", *args, cwd=workdir, batch=[["plan", *case[0]] for case in EXIT_CASES])
     assert result.returncode == status, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
     for fragment in fragments:
@@ -217,22 +265,26 @@ def test_plan_within_a_memory_budget_prints_the_prediction(workdir):
     assert tight["valid"] is True
 
 
-@pytest.mark.parametrize(
-    "args, status, fragment",
-    [
-        (["--memory-budget", "1GB", "--batch-size", "16"], 2, "add --auto"),
-        (["--auto", "--memory-budget", "1GB"], 2, "needs --batch-size"),
-        (["--auto", "--memory-budget", "1GB", "--batch-size", "16"], 2, "--sequence-length"),
-        (
-            ["--auto", "--memory-budget", "1KB", "--batch-size", "16", "--sequence-length", "32"],
-            1,
-            "smallest plan",
-        ),
-    ],
-    ids=["no-auto", "no-batch", "no-length", "too-small"],
-)
+#: memory-budget `plan` lines, their exit status and a fragment of stderr (one process for all).
+BUDGET_CASES = [
+    (["--memory-budget", "1GB", "--batch-size", "16"], 2, "add --auto"),
+    (["--auto", "--memory-budget", "1GB"], 2, "needs --batch-size"),
+    (["--auto", "--memory-budget", "1GB", "--batch-size", "16"], 2, "--sequence-length"),
+    (
+        ["--auto", "--memory-budget", "1KB", "--batch-size", "16", "--sequence-length", "32"],
+        1,
+        "smallest plan",
+    ),
+]
+BUDGET_IDS = ["no-auto", "no-batch", "no-length", "too-small"]
+
+
+@pytest.mark.parametrize("args, status, fragment", BUDGET_CASES, ids=BUDGET_IDS)
 def test_plan_memory_budget_errors(args, status, fragment, workdir):
-    result = cli("plan", "--mesh", "2x4", "--model", "models:tokens", *args, cwd=workdir)
+    batch = [["plan", "--mesh", "2x4", "--model", "models:tokens", *case[0]] for case in BUDGET_CASES]
+    result = cli_in_batch(
+        "plan", "--mesh", "2x4", "--model", "models:tokens", *args, cwd=workdir, batch=batch
+    )
     assert result.returncode == status, (result.stdout, result.stderr)
     assert fragment in result.stderr and "Traceback" not in result.stderr
 
@@ -268,66 +320,68 @@ def test_plan_models_that_used_to_crash(args, saved):
         assert plan["predicted"]["budget"] == 10**9
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (
-            ["--model", "models:mlp", "--optimizer", "adamm"],
-            "error: --optimizer 'adamm': Keras knows no optimizer by that name. Use one of: adadelta,",
-        ),
-        (
-            ["--model", "models:boom"],
-            "error: --model 'models:boom': building the model from boom() raised RuntimeError: "
-            "no weights file at /data/w.h5",
-        ),
-        (
-            ["--model", "models:boom", "--auto"],
-            "error: --model 'models:boom': building the model from boom() raised RuntimeError: "
-            "no weights file at /data/w.h5",
-        ),
-        (
-            ["--model", "models:not_a_model"],
-            "error: --model 'models:not_a_model': not_a_model() returned dict ({'layers': 3}), "
-            "not a keras.Model.",
-        ),
-        (
-            ["--model", "broken.py:build"],
-            "error: --model broken.py: cannot import it (RuntimeError: this module fails as it is imported).",
-        ),
-        (
-            ["--model", "models:tokens", "--auto", "--batch-size", "0", "--sequence-length", "8"],
-            "error: keras-meshlayout plan: argument --batch-size: expected a positive integer, got 0 "
-            "(see keras-meshlayout plan --help)",
-        ),
-        (
-            ["--model", "models:tokens", "--auto", "--batch-size", "3", "--sequence-length", "8"],
-            "error: --batch-size 3 cannot be split over batch axis 'data' of size 2: use a multiple of 2.",
-        ),
-        (
-            ["--model", "models:tokens", "--auto", "--batch-size", "4", "--sequence-length", "-3"],
-            "error: keras-meshlayout plan: argument --sequence-length: expected a positive integer, got -3",
-        ),
-        (
-            ["--model", "models:mlp", "--max-replicated-fraction", "1.5"],
-            "error: keras-meshlayout plan: argument --max-replicated-fraction: expected a number from 0 to 1",
-        ),
-        (["--auto"], "error: keras-meshlayout plan: the following arguments are required: --model"),
-    ],
-    ids=[
-        "unknown-optimizer",
-        "builder-raises",
-        "builder-raises-auto",
-        "builder-not-a-model",
-        "module-raises",
-        "batch-size-0",
-        "batch-size-indivisible",
-        "negative-length",
-        "fraction-above-1",
-        "missing-model",
-    ],
-)
+#: bad `plan` input and the one line it must give (one process for all).
+BAD_INPUT_CASES = [
+    (
+        ["--model", "models:mlp", "--optimizer", "adamm"],
+        "error: --optimizer 'adamm': Keras knows no optimizer by that name. Use one of: adadelta,",
+    ),
+    (
+        ["--model", "models:boom"],
+        "error: --model 'models:boom': building the model from boom() raised RuntimeError: "
+        "no weights file at /data/w.h5",
+    ),
+    (
+        ["--model", "models:boom", "--auto"],
+        "error: --model 'models:boom': building the model from boom() raised RuntimeError: "
+        "no weights file at /data/w.h5",
+    ),
+    (
+        ["--model", "models:not_a_model"],
+        "error: --model 'models:not_a_model': not_a_model() returned dict ({'layers': 3}), "
+        "not a keras.Model.",
+    ),
+    (
+        ["--model", "broken.py:build"],
+        "error: --model broken.py: cannot import it (RuntimeError: this module fails as it is imported).",
+    ),
+    (
+        ["--model", "models:tokens", "--auto", "--batch-size", "0", "--sequence-length", "8"],
+        "error: keras-meshlayout plan: argument --batch-size: expected a positive integer, got 0 "
+        "(see keras-meshlayout plan --help)",
+    ),
+    (
+        ["--model", "models:tokens", "--auto", "--batch-size", "3", "--sequence-length", "8"],
+        "error: --batch-size 3 cannot be split over batch axis 'data' of size 2: use a multiple of 2.",
+    ),
+    (
+        ["--model", "models:tokens", "--auto", "--batch-size", "4", "--sequence-length", "-3"],
+        "error: keras-meshlayout plan: argument --sequence-length: expected a positive integer, got -3",
+    ),
+    (
+        ["--model", "models:mlp", "--max-replicated-fraction", "1.5"],
+        "error: keras-meshlayout plan: argument --max-replicated-fraction: expected a number from 0 to 1",
+    ),
+    (["--auto"], "error: keras-meshlayout plan: the following arguments are required: --model"),
+]
+BAD_INPUT_IDS = [
+    "unknown-optimizer",
+    "builder-raises",
+    "builder-raises-auto",
+    "builder-not-a-model",
+    "module-raises",
+    "batch-size-0",
+    "batch-size-indivisible",
+    "negative-length",
+    "fraction-above-1",
+    "missing-model",
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT_CASES, ids=BAD_INPUT_IDS)
 def test_bad_input_is_one_line_and_exit_2(args, message, saved):
-    result = cli("plan", "--mesh", "2x4", *args, cwd=saved)
+    batch = [["plan", "--mesh", "2x4", *case[0]] for case in BAD_INPUT_CASES]
+    result = cli_in_batch("plan", "--mesh", "2x4", *args, cwd=saved, batch=batch)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith(message), result.stderr
