@@ -1,0 +1,262 @@
+"""The zoo: the automatic planner across what real models are made of (issue 19's proof).
+
+One table (`ARCHS`) of architectures, each a small model built from a real
+constructor: every keras-hub text backbone of `hub_models.ROWS` at a realistic
+vocabulary : hidden ratio (1,024 rows at hidden 64, as `benchmarks/planner_zoo.py`),
+pooled under a small classifier head; keras.applications convnets (`weights=None`,
+32 × 32 images) and keras-hub's ResNet; a keras-hub vision transformer; and one
+LoRA (`enable_lora(4)`) and one int8 (`quantize("int8")`) Llama. Each is planned
+with Adam for one batch on data=2 × model=4 (`replicate_below=0`: at these
+sizes the policy's threshold would keep kernels whole that are millions of
+elements in the real models) and checked for:
+
+1. the no-budget plan's parameters per device ÷ the tensor-parallel ideal
+   (parameters ÷ 4) within its family's bound (`BOUNDS`);
+2. the smallest memory-budget plan's state per device ÷ the fully sharded floor
+   (total state ÷ 8) within `FLOOR_BOUND`;
+3. the predicted bytes per step = the compiled step's, per mesh axis, ± 2%;
+4. keras-hub's hand-written layout maps (`Backbone.get_layout_map`) matched or
+   beaten by the no-budget plan on state per device and on compiled bytes per step.
+
+A model that misses a check today is in `MISSES` with the figure measured and
+why (a strict xfail: it fails as soon as the miss is fixed). Sharded `fit`
+against one device is `tests/test_hub.py`'s, one backbone per family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Callable
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+from helpers import compiled_step
+from hub_models import BATCH, ROWS, Row, build_classifier, fresh_names, inputs_for, marks
+from test_convs import CONVNETS, IMAGE, images
+
+import keras_meshlayout as kml
+
+VOCAB = 1024  # 16 × hidden, a realistic vocabulary : hidden ratio (Llama-3 8B: 31; BERT: 40)
+MESH = {"data": 2, "model": 4}
+#: No-budget parameters per device ÷ the tensor-parallel ideal, by family (issue 19).
+BOUNDS = {"dense text": 1.15, "MoE": 1.25, "convnet": 1.5, "vision": 1.15, "adapter": 1.15}
+FLOOR_BOUND = 1.10  # smallest budget plan ÷ fully sharded floor, every family
+TOLERANCE = 0.02  # predicted ÷ compiled bytes per axis
+MOE = {"GptOssBackbone", "MixtralBackbone", "QwenMoeBackbone", "Qwen3MoeBackbone", "Qwen3_5MoeBackbone"}
+#: keras-hub 0.32's backbones with a hand-written `get_layout_map` (Llama3's and Qwen2's are Llama's and
+#: Qwen's).
+HAND_MAPS = ("GemmaBackbone", "LlamaBackbone", "QwenBackbone", "QwenMoeBackbone", "Qwen3MoeBackbone")
+
+#: `(architecture, check)` → the figure measured and why: each is a strict xfail. Checks: "no_budget",
+#: "smallest", "compiled", "hand_memory", "hand_bytes".
+MISSES: dict[tuple[str, str], str] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """One architecture of the zoo: how to build it and feed it, its family."""
+
+    name: str
+    family: str
+    build: Callable[[], keras.Model]
+    data: Callable[[keras.Model], tuple]
+    marks: tuple = ()
+
+
+def _tokens(model: keras.Model) -> tuple:
+    return inputs_for(model), np.zeros(BATCH, "int32")
+
+
+def _images(model: keras.Model) -> tuple:
+    return images(BATCH, IMAGE)
+
+
+def _wide(row: Row) -> Row:
+    """The row at the zoo's vocabulary."""
+    config = {k: VOCAB if k in ("vocabulary_size", "vocab_size") else v for k, v in row.config.items()}
+    return dataclasses.replace(row, config=config)
+
+
+def _text(row: Row) -> Arch:
+    family = "MoE" if row.name in MOE else "dense text"
+    build = fresh_names(functools.partial(build_classifier, _wide(row)))
+    return Arch(row.name, family, build, _tokens, tuple(marks(row)))
+
+
+def vit() -> keras.Model:
+    """keras-hub's vision transformer (16 patches of 8 × 8 and a class token) under a pooled head."""
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=IMAGE,
+        patch_size=8,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=64,
+        mlp_dim=128,
+        name="backbone",
+    )
+    inputs = keras.Input(IMAGE)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone(inputs))
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(pooled), name="classifier")
+
+
+_LLAMA = _wide(next(row for row in ROWS if row.name == "LlamaBackbone"))
+
+
+def lora_llama() -> keras.Model:
+    model = build_classifier(_LLAMA)
+    model.get_layer("backbone").enable_lora(4)
+    return model
+
+
+def int8_llama() -> keras.Model:
+    model = build_classifier(_LLAMA)
+    with warnings.catch_warnings():  # Keras warns for each layer it has no int8 form of (norms, dropout)
+        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
+        model.quantize("int8")
+    return model
+
+
+ARCHS = {
+    arch.name: arch
+    for arch in [
+        *(_text(row) for row in ROWS),
+        *(Arch(name, "convnet", build, _images) for name, build in CONVNETS.items()),
+        Arch("ViTBackbone", "vision", vit, _images),
+        Arch("LoRA-Llama", "adapter", fresh_names(lora_llama), _tokens),
+        Arch("int8-Llama", "adapter", fresh_names(int8_llama), _tokens),
+    ]
+}
+
+
+def mesh() -> kml.Mesh:
+    return kml.Mesh(**MESH)
+
+
+def _params(check: str, names=None) -> list:
+    """One `pytest.param` per architecture, a strict xfail where `MISSES` names it for `check`."""
+    params = []
+    for name in names or ARCHS:
+        arch_marks = list(ARCHS[name].marks)
+        if (name, check) in MISSES:
+            arch_marks.append(pytest.mark.xfail(strict=True, reason=MISSES[name, check]))
+        params.append(pytest.param(name, id=name, marks=arch_marks))
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """An architecture's no-budget plan, its batch, and its parameter counts."""
+
+    rules: kml.LayoutRules
+    x: object
+    y: object
+    parameters: int
+    trainable: int
+    per_device: int  # parameters per device under `rules`
+
+
+def _per_device(model: keras.Model, rules: kml.LayoutRules) -> int:
+    total = 0
+    for variable in model.weights:
+        rule = rules.match(variable.path)
+        axes = rule.expand(len(variable.shape)) if rule is not None else ()
+        total += math.prod(variable.shape) // math.prod(MESH[a] for a in axes if a)
+    return total
+
+
+@functools.cache
+def planned(name: str) -> Planned:
+    """The no-budget plan of a dry build (nothing allocated), once per architecture."""
+    arch = ARCHS[name]
+    with kml.dry_build(arch.build) as model:
+        x, y = arch.data(model)
+        rules = kml.auto_rules(model, mesh(), replicate_below=0, batch=x, optimizer="adam")
+        parameters = sum(math.prod(v.shape) for v in model.weights)
+        trainable = sum(math.prod(v.shape) for v in model.trainable_weights)
+        return Planned(rules, x, y, parameters, trainable, _per_device(model, rules))
+
+
+@pytest.mark.parametrize("name", _params("no_budget"))
+def test_no_budget_parameters_per_device_near_the_tensor_parallel_ideal(name):
+    got = planned(name)
+    ratio = got.per_device / (got.parameters / MESH["model"])
+    assert ratio <= BOUNDS[ARCHS[name].family], f"{name}: {ratio:.3f}× the tensor-parallel ideal"
+
+
+@pytest.mark.parametrize("name", _params("smallest"))
+def test_smallest_budget_plan_near_the_fully_sharded_floor(name):
+    arch, got = ARCHS[name], planned(name)
+    with kml.dry_build(arch.build) as model:
+        options = dict(replicate_below=0, batch=got.x, optimizer="adam")
+        with pytest.raises(kml.MemoryBudgetError) as error:
+            kml.auto_rules(model, mesh(), memory_budget=1, **options)
+        smallest = kml.auto_rules(model, mesh(), memory_budget=error.value.smallest_bytes, **options)
+    # Adam: a trainable parameter's value, gradient and two slots; a frozen one's value.
+    floor = (16 * got.trainable + 4 * (got.parameters - got.trainable)) / math.prod(MESH.values())
+    ratio = smallest.cost.state_bytes / floor
+    assert ratio <= FLOOR_BOUND, f"{name}: {ratio:.3f}× the fully sharded floor"
+
+
+@functools.cache
+def compiled(name: str, hand: bool = False) -> tuple[kml.CommReport, int]:
+    """The Adam step compiled under the auto plan (or keras-hub's own map): its report and state bytes."""
+    arch, got = ARCHS[name], planned(name)
+    if hand:
+        layout_map = getattr(keras_hub.models, name).get_layout_map(mesh(), data_parallel_dim_name="data")
+        dist = kml.ModelParallel(mesh(), kml.rules_from_layout_map(layout_map), replicate_below=0)
+    else:
+        dist = kml.ModelParallel(mesh(), got.rules)
+    with warnings.catch_warnings():  # the hand maps split key/value heads that do not divide (replicated)
+        warnings.simplefilter("ignore", kml.IndivisibleShapeWarning)
+        return compiled_step(arch.build, dist, got.x, got.y)
+
+
+@pytest.mark.parametrize("name", _params("compiled"))
+def test_predicted_bytes_per_axis_match_the_compiled_step(name):
+    got = planned(name)
+    report, state = compiled(name)
+    predicted, measured = got.rules.cost.wire_bytes_by_axis, report.wire_bytes_by_axis
+    for axis in sorted(set(predicted) | set(measured)):
+        want = measured.get(axis, 0.0)
+        assert predicted.get(axis, 0.0) == pytest.approx(want, rel=TOLERANCE), (
+            f"{name} over {axis!r}: predicted {predicted.get(axis, 0.0):,.0f}, compiled {want:,.0f} bytes"
+        )
+    assert got.rules.cost.state_bytes == state
+
+
+HAND = [
+    pytest.param(
+        name,
+        measure,
+        id=f"{name}-{measure}",
+        marks=[pytest.mark.xfail(strict=True, reason=MISSES[key])]
+        if (key := (name, f"hand_{measure}")) in MISSES
+        else [],
+    )
+    for name in HAND_MAPS
+    for measure in ("memory", "bytes")
+]
+
+
+@pytest.mark.parametrize(("name", "measure"), HAND)
+def test_the_auto_plan_matches_or_beats_keras_hubs_hand_map(name, measure):
+    """State per device and compiled bytes per step: the no-budget auto plan ≤ keras-hub's map."""
+    (auto_report, auto_state), (hand_report, hand_state) = compiled(name), compiled(name, hand=True)
+    if measure == "memory":
+        assert auto_state <= hand_state, f"{name}: auto {auto_state:,} vs hand {hand_state:,} bytes of state"
+    else:
+        auto, hand = auto_report.wire_bytes, hand_report.wire_bytes
+        assert auto <= hand, f"{name}: auto sends {auto:,.0f} vs hand {hand:,.0f} bytes per step"
+
+
+def test_every_family_has_its_bound_and_every_miss_names_a_real_check():
+    assert {arch.family for arch in ARCHS.values()} == set(BOUNDS)
+    checks = {"no_budget", "smallest", "compiled", "hand_memory", "hand_bytes"}
+    for name, check in MISSES:
+        assert name in ARCHS and check in checks, (name, check)
+        assert not check.startswith("hand") or name in HAND_MAPS, (name, check)
