@@ -25,6 +25,7 @@ against one device is `tests/test_hub.py`'s, one backbone per family.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -51,9 +52,9 @@ MOE = {"GptOssBackbone", "MixtralBackbone", "QwenMoeBackbone", "Qwen3MoeBackbone
 #: Qwen's).
 HAND_MAPS = ("GemmaBackbone", "LlamaBackbone", "QwenBackbone", "QwenMoeBackbone", "Qwen3MoeBackbone")
 
-#: Rows planned exactly as another (weight for weight: shapes, layouts, predicted bytes per axis,
-#: state; `test_rows_that_share_a_compile_are_planned_alike` checks it) are compiled once, as that
-#: other: each compile is 8-30 s on 2 cores.
+#: Rows planned exactly as another (the same weights' shapes and layouts, in any order, the same
+#: predicted bytes per axis and state; `test_rows_that_share_a_compile_are_planned_alike` checks it)
+#: are compiled once, as that other.
 SAME_STEP = {
     "Llama3Backbone": "LlamaBackbone",
     "MistralBackbone": "LlamaBackbone",
@@ -63,8 +64,6 @@ SAME_STEP = {
     "RobertaBackbone": "GPT2Backbone",
     "XLMRobertaBackbone": "GPT2Backbone",
     "ElectraBackbone": "BertBackbone",
-    "ESMBackbone": "FalconBackbone",
-    "Qwen3Backbone": "Gemma3Backbone",
 }
 #: Not compiled here, and why, with the figures measured once (2026-12-02, predicted ÷ compiled bytes):
 #: their compiles take 80-120 s each on 2 cores, more than the fits this module replaced saved.
@@ -313,8 +312,9 @@ def compiled(name: str, hand: bool = False) -> tuple[kml.CommReport, int]:
     else:
         dist = kml.ModelParallel(mesh(), got.rules)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    with warnings.catch_warnings():  # the hand maps split key/value heads that do not divide (replicated)
+    with warnings.catch_warnings():  # the hand maps split key/value heads that do not divide (replicated),
         warnings.simplefilter("ignore", kml.IndivisibleShapeWarning)
+        warnings.simplefilter("ignore", kml.UnmatchedRuleWarning)  # Qwen3Moe's map names a dense MLP it lacks
         step = kml.compile_step(arch.build, dist, got.x, got.y, optimizer="adam", loss=loss)
         memory = kml.dry_plan(arch.build, dist, optimizer="adam").memory()
     return step.comm, memory.parameters + memory.gradients + memory.optimizer
@@ -364,7 +364,7 @@ def test_the_auto_plan_matches_or_beats_keras_hubs_hand_map(name, measure):
 @pytest.mark.parametrize("name", list(SAME_STEP), ids=list(SAME_STEP))
 def test_rows_that_share_a_compile_are_planned_alike(name):
     got, other = planned(name), planned(SAME_STEP[name])
-    assert got.layout == other.layout
+    assert collections.Counter(got.layout) == collections.Counter(other.layout)  # as multisets: the order
     assert got.rules.cost.wire_bytes_by_axis == other.rules.cost.wire_bytes_by_axis
     assert got.rules.cost.state_bytes == other.rules.cost.state_bytes
 
