@@ -14,7 +14,10 @@ elements in the real models) and checked for:
    (parameters ÷ 4) within its family's bound (`BOUNDS`);
 2. the smallest memory-budget plan's state per device ÷ the fully sharded floor
    (total state ÷ 8) within `FLOOR_BOUND`;
-3. the predicted bytes per step = the compiled step's, per mesh axis, ± 2%;
+3. the predicted bytes per step = the compiled step's, per mesh axis, ± 2%
+   (`kml.compile_step`, from a dry build; rows planned exactly like another
+   are compiled once, `SAME_STEP`; the few that take 80-120 s to compile are
+   in `NOT_COMPILED` with the figures measured once);
 4. keras-hub's hand-written layout maps (`Backbone.get_layout_map`) matched or
    beaten by the no-budget plan on state per device and on compiled bytes per step.
 
