@@ -106,7 +106,14 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_expert_parallel_prediction_matches_the_compiled_step",
         "test_a_rebuilt_mixtral_trains_expert_parallel_like_one_device",
     ),
-    "test_hub.py": (  # keras-hub backbones trained against one device; a fresh interpreter
+    "test_zoo.py": (  # ~45 architectures planned (1-20 s each: dry builds, budget searches) and compiled
+        "test_no_budget_parameters_per_device_near_the_tensor_parallel_ideal",
+        "test_smallest_budget_plan_near_the_fully_sharded_floor",
+        "test_predicted_bytes_per_axis_match_the_compiled_step",
+        "test_the_auto_plan_matches_or_beats_keras_hubs_hand_map",
+        "test_rows_that_share_a_compile_are_planned_alike",
+    ),
+    "test_hub.py": (  # one keras-hub backbone per family trained against one device; a fresh interpreter
         "test_sharded_fit_matches_single_device",
         "test_preset_weights_load_sharded",
         "test_import_keras_hub_loads_no_tensorflow",

@@ -9,11 +9,14 @@ and single-device training differ.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import keras_hub
 import numpy as np
+import pytest
 
 VOCAB = 128
 HIDDEN = 64
@@ -191,6 +194,34 @@ ROWS = [
     Row("XLMRobertaBackbone", _ENCODER),
     Row("XLNetBackbone", dict(_BASE, num_heads=HEADS, dropout=0.0)),
 ]
+
+
+def marks(row: Row) -> list:
+    """The warning filters a row's builds need (warnings are errors in the tests)."""
+    found = []
+    if row.name == "RWKV7Backbone":
+        # keras-hub warns, at every build, that its optional CUDA kernels are not installed.
+        found.append(pytest.mark.filterwarnings("ignore:The 'rwkv_ops' package is not installed"))
+    if row.name == "T5Backbone":
+        # keras-hub's T5 feeds a masked embedding into its attention layer, which drops the mask.
+        found.append(pytest.mark.filterwarnings("ignore:Layer '(self|cross)_attention' .* mask attached"))
+    return found
+
+
+def fresh_names(build: Callable[[], keras.Model]) -> Callable[[], keras.Model]:
+    """`build`, with Keras's auto-generated layer names restarted: every build gets the same paths.
+
+    Some keras-hub backbones (T5, T5Gemma, Mixtral, the Qwen MoEs) leave layer
+    names to Keras, which numbers them globally; the auto rules match exact paths.
+    """
+    from keras.src.backend.common import global_state
+
+    @functools.wraps(build)
+    def wrapped():
+        global_state.set_global_attribute("object_name_uids", None)
+        return build()
+
+    return wrapped
 
 
 def build_backbone(row: Row) -> keras.Model:
