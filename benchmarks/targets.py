@@ -39,31 +39,12 @@ import subprocess
 import sys
 import time
 
-_LLAMA3 = dict(vocabulary_size=128256, num_key_value_heads=8, rope_max_wavelength=500000)
+from planner_shapes import SHAPES as _FULL_DEPTH  # the same models as the dry planner's rows
+
+#: name -> (keras-hub class, config without its depth, the real model's number of layers).
 SHAPES = {
-    "Llama-3 8B": (
-        "Llama3Backbone",
-        dict(_LLAMA3, hidden_dim=4096, num_query_heads=32, intermediate_dim=14336),
-        32,
-    ),
-    "Llama-3 70B": (
-        "Llama3Backbone",
-        dict(_LLAMA3, hidden_dim=8192, num_query_heads=64, intermediate_dim=28672),
-        80,
-    ),
-    "Mixtral 8x7B": (
-        "MixtralBackbone",
-        dict(
-            vocabulary_size=32000,
-            hidden_dim=4096,
-            num_query_heads=32,
-            num_key_value_heads=8,
-            intermediate_dim=14336,
-            num_experts=8,
-            top_k=2,
-        ),
-        32,
-    ),
+    name: (cls, {k: v for k, v in config.items() if k != "num_layers"}, config["num_layers"])
+    for name, (cls, config) in _FULL_DEPTH.items()
 }
 TARGETS = ("tpu-v5e:16x16", "tpu-v5p:4x4x4")
 SEQUENCE = 2048
