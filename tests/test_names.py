@@ -62,7 +62,7 @@ SPLITS = {
         "down_proj/kernel": ROW,
     },
     "T5": {
-        "token_embedding/embeddings": VOCAB,  # one table read by encoder and decoder: vocab-parallel (issue 19)
+        "token_embedding/embeddings": VOCAB,  # read by encoder and decoder: vocab-parallel (issue 19)
         "query_projector/kernel": COLUMN,
         "key_projector/kernel": COLUMN,
         "value_projector/kernel": COLUMN,
