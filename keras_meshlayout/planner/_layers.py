@@ -164,9 +164,14 @@ def tied_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
 
 
 def stored_weight(variable: Any) -> bool:
-    """Whether a non-trainable variable is a frozen float matrix (not int8, a scale, a counter, a seed)."""
+    """Whether a non-trainable variable is a frozen float matrix (not int8, a scale, a counter, a seed).
+
+    Quantized layers' scales (`kernel_scale`, `embeddings_scale`) are the
+    `_quantized` strategy's, laid out with their kernel, never as idle weights.
+    """
     dtype = str(variable.dtype)
-    return "float" in dtype and len(variable.shape) >= 2
+    scale = str(variable.path).endswith("_scale")
+    return "float" in dtype and len(variable.shape) >= 2 and not scale
 
 
 def idle_axes(shape: tuple[int, ...], axes_and_sizes: tuple[tuple[str | None, int], ...]) -> tuple:
