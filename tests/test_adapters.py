@@ -108,13 +108,17 @@ def test_lora_prediction_matches_the_compiled_step(lora):
 
 @pytest.mark.parametrize(
     ("path", "axes"),
-    [("token_embedding/embeddings", ("model", None)), ("token_embedding/reverse_embeddings", ("data", "model"))],
+    [
+        ("token_embedding/embeddings", ("model", None)),
+        ("token_embedding/reverse_embeddings", ("data", "model")),
+    ],
     ids=["frozen-table", "frozen-unused-reverse-table"],
 )
 def test_lora_frozen_tables_split(lora, path, axes):
-    """A LoRA model's frozen token table splits over its vocabulary (one all-reduce forward, no gradient) and
-    its unread reverse table over both axes: frozen, they still cost memory on every device (issue 19).
-    `test_lora_prediction_matches_the_compiled_step` holds the plan's bytes and state to the compiled step's."""
+    """A LoRA model's frozen token table splits over its vocabulary (one all-reduce forward, no
+    gradient) and its unread reverse table over both axes: frozen, they still cost memory on every
+    device (issue 19). `test_lora_prediction_matches_the_compiled_step` holds the plan's bytes and
+    state to the compiled step's."""
     assert lora.rules.match(path).axes == axes
 
 
