@@ -106,6 +106,22 @@ def test_lora_prediction_matches_the_compiled_step(lora):
     assert lora.rules.cost.state_bytes == lora.state_bytes
 
 
+@pytest.mark.parametrize(
+    ("path", "axes"),
+    [
+        ("token_embedding/embeddings", ("model", None)),
+        ("token_embedding/reverse_embeddings", ("data", "model")),
+    ],
+    ids=["frozen-table", "frozen-unused-reverse-table"],
+)
+def test_lora_frozen_tables_split(lora, path, axes):
+    """A LoRA model's frozen token table splits over its vocabulary (one all-reduce forward, no
+    gradient) and its unread reverse table over both axes: frozen, they still cost memory on every
+    device (issue 19). `test_lora_prediction_matches_the_compiled_step` holds the plan's bytes and
+    state to the compiled step's."""
+    assert lora.rules.match(path).axes == axes
+
+
 @pytest.fixture(scope="module")
 def int8() -> Planned:
     return plan_and_compile(build_int8)

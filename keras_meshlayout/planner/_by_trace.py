@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from . import _notes
-from ._layers import idle_axes
+from ._layers import idle_axes, stored_weight
 from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import find_added, find_units
@@ -117,11 +117,19 @@ def final_layers(ledger: Ledger, setting: Setting) -> None:
 
 
 def unused_weights(ledger: Ledger, setting: Setting) -> None:
-    """Splits the trainable weights the step never reads over the model and batch axes."""
+    """Splits the weights the step never reads (trainable or frozen) over the model and batch axes.
+
+    Frozen float weights count too (a LoRA model's unused reverse table): they
+    cost memory on every device all the same. Integer state is left alone: an
+    int8 table split so moves over the batch axis in the compiled step (not
+    yet predicted), and seed generators' counters are tiny.
+    """
     if setting.trace is None:
         return
     sizes = ((setting.axis, setting.size), (setting.batch_axis, setting.batch_size))
-    for variable in setting.model.trainable_weights:
+    for variable in setting.model.weights:
+        if not (variable.trainable or stored_weight(variable)):
+            continue
         if ledger.decided(variable.path) or variable.path in setting.trace.read:
             continue
         axes, shards = idle_axes(tuple(variable.shape), sizes)

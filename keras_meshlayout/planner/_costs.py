@@ -62,7 +62,7 @@ from ._candidates import (
     second_axis,
 )
 from ._conv_costs import ConvCosts
-from ._layers import heads_dim
+from ._layers import heads_dim, stored_weight
 from ._layers import owners as layer_owners
 from ._ledger import Proposal
 from ._one_weight import OneWeightCosts
@@ -124,7 +124,7 @@ class _Coster(ConvCosts, OneWeightCosts):
                 units.append(embedding)
                 continue
             if (
-                id(variable) in trainable
+                (id(variable) in trainable or stored_weight(variable))
                 and variable.path not in self.used
                 and not self._kept_whole(variable)
             ):

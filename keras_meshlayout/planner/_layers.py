@@ -118,7 +118,7 @@ def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
     """Whether `variable` is a look-up table the vocabulary of which can split `size` ways.
 
     A Keras `Embedding`'s table (keras-hub's `ReversibleEmbedding` too), or a
-    custom layer's trainable 2-D weight, read by exactly one look-up
+    custom layer's 2-D float weight (trainable or frozen: LoRA), read by exactly one look-up
     (`gather`) and nothing else, whose rows divide by `size`. Keras and
     keras-hub weights other than an `Embedding`'s table (relative position
     biases) are not tables here; a table also read by a projection (a tied
@@ -134,7 +134,7 @@ def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
         and uses[0].kind == "gather"
         and len(variable.shape) == 2
         and variable.shape[0] % size == 0
-        and bool(variable.trainable)
+        and (bool(variable.trainable) or "float" in str(variable.dtype))
     )
 
 
@@ -160,8 +160,18 @@ def tied_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
         and len(gathers) + len(heads) == len(uses) >= 2
         and len(variable.shape) == 2
         and variable.shape[0] % size == 0
-        and bool(variable.trainable)
     )
+
+
+def stored_weight(variable: Any) -> bool:
+    """Whether a non-trainable variable is a frozen float matrix (not int8, a scale, a counter, a seed).
+
+    Quantized layers' scales (`kernel_scale`, `embeddings_scale`) are the
+    `_quantized` strategy's, laid out with their kernel, never as idle weights.
+    """
+    dtype = str(variable.dtype)
+    scale = str(variable.path).endswith("_scale")
+    return "float" in dtype and len(variable.shape) >= 2 and not scale
 
 
 def idle_axes(shape: tuple[int, ...], axes_and_sizes: tuple[tuple[str | None, int], ...]) -> tuple:

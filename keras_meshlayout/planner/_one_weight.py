@@ -48,7 +48,7 @@ class OneWeightCosts(Bytes):
         split = candidate(
             "vocab-parallel",
             {variable.path: (self.model_axis, None)},
-            self._state(variable, self.m, True),
+            self._state(variable, self.m, variable.trainable),
             wire,
         )
         note = {
@@ -102,7 +102,7 @@ class OneWeightCosts(Bytes):
         split = candidate(
             "vocab-parallel",
             {variable.path: (self.model_axis, None)},
-            self._state(variable, self.m, True),
+            self._state(variable, self.m, variable.trainable),
             wire,
         )
         rows, width = variable.shape
@@ -129,7 +129,7 @@ class OneWeightCosts(Bytes):
         if d <= 1 or rows % (d * m) or nbytes(variable) / m < looked_up:
             return []
         axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
-        return [self._moved_rows(variable, axes, self._state(variable, d * m, True))]
+        return [self._moved_rows(variable, axes, self._state(variable, d * m, variable.trainable))]
 
     def _head_dim_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
         """A grouped-query key/value kernel whose heads do not divide the model axis: split on head_dim.
@@ -185,7 +185,8 @@ class OneWeightCosts(Bytes):
                 gathered = self._activation(use.output, use.dtype)
                 add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
         axes = tuple(self.model_axis if i == index else None for i in range(3))
-        split = candidate("head_dim split", {variable.path: axes}, self._state(variable, self.m, True), wire)
+        state = self._state(variable, self.m, variable.trainable)
+        split = candidate("head_dim split", {variable.path: axes}, state, wire)
         replicated = self._replicated([variable])
         if len(uses) > 1:
             replicated_wire = plus_wire({}, self.batch_axis, len(uses) * self._grad_sync(variable, 1))
@@ -236,7 +237,7 @@ class OneWeightCosts(Bytes):
             f"{self.model_axis!r} for the look-up"
         }
         axes = {variable.path: (self.batch_axis, None)}
-        return candidate("fully sharded", axes, self._state(variable, d, True), wire, note)
+        return candidate("fully sharded", axes, self._state(variable, d, variable.trainable), wire, note)
 
     def _both_axes_table(
         self, variable: keras.Variable, vocab_wire: Mapping[str, float], looked_up: float
@@ -257,7 +258,7 @@ class OneWeightCosts(Bytes):
         if d <= 1 or rows % (d * m):
             return None
         axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
-        state = self._state(variable, d * m, True)
+        state = self._state(variable, d * m, variable.trainable)
         if size / m >= looked_up:
             return self._moved_rows(variable, axes, state)
         if 4 * size / m > looked_up:
@@ -308,7 +309,8 @@ class OneWeightCosts(Bytes):
         )
         if shards == 1:
             return None
-        split = candidate("split, unused", {variable.path: axes}, self._state(variable, shards, True), {})
+        state = self._state(variable, shards, variable.trainable)
+        split = candidate("split, unused", {variable.path: axes}, state, {})
         note = {variable.path: "the training step never reads it: no gradient, so no traffic"}
         proposed = 1 if self.tp_axes.get(variable.path) == axes else 0
         return UnitCosts(
@@ -383,7 +385,8 @@ class OneWeightCosts(Bytes):
         notes: dict[str, str] = {}
         if wire is not None:
             axes = {variable.path: (self.batch_axis, *rest)}
-            candidates.append(candidate("fully sharded", axes, self._state(variable, d, True), wire))
+            state = self._state(variable, d, variable.trainable)
+            candidates.append(candidate("fully sharded", axes, state, wire))
             notes[variable.path] = f"split over {self.batch_axis!r}, {how}; its gradient reduced over it"
         if m > 1 and shape[0] % (d * m) == 0:
             # Measured on XLA:CPU (2×4 and 4×2): one all-gather over both axes per read, the
@@ -393,7 +396,7 @@ class OneWeightCosts(Bytes):
                 f"split {d * m} ways over {self.batch_axis!r} and {self.model_axis!r}, gathered over "
                 f"both {when}; its gradient reduced over {self.batch_axis!r}"
             )
-            state = self._state(variable, d * m, True)
+            state = self._state(variable, d * m, variable.trainable)
             candidates.append(candidate("fully sharded", axes, state, both, {variable.path: note}))
         if len(candidates) == 1:
             return None
@@ -436,7 +439,7 @@ class OneWeightCosts(Bytes):
             f"split {d * m} ways over {self.batch_axis!r} and {self.model_axis!r}; the rows read moved and "
             f"gathered over both; their gradient reduced over {self.batch_axis!r}"
         )
-        state = self._state(variable, d * m, True)
+        state = self._state(variable, d * m, variable.trainable)
         split = candidate("fully sharded", axes, state, wire, {variable.path: note})
         return UnitCosts(variable.path, (self._replicated([variable]), split))
 
