@@ -111,6 +111,12 @@ MISSES: dict[tuple[str, str], str] = {
     ("GemmaBackbone", "hand_memory"): "1.613× the hand map's state (474,280 vs 294,056 bytes per device)",
     ("GemmaBackbone", "hand_bytes"): "1.037× the hand map's bytes per step (294,700 vs 284,108)",
     ("QwenBackbone", "hand_memory"): "2.259× the hand map's state (673,448 vs 298,152 bytes per device)",
+    # the hand map's compiled peak ÷ (1 - PEAK_HEADROOM) as memory_budget
+    ("GemmaBackbone", "hand_budget"): "MemoryBudgetError at 478,438: the smallest plan's predicted peak "
+    "is 512,344 (state 247,768, under the map's 294,056) vs the map's compiled 454,516: non-state "
+    "over-predicted? (cause not yet found)",
+    ("QwenBackbone", "hand_budget"): "budget 628,889: state 312,744 = 1.049× the map's 298,152 (compiled "
+    "peak 532,804 vs 597,444 and bytes 324,204 vs 383,308 both beaten): the search fits the peak, not state",
 }
 
 
@@ -274,8 +280,8 @@ def compiled(name: str, hand: bool = False, budget: int | None = None) -> tuple[
 
     Returns its communication report, the plan's state bytes per device (parameters,
     gradients, Adam's slots) and the compiled step's peak bytes per device. With `budget`, the
-    plan is `auto_rules(memory_budget=budget)`'s instead of the no-budget one. Nothing is allocated: `kml.compile_step` lowers Keras's own
-    `train_step` for the plan's shardings.
+    plan is `auto_rules(memory_budget=budget)`'s instead of the no-budget one. Nothing is
+    allocated: `kml.compile_step` lowers Keras's own `train_step` for the plan's shardings.
     """
     arch, got = ARCHS[name], planned(name)
     if hand:
@@ -343,13 +349,13 @@ def test_the_auto_plan_matches_or_beats_keras_hubs_hand_map(name, measure):
 
 @pytest.mark.parametrize("name", _params("hand_budget", list(HAND_MAPS)))
 def test_the_hand_maps_memory_as_the_budget_gives_a_plan_no_bigger_and_no_chattier(name):
-    """`memory_budget` = the hand map's compiled peak (with the planner's headroom): state and bytes ≤ the map's."""
+    """The hand map's compiled peak (plus the planner's headroom) as `memory_budget`: state, bytes ≤ its."""
     hand_report, hand_state, hand_peak = compiled(name, hand=True)
-    budget = math.ceil(hand_peak * (1 + PEAK_HEADROOM))
+    budget = math.ceil(hand_peak / (1 - PEAK_HEADROOM))  # as `MemoryBudgetError.smallest_bytes`
     report, state, _ = compiled(name, budget=budget)
-    assert state <= hand_state, f"{name}: budget {budget:,}: auto {state:,} vs hand {hand_state:,} bytes of state"
+    assert state <= hand_state, f"{name}: budget {budget:,}: auto {state:,} vs hand {hand_state:,} of state"
     assert report.wire_bytes <= hand_report.wire_bytes, (
-        f"{name}: budget {budget:,}: auto sends {report.wire_bytes:,.0f} vs hand {hand_report.wire_bytes:,.0f}"
+        f"{name}: budget {budget:,}: auto sends {report.wire_bytes:,.0f}, hand {hand_report.wire_bytes:,.0f}"
     )
 
 
