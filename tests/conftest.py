@@ -111,6 +111,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_smallest_budget_plan_near_the_fully_sharded_floor",
         "test_predicted_bytes_per_axis_match_the_compiled_step",
         "test_the_auto_plan_matches_or_beats_keras_hubs_hand_map",
+        "test_the_hand_maps_memory_as_the_budget_gives_a_plan_no_bigger_and_no_chattier",
         "test_rows_that_share_a_compile_are_planned_alike",
     ),
     "test_hub.py": (  # one keras-hub backbone per family trained against one device; a fresh interpreter
