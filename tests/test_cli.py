@@ -203,7 +203,11 @@ def test_plan_of_a_saved_model_with_optimizer_table(workdir):
     saved = workdir / "mlp.keras"
     script = "import models; models.mlp().save('mlp.keras')"
     subprocess.run(
-        [sys.executable, "-c", script], cwd=workdir, check=True, env={**os.environ, "KERAS_BACKEND": "jax"}
+        [sys.executable, "-c", script],
+        cwd=workdir,
+        check=True,
+        env={**os.environ, "KERAS_BACKEND": "jax"},
+        timeout=300,
     )
     result = cli("plan", "--mesh", "2x4", "--model", str(saved), "--auto", "--optimizer", "adam", cwd=workdir)
     assert result.returncode == 0, result.stderr
