@@ -94,7 +94,9 @@ def test_import_keras_hub_loads_no_tensorflow():
         "assert not loaded, loaded\n"
     )
     env = dict(os.environ, KERAS_BACKEND="jax")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
 
 
