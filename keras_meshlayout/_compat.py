@@ -28,6 +28,8 @@ Keras's global state and distribution backend:
   variables a dry build must hand back, and the global seed generator.
 - `keras.src.backend.common.stateless_scope.StatelessScope`: builds a model without
   allocating its variables.
+- `keras.src.backend.common.variables.Variable.__init__`: patched while a dry build runs,
+  so that a variable made from a value (an optimizer's counters) is deferred as well.
 - `keras.src.backend.jax.distribution_lib`: `distribute_data_input`, wrapped to check
   every batch, and `initialize_rng`, the first collective of a multi-process run.
 - `Variable._layout`: the layout Keras gave an optimizer slot (its parameter's).
@@ -68,6 +70,8 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 #: The trainer methods `kml` wraps, and whether each runs inference (`True`) or training.
 TRAINER_METHODS: dict[str, bool] = {
@@ -223,11 +227,37 @@ def lora_off(model: Any) -> Iterator[None]:
             layer.lora_enabled = True
 
 
-def stateless_scope() -> Any:
-    """A Keras scope in which variables are created without being allocated."""
+@contextlib.contextmanager
+def stateless_scope() -> Iterator[None]:
+    """A Keras scope in which variables are created without being allocated.
+
+    Keras defers a variable made from an initializer there but refuses one made
+    from a value: an optimizer's step counter and learning rate, which the
+    `compile` that keras-hub's tasks run on construction creates. Inside this
+    scope those are deferred too, their value kept as a constant initializer.
+    """
+    from keras.src.backend.common import variables
     from keras.src.backend.common.stateless_scope import StatelessScope
 
-    return StatelessScope(initialize_variables=False)
+    init = variables.Variable.__init__
+
+    def deferring(self: Any, initializer: Any, shape: Any = None, dtype: Any = None, **kwargs: Any) -> None:
+        if initializer is not None and not isinstance(initializer, str) and not callable(initializer):
+            value = np.asarray(initializer)
+            dtype = dtype or value.dtype.name
+            shape, initializer = value.shape, functools.partial(_constant, value)
+        init(self, initializer, shape=shape, dtype=dtype, **kwargs)
+
+    variables.Variable.__init__ = deferring
+    try:
+        with StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        variables.Variable.__init__ = init
+
+
+def _constant(value: Any, shape: Any = None, dtype: Any = None) -> Any:
+    return value.astype(dtype) if dtype is not None else value
 
 
 def in_stateless_scope() -> bool:

@@ -31,6 +31,10 @@ def _no_global_distribution():
 # is marked; "*" marks a whole module. Keeping the list here, not in the test files, says in
 # one place what the fast loop leaves out; tests/test_docs.py checks that every name exists.
 SLOW: dict[str, tuple[str, ...]] = {
+    "test_dry.py": (  # a keras-hub task built, planned and compiled (15 s each)
+        "test_a_task_that_compiles_itself_plans_dry_as_built",
+        "test_compile_step_recompiles_a_task_with_the_optimizer_it_is_given",
+    ),
     "test_budget.py": (  # compile a training step per case, against the planner's prediction
         "test_predicted_bytes_match_the_compiled_step",
         "test_predicted_bytes_match_on_other_backbones",

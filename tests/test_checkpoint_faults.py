@@ -230,6 +230,25 @@ def test_a_failed_save_then_a_good_one_resets_the_count(monkeypatch, uninterrupt
     assert training(tmp_path / "latest")["step"] == TOTAL
 
 
+@pytest.mark.parametrize("removable", [True, False], ids=["removed", "left"])
+def test_a_failed_save_says_truly_whether_what_it_wrote_was_removed(monkeypatch, tmp_path, removable):
+    """The message says "removed" only when the partial directory is gone, else where it is left."""
+    if not removable:  # a file system that refuses the removal (a busy mount, an immutable file)
+        monkeypatch.setattr(_atomic.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    target = tmp_path / "latest"
+    with pytest.raises(kml.CheckpointError) as raised, _atomic.writing(target) as save:
+        save.prepare()
+        (save.at(save.partial / "weights.bin")).write_bytes(b"0")
+        raise OSError(28, "No space left on device")
+    message = str(raised.value)
+    assert save.partial.exists() is not removable
+    if removable:
+        assert "What this save had written was removed." in message
+    else:
+        assert f"What this save had written is left in {save.partial}: it could not be removed" in message
+        assert "was removed" not in message
+
+
 # -- options and the smaller items ---------------------------------------------------------
 
 

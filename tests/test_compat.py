@@ -154,6 +154,16 @@ def _stateless_scope():
     assert tuple(layer.kernel.shape) == (1024, 1024)
 
 
+def _value_made_variable():
+    from keras.src.backend.common import variables
+
+    init = variables.Variable.__init__
+    with _compat.stateless_scope():
+        counter = keras.Variable(3, dtype="int32", name="counter")  # Keras alone refuses a value here
+    assert variables.Variable.__init__ is init, "the patch outlived the scope"
+    assert _compat.raw_value(counter) is None and tuple(counter.shape) == () and counter.dtype == "int32"
+
+
 def _global_seed_generator():
     created = _compat.global_seed_generator(create=True)
     assert isinstance(created, keras.random.SeedGenerator), type(created)
@@ -365,6 +375,11 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
         "keras.src.backend.common.stateless_scope.StatelessScope",
         "builds without allocating",
         _stateless_scope,
+    ),
+    (
+        "keras.src.backend.common.variables.Variable.__init__",
+        "a variable made from a value, deferred in a dry build",
+        _value_made_variable,
     ),
     (
         "keras.src.random.seed_generator.global_seed_generator",

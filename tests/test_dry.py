@@ -62,6 +62,49 @@ def test_dry_plan_allocates_nothing_and_leaves_no_trace():
     assert keras.distribution.distribution() is None
 
 
+def causal_lm() -> keras.Model:
+    """A keras-hub task: it compiles itself (Adam) on construction, inside the dry build too."""
+    import keras_hub
+
+    backbone = keras_hub.models.Llama3Backbone(
+        vocabulary_size=256,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+    )
+    return keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=None)
+
+
+def test_a_task_that_compiles_itself_plans_dry_as_built():
+    """Keras refuses a variable made from a value (the task's Adam counters) in a stateless scope."""
+    mesh = kml.Mesh(data=2, model=4)
+    with kml.dry_build(causal_lm) as model:
+        rules = kml.auto_rules(model, mesh, replicate_below=0)
+        assert model.compiled and isinstance(model.optimizer, keras.optimizers.Adam)
+    distribution = kml.ModelParallel(mesh, rules, replicate_below=0)
+    dry = kml.dry_plan(causal_lm, distribution)  # the task's own Adam, its slots included
+    with distribution.scope():
+        real = causal_lm()
+        real.optimizer.build(real.trainable_variables)
+    assert dry.to_dict() == distribution.plan(real).to_dict()
+    assert sum(entry.role == "optimizer" for entry in dry) == 2 * len(real.trainable_variables) + 2
+
+
+def test_compile_step_recompiles_a_task_with_the_optimizer_it_is_given():
+    """A task's own Adam keeps two slots per weight; `optimizer="sgd"` keeps none: fewer argument bytes."""
+    import numpy as np
+
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4))
+    x = {"token_ids": np.zeros((8, 16), "int32"), "padding_mask": np.ones((8, 16), "int32")}
+    y = np.zeros((8, 16), "int32")
+    own = kml.compile_step(causal_lm, distribution, x, y)
+    sgd = kml.compile_step(causal_lm, distribution, x, y, optimizer="sgd")
+    memory = kml.dry_plan(causal_lm, distribution, optimizer="adam").memory()
+    assert own.argument_bytes - sgd.argument_bytes == memory.optimizer - 8  # Adam's slots; both have counters
+
+
 # Per device on data=2 × model=4 with MLP_RULES, float32: hidden_1 kernel and bias
 # split 4 ways, hidden_2 kernel and the head kernel (small, but the rule is the user's
 # own) row-split 4 ways, the rest (hidden_2 and head biases) replicated.

@@ -270,8 +270,12 @@ def failure_reason(err: OSError) -> str:
     return " ".join(text.split())
 
 
-def save_failed(target: Path, step: Path, err: OSError) -> str:
-    """The message of a save that failed while writing `step`, saying what happened to `target`."""
+def save_failed(target: Path, step: Path, err: OSError, left: Path | None = None) -> str:
+    """The message of a save that failed while writing `step`, saying what happened to `target`.
+
+    `left` is the partial directory when it could not be removed (the next save to `target`
+    removes it, once its writer is gone).
+    """
     why = failure_reason(err)
     if _manifest.complete(target):
         previous = f"The previous checkpoint at {target} is intact."
@@ -279,10 +283,15 @@ def save_failed(target: Path, step: Path, err: OSError) -> str:
         previous = f"{target} was left as it was (it holds no complete checkpoint)."
     else:
         previous = f"Nothing was written at {target} (there was no checkpoint there before)."
+    written = (
+        "What this save had written was removed."
+        if left is None
+        else f"What this save had written is left in {left}: it could not be removed (the next save to "
+        f"{target.name} removes it, or delete it by hand)."
+    )
     return (
-        f"Saving checkpoint {target} failed while writing {step}: {why}. {previous} "
-        "What this save had written was removed. Fix: free space on that disk, or check that the "
-        "directory is writable, and save again."
+        f"Saving checkpoint {target} failed while writing {step}: {why}. {previous} {written} "
+        "Fix: free space on that disk, or check that the directory is writable, and save again."
     )
 
 
@@ -346,7 +355,8 @@ class Writing:
             shutil.rmtree(self.partial, ignore_errors=True)
         if not isinstance(err, OSError):
             return err
-        error = CheckpointError(save_failed(self.target, self.step, err))
+        left = self.partial if self.owner and self.partial.exists() else None
+        error = CheckpointError(save_failed(self.target, self.step, err, left))
         error.__cause__ = err
         return error
 

@@ -45,7 +45,9 @@ def dry_plan(
     Args:
         build: A function that builds and returns the Keras model.
         distribution: The `kml.ModelParallel` to plan for.
-        optimizer: An optimizer, or a name Keras knows (`"adam"`), or `None`.
+        optimizer: An optimizer, or a name Keras knows (`"adam"`), or `None`: the
+            optimizer of a model `build` compiles (a keras-hub task compiles itself),
+            else none.
 
     Returns:
         The same `Plan` as `distribution.plan(model)` gives once the model
@@ -68,6 +70,8 @@ def dry_plan(
         slots = None
         with _compat.stateless_scope():
             model = build()
+            if optimizer is None and getattr(model, "compiled", False):
+                optimizer = model.optimizer  # `build` compiled it (a keras-hub task compiles itself)
             if isinstance(optimizer, keras.optimizers.Adafactor):
                 slots = _adafactor_variables(optimizer, model.trainable_variables)
             elif optimizer is not None:

@@ -30,7 +30,7 @@ def step_flops(model: Any, batch: Any) -> float:
     import jax
     import jax.numpy as jnp
 
-    from ..report._comm import _flops
+    from ..report._comm import xla_flops
 
     def abstract(array: Any) -> Any:
         return jax.ShapeDtypeStruct(tuple(array.shape), array.dtype)
@@ -42,7 +42,8 @@ def step_flops(model: Any, batch: Any) -> float:
         outputs, _ = model.stateless_call(weights, others, x, training=True)
         return sum(jnp.sum(out.astype("float32")) for out in jax.tree_util.tree_leaves(outputs))
 
-    return _flops(jax.jit(jax.grad(loss)).lower(trainable, frozen, jax.tree_util.tree_map(abstract, batch)))
+    lowered = jax.jit(jax.grad(loss)).lower(trainable, frozen, jax.tree_util.tree_map(abstract, batch))
+    return xla_flops(lowered)
 
 
 def matmul_flops(trace: Trace, specs: Specs | None = None) -> float:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import keras
     import rich.console
 
-__all__ = ["CommReport", "Transfer", "comm_report", "report_of"]
+__all__ = ["CommReport", "Transfer", "comm_report", "report_of", "xla_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,8 +237,8 @@ def report_of(model: keras.Model, mesh: Any, lowered: Any, compiled: Any) -> Com
         collectives=tuple(collectives),
         transfers=transfers,
         memory=_memory(compiled),
-        flops_per_device=_flops(compiled),
-        flops_unpartitioned=_flops(lowered),
+        flops_per_device=xla_flops(compiled),
+        flops_unpartitioned=xla_flops(lowered),
     )
 
 
@@ -314,7 +314,8 @@ def _memory(compiled: Any) -> dict[str, int]:
     return memory
 
 
-def _flops(stage: Any) -> float:
+def xla_flops(stage: Any) -> float:
+    """XLA's FLOP count of a lowered or compiled stage (`cost_analysis`), 0 where it gives none."""
     costs = stage.cost_analysis()
     if isinstance(costs, Sequence):  # older JAX: one dict per program
         costs = costs[0] if costs else {}

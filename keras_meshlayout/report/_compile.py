@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _compat
 from ..core._dry import _deferred_variables, names_handed_back, new_optimizer
-from ..core._errors import InvalidOptionError, UnmatchedRuleWarning
+from ..core._errors import UnmatchedRuleWarning
 from ..core._format import Displayed, format_bytes, to_text
 from ..core._mesh import jax_device_grid
 from ..core._planning import plan_model
@@ -119,22 +119,19 @@ def compile_step(
 
     Args:
         build: A function that builds and returns the Keras model. If it returns a
-            compiled model, its optimizer and loss are used.
+            compiled model (a keras-hub task compiles itself), its optimizer and loss
+            are used where `optimizer` and `loss` are not given.
         distribution: The `kml.ModelParallel` to compile for.
         x: One global batch of inputs: arrays, `jax.ShapeDtypeStruct`s or anything with
             `shape` and `dtype`, in the model's input structure.
         y: The matching targets, likewise (`None` for a model without).
-        optimizer: For a model `build` leaves uncompiled: an optimizer or a name
-            Keras knows (default `"adam"`).
-        loss: For a model `build` leaves uncompiled: a loss (default `"mse"`).
+        optimizer: An optimizer or a name Keras knows (default: the model's own if
+            `build` compiled it, else `"adam"`).
+        loss: A loss (default: the model's own if `build` compiled it, else `"mse"`).
 
     Returns:
         The `CompiledStep`: XLA's per-device argument, output, temporary and peak bytes,
         and `comm`, the communication report of the compiled HLO.
-
-    Raises:
-        InvalidOptionError: `optimizer` or `loss` given for a model that `build`
-            compiles already.
 
     Example:
         >>> import jax, keras, numpy as np, keras_meshlayout as kml
@@ -178,14 +175,18 @@ def compile_step(
 
 
 def _compile_model(model: Any, chosen: Any, optimizer: Any, loss: Any) -> None:
-    """`model.compile` with `chosen` and `loss` (default `"mse"`), unless `build` compiled it."""
+    """`model.compile` with `chosen` and `loss` (default `"mse"`), unless `build` compiled it.
+
+    A model `build` compiled (a keras-hub task compiles itself on construction) keeps its
+    optimizer and loss, unless `optimizer` or `loss` is given: then it is compiled again
+    with them, the other kept, as a training script would.
+    """
     if not model.compiled:
         model.compile(optimizer=chosen, loss="mse" if loss is None else loss)
     elif optimizer is not None or loss is not None:
-        raise InvalidOptionError(
-            f"The model {model.name!r} that build() returns is compiled already, with its own "
-            f"optimizer and loss; compile_step was given optimizer={optimizer!r}, loss={loss!r} too. "
-            "Fix: pass neither, or do not compile it in build()."
+        model.compile(
+            optimizer=chosen if optimizer is not None else model.optimizer,
+            loss=loss if loss is not None else model.loss,
         )
 
 
