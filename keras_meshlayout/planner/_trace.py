@@ -94,6 +94,12 @@ class Trace:
     read: Mapping[str, float]
     trained: frozenset[int] = frozenset()
 
+    def unread(self, path: str) -> bool:
+        """Whether no operation of the traced step reads the variable at `path` (trainable or frozen)."""
+        return path not in self.read and not any(
+            self.consumers.get(value) for value, name in self.variables.items() if name == path
+        )
+
     def weight_of(self, value: int) -> tuple[str, tuple[int, ...]] | None:
         """`(path, permutation)` when `value` is a variable, cast or transposed at most."""
         perm: tuple[int, ...] | None = None
