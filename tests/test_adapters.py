@@ -53,11 +53,11 @@ class Planned:
     state_bytes: int
 
 
-def plan_and_compile(build) -> Planned:
+def plan_and_compile(build, x=None) -> Planned:
     """The model's no-budget plan with its cost, and its compiled step's report (one compile)."""
     mesh = kml.Mesh(**MESH_SHAPE)
     model = build()
-    x, y = inputs_for(model), np.zeros(BATCH, "int32")
+    x, y = inputs_for(model) if x is None else x, np.zeros(BATCH, "int32")
     rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
     report, state = compiled_step(build, kml.ModelParallel(mesh, rules), x, y)
     return Planned(rules, report, state)
@@ -152,5 +152,60 @@ def test_int8_prediction_matches_the_compiled_step(int8):
     for axis, value in measured.items():
         assert int8.rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
     assert int8.rules.cost.state_bytes == int8.state_bytes
-    maxima = [t for t in int8.report.transfers if t.shape == (4, 8) and t.axes == ("model",)]
+    per_position = [t for t in int8.report.transfers if t.shape == (4, 8) and t.axes == ("model",)]
+    maxima = [t for t in per_position if not t.layer.endswith("token_embedding")]
     assert len(maxima) == 2  # the attention output and the feed-forward output
+    assert len(per_position) == 3  # and the vocab-parallel int8 table's looked-up scales
+
+
+def build_user_int8() -> keras.Model:
+    """A user's own functional model (a table, a Dense pair with a ReLU between, a head), then int8."""
+    ids = keras.Input((8,), dtype="int32", name="ids")
+    x = keras.layers.Embedding(512, 32, name="tokens")(ids)
+    x = keras.layers.Dense(64, activation="relu", name="up")(x)
+    x = keras.layers.Dense(32, name="down")(x)
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    model = keras.Model(ids, keras.layers.Dense(10, name="head")(x), name="user_int8")
+    with warnings.catch_warnings():  # the pooling layer has nothing to quantize
+        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
+        model.quantize("int8")
+    return model
+
+
+@pytest.fixture(scope="module")
+def user_int8() -> Planned:
+    return plan_and_compile(build_user_int8, np.zeros((BATCH, 8), "int32"))
+
+
+@pytest.mark.parametrize(
+    ("path", "axes", "note"),
+    [
+        ("tokens/embeddings", ("model", None), "embedding: vocabulary split over 'model'"),
+        ("tokens/embeddings_scale", ("model",), "int8 scale of tokens: split over 'model', as its table's"),
+        ("up/kernel", (None, "model"), "column-parallel: up → down"),
+        ("up/kernel_scale", ("model",), "int8 scale of up: split over 'model'"),
+        ("down/kernel", ("model", None), "row-parallel: up → down"),
+        ("down/kernel_scale", (None,), "int8 scale of down: whole"),
+    ],
+    ids=["table", "table-scale", "column", "column-scale", "row", "row-scale"],
+)
+def test_a_users_int8_model_splits_its_table_and_its_pair(user_int8, path, axes, note):
+    """The int8 table and its per-row scale split vocab-parallel together (before: both replicated,
+    'no traffic'); the Dense pair through the ReLU and the row's input quantizer (an absolute maximum
+    over the split features) is one unit (before: 'no row-parallel partner follows')."""
+    rule = user_int8.rules.match(path)
+    assert rule.axes == axes
+    assert note in rule.note
+
+
+def test_a_users_int8_model_is_predicted_as_compiled(user_int8):
+    """The table's looked-up int8 rows and their scales are all-reduced over 'model' (two arrays, at one
+    byte and four per element: 4 of the 8 sequences per device), the row's input maximum too; state exact."""
+    measured = user_int8.report.wire_bytes_by_axis
+    assert set(measured) == {"data", "model"}
+    for axis, value in measured.items():
+        assert user_int8.rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
+    assert user_int8.rules.cost.state_bytes == user_int8.state_bytes
+    looked_up = [t for t in user_int8.report.transfers if t.layer == "tokens"]
+    assert sorted(t.nbytes for t in looked_up) == [4 * 8 * 4, 4 * 8 * 32]  # per-row scales, int8 rows
+    assert all(t.axes == ("model",) for t in looked_up)

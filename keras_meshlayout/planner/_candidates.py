@@ -201,7 +201,7 @@ class Bytes:
         """
         candidates = []
         for option in unit.candidates:
-            axes, state = dict(option.axes), option.state
+            axes, state, notes = dict(option.axes), option.state, dict(option.notes)
             for path, weight_axes in option.axes.items():
                 for follower, follow in self.followers.get(path, ()):
                     if follower.path in axes:
@@ -210,7 +210,10 @@ class Bytes:
                     got = (None,) * len(follower.shape) if got is None else got
                     axes[follower.path] = got
                     state += self._state(follower, self._shards(got), follower.trainable)
-            candidates.append(dataclasses.replace(option, axes=frozen(axes), state=int(state)))
+                    if tuple(self.tp_axes.get(follower.path, ())) == got:  # the rule writer's own note
+                        notes[follower.path] = self.proposal.notes.get(follower.path, "")
+            changed = dict(axes=frozen(axes), state=int(state), notes=frozen(notes))
+            candidates.append(dataclasses.replace(option, **changed))
         return dataclasses.replace(unit, candidates=tuple(candidates))
 
     def _replicated(self, variables: Sequence[keras.Variable]) -> Candidate:

@@ -10,8 +10,9 @@ row-parallel end, whose output is all-reduced. Operands met on the way must be
 split the same way: a bias is split with it, a second projection (the gate of
 SwiGLU, the key and value of attention) joins the unit as another column, and
 constants (masks, rotary tables) are sliced locally. The unit is rejected as
-soon as the split would reach the model's output, a reduction over it, or
-anything else that would need the whole dimension.
+soon as the split would reach the model's output, a reduction over it (but an
+absolute maximum: an int8 projection's input quantizer, whose maximum XLA
+all-reduces), or anything else that would need the whole dimension.
 
 It does not matter how the model wrote the computation: a `Dense` layer, a
 custom layer's `ops.matmul`, the `*` operator or `ops.einsum` all trace to the
@@ -167,6 +168,11 @@ class _Grower:
             for index in self.trace.consumers.get(value, ()):
                 self.forward(self.trace.nodes[index], value, dim)
 
+    def _absolute(self, value: int) -> bool:
+        """Whether `value` is the absolute value of another (`ops.abs`)."""
+        producer = self.trace.producer.get(value)
+        return producer is not None and self.trace.nodes[producer].primitive == "abs"
+
     def forward(self, node, value: int, dim: int) -> None:
         """`value`, split on `dim`, is read by `node`: carry the split through it or end there."""
         self.state.visited.add(node.index)
@@ -189,6 +195,10 @@ class _Grower:
             self.set_split(node.outputs[0], out)
         elif name in REDUCTIONS:
             axes = tuple(params["axes"])
+            if dim in axes and name == "reduce_max" and self._absolute(value):
+                # An int8 projection's input quantizer: the absolute maximum over the split features,
+                # all-reduced over the model axis (`_costs`), whole from here on.
+                return
             if dim in axes:
                 raise _Fail("reduced over the split dimension")
             self.set_split(node.outputs[0], dim - sum(a < dim for a in axes))
