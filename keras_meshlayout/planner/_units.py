@@ -168,10 +168,21 @@ class _Grower:
             for index in self.trace.consumers.get(value, ()):
                 self.forward(self.trace.nodes[index], value, dim)
 
-    def _absolute(self, value: int) -> bool:
-        """Whether `value` is the absolute value of another (`ops.abs`)."""
+    def _reduction(self, node, value: int, dim: int) -> None:
+        """`value`, split on `dim`, reduced: split on over other dimensions, else the unit fails.
+
+        But an absolute maximum over the split features (an int8 projection's
+        input quantizer): XLA all-reduces it over the model axis (`_costs`) and
+        the path ends there, whole.
+        """
+        axes = tuple(node.params["axes"])
+        if dim not in axes:
+            self.set_split(node.outputs[0], dim - sum(a < dim for a in axes))
+            return
         producer = self.trace.producer.get(value)
-        return producer is not None and self.trace.nodes[producer].primitive == "abs"
+        absolute = producer is not None and self.trace.nodes[producer].primitive == "abs"
+        if node.primitive != "reduce_max" or not absolute:
+            raise _Fail("reduced over the split dimension")
 
     def forward(self, node, value: int, dim: int) -> None:
         """`value`, split on `dim`, is read by `node`: carry the split through it or end there."""
@@ -194,14 +205,7 @@ class _Grower:
                 raise _Fail("reshape cuts across the split")
             self.set_split(node.outputs[0], out)
         elif name in REDUCTIONS:
-            axes = tuple(params["axes"])
-            if dim in axes and name == "reduce_max" and self._absolute(value):
-                # An int8 projection's input quantizer: the absolute maximum over the split features,
-                # all-reduced over the model axis (`_costs`), whole from here on.
-                return
-            if dim in axes:
-                raise _Fail("reduced over the split dimension")
-            self.set_split(node.outputs[0], dim - sum(a < dim for a in axes))
+            self._reduction(node, value, dim)
         elif name == "squeeze":
             axes = tuple(params["dimensions"])
             self.set_split(node.outputs[0], dim - sum(a < dim for a in axes))
