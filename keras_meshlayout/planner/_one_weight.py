@@ -45,14 +45,7 @@ class OneWeightCosts(Bytes):
         wire: dict[str, float] = {}
         add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
         int8 = str(variable.dtype) == "int8"
-        # An int8 table's looked-up rows are summed as int8, and its scales' look-ups beside them
-        # (measured on XLA:CPU, keras-hub Llama quantized, 2×4: two all-reduces over 'model' forward).
-        looked = self._activation(output, dtype) if int8 else self._summed(output, dtype)
-        add_wire(wire, self.model_axis, wire_bytes("all-reduce", looked, self.m))
-        for follower, _ in self.followers.get(variable.path, ()) if int8 else ():
-            for use in self.uses.get(follower.path, ()):
-                scales = self._summed(use.output, use.dtype)
-                add_wire(wire, self.model_axis, wire_bytes("all-reduce", scales, self.m))
+        self._lookup_wire(variable, calls[0], wire)
         split = candidate(
             "vocab-parallel",
             {variable.path: (self.model_axis, None)},
@@ -73,6 +66,23 @@ class OneWeightCosts(Bytes):
         name = getattr(owner, "path", variable.path)
         return UnitCosts(name, tuple(candidates), frozen(note), proposed=proposed)
 
+    def _lookup_wire(self, variable: keras.Variable, lookup, wire: dict[str, float]) -> None:
+        """A vocab-parallel look-up's forward all-reduce over the model axis, added to `wire`.
+
+        An int8 table's looked-up rows are summed as int8, and its scales'
+        look-ups beside them (measured on XLA:CPU, 2×4, keras-hub Llama and a
+        functional model after `quantize("int8")`: two all-reduces, one byte
+        and four per element).
+        """
+        int8 = str(variable.dtype) == "int8"
+        rows = lookup.output, lookup.dtype
+        looked = self._activation(*rows) if int8 else self._summed(*rows)
+        add_wire(wire, self.model_axis, wire_bytes("all-reduce", looked, self.m))
+        for follower, _ in self.followers.get(variable.path, ()) if int8 else ():
+            for use in self.uses.get(follower.path, ()):
+                scales = self._summed(use.output, use.dtype)
+                add_wire(wire, self.model_axis, wire_bytes("all-reduce", scales, self.m))
+
     def _tied_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
         """A tied or shared table: look-ups, and any projections `x @ table.T` (a language model's head).
 
@@ -82,7 +92,11 @@ class OneWeightCosts(Bytes):
         forward, as an untied table's; the head's logits stay split over the
         vocabulary, so the loss reduces them with four all-reduces of one
         float32 per position (as a split final layer's), and the head's input
-        gradient is all-reduced over the model axis backward.
+        gradient is all-reduced over the model axis backward. An int8 table
+        (`quantize("int8")`) sends its look-ups as an untied one's
+        (`_lookup_wire`), and its head's input gradient is one float32 per
+        position (measured on XLA:CPU, 2×4, a functional model with a tied
+        `ReversibleEmbedding`).
         """
         calls = self.uses.get(variable.path, ())
         if not tied_table(owner, variable, calls, self.m):
@@ -95,17 +109,16 @@ class OneWeightCosts(Bytes):
         wire: dict[str, float] = {}
         add_wire(wire, self.batch_axis, len(calls) * self._grad_sync(variable, self.m))
         for lookup in lookups:
-            looked_up = self._summed(lookup.output, lookup.dtype)
-            add_wire(wire, self.model_axis, wire_bytes("all-reduce", looked_up, self.m))
+            self._lookup_wire(variable, lookup, wire)
         for head in heads:
             per_position = math.prod(head.output[:-1]) / self.d * 4
             add_wire(wire, self.model_axis, 4 * wire_bytes("all-reduce", per_position, self.m))
             if not head.from_input:
-                add_wire(
-                    wire,
-                    self.model_axis,
-                    wire_bytes("all-reduce", self._summed(head.inputs, head.dtype), self.m),
-                )
+                # An int8 head quantizes its input (rounded: no gradient) by its per-position maximum,
+                # the one path its input gradient takes: one float32 per position.
+                int8 = str(variable.dtype) == "int8"
+                summed = per_position if int8 else self._summed(head.inputs, head.dtype)
+                add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
         split = candidate(
             "vocab-parallel",
             {variable.path: (self.model_axis, None)},
