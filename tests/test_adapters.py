@@ -212,3 +212,22 @@ def test_a_users_int8_model_is_predicted_as_compiled(user_int8):
     assert all(t.axes == ("model",) for t in table)
     assert sorted(t.nbytes for t in table if t.phase == "forward") == [4 * 8 * 4, 4 * 8 * 32]
     assert [t.nbytes for t in table if t.phase == "backward"] == [4 * 8 * 4]
+
+
+def test_a_frozen_lora_layer_sends_no_gradient():
+    """Regression: a layer frozen after `enable_lora` (`layer.trainable = False`: its adapters freeze too)
+    was planned as if its merged kernel trained, predicting 5,420 bytes over 'data' against the compiled
+    step's 1,324 (2×4, this model). Only the head trains: its gradient and the loss are all that is summed
+    over 'data' (measured compiled: 1,324 bytes, the same as predicted now)."""
+    ids = keras.Input((8,), dtype="int32")
+    up, down = keras.layers.Dense(64, activation="relu", name="up"), keras.layers.Dense(32, name="down")
+    table = keras.layers.Embedding(512, 32, trainable=False)
+    pooled = keras.layers.GlobalAveragePooling1D()(down(up(table(ids))))
+    model = keras.Model(ids, keras.layers.Dense(10, name="head")(pooled))
+    for layer in (up, down):
+        layer.enable_lora(4)
+        layer.trainable = False
+    x = np.zeros((BATCH, 8), "int32")
+    rules = kml.auto_rules(model, kml.Mesh(**MESH_SHAPE), batch=x, optimizer="adam", replicate_below=0)
+    head = (32 * 10 + 10) * 4  # all-reduced over 'data' (2): each device sends half of it, twice
+    assert rules.cost.wire_bytes_by_axis["data"] == head + 4  # and the loss's one float32
