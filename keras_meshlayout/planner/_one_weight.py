@@ -67,13 +67,8 @@ class OneWeightCosts(Bytes):
         return UnitCosts(name, tuple(candidates), frozen(note), proposed=proposed)
 
     def _lookup_wire(self, variable: keras.Variable, lookup, wire: dict[str, float]) -> None:
-        """A vocab-parallel look-up's forward all-reduce over the model axis, added to `wire`.
-
-        An int8 table's looked-up rows are summed as int8, and its scales'
-        look-ups beside them (measured on XLA:CPU, 2×4, keras-hub Llama and a
-        functional model after `quantize("int8")`: two all-reduces, one byte
-        and four per element).
-        """
+        """A vocab-parallel look-up's forward all-reduce over the model axis; an int8 table's rows as int8,
+        its looked-up scales beside (measured on XLA:CPU, 2×4, keras-hub Llama and a functional model)."""
         int8 = str(variable.dtype) == "int8"
         rows = lookup.output, lookup.dtype
         looked = self._activation(*rows) if int8 else self._summed(*rows)
@@ -92,11 +87,9 @@ class OneWeightCosts(Bytes):
         forward, as an untied table's; the head's logits stay split over the
         vocabulary, so the loss reduces them with four all-reduces of one
         float32 per position (as a split final layer's), and the head's input
-        gradient is all-reduced over the model axis backward. An int8 table
-        (`quantize("int8")`) sends its look-ups as an untied one's
-        (`_lookup_wire`), and its head's input gradient is one float32 per
-        position (measured on XLA:CPU, 2×4, a functional model with a tied
-        `ReversibleEmbedding`).
+        gradient is all-reduced over the model axis backward: for an int8
+        table one float32 per position (measured on XLA:CPU, 2×4, a tied
+        `ReversibleEmbedding`), its look-ups as an untied one's.
         """
         calls = self.uses.get(variable.path, ())
         if not tied_table(owner, variable, calls, self.m):
