@@ -53,11 +53,12 @@ class Planned:
     state_bytes: int
 
 
-def plan_and_compile(build) -> Planned:
+def plan_and_compile(build, x=None, y=None) -> Planned:
     """The model's no-budget plan with its cost, and its compiled step's report (one compile)."""
     mesh = kml.Mesh(**MESH_SHAPE)
     model = build()
-    x, y = inputs_for(model), np.zeros(BATCH, "int32")
+    x = inputs_for(model) if x is None else x
+    y = np.zeros(BATCH, "int32") if y is None else y
     rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
     report, state = compiled_step(build, kml.ModelParallel(mesh, rules), x, y)
     return Planned(rules, report, state)
@@ -152,5 +153,81 @@ def test_int8_prediction_matches_the_compiled_step(int8):
     for axis, value in measured.items():
         assert int8.rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
     assert int8.rules.cost.state_bytes == int8.state_bytes
-    maxima = [t for t in int8.report.transfers if t.shape == (4, 8) and t.axes == ("model",)]
+    per_position = [t for t in int8.report.transfers if t.shape == (4, 8) and t.axes == ("model",)]
+    maxima = [t for t in per_position if not t.layer.endswith("token_embedding")]
     assert len(maxima) == 2  # the attention output and the feed-forward output
+    assert len(per_position) == 3  # and the vocab-parallel int8 table's looked-up scales
+
+
+def build_user_int8() -> keras.Model:
+    """A user's own functional language model (a tied table, a Dense pair with a ReLU between), then int8."""
+    ids = keras.Input((8,), dtype="int32", name="ids")
+    tokens = keras.layers.ReversibleEmbedding(512, 32, tie_weights=True, name="tokens")
+    x = keras.layers.Dense(64, activation="relu", name="up")(tokens(ids))
+    x = keras.layers.Dense(32, name="down")(x)
+    model = keras.Model(ids, tokens(x, reverse=True), name="user_int8")
+    with warnings.catch_warnings():  # the input layer has nothing to quantize
+        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
+        model.quantize("int8")
+    return model
+
+
+@pytest.fixture(scope="module")
+def user_int8() -> Planned:
+    return plan_and_compile(build_user_int8, np.zeros((BATCH, 8), "int32"), np.zeros((BATCH, 8), "int32"))
+
+
+@pytest.mark.parametrize(
+    ("path", "axes", "note"),
+    [
+        ("tokens/embeddings", ("model", None), "tied embedding, vocab-parallel: 512 rows of 32 split over"),
+        ("tokens/embeddings_scale", ("model",), "int8 scale of tokens: split over 'model', as its table's"),
+        ("up/kernel", (None, "model"), "column-parallel: up → down"),
+        ("up/kernel_scale", ("model",), "int8 scale of up: split over 'model'"),
+        ("down/kernel", ("model", None), "row-parallel: up → down"),
+        ("down/kernel_scale", (None,), "int8 scale of down: whole"),
+    ],
+    ids=["table", "table-scale", "column", "column-scale", "row", "row-scale"],
+)
+def test_a_users_int8_model_splits_its_table_and_its_pair(user_int8, path, axes, note):
+    """The tied int8 table and its per-row scale split vocab-parallel together (before: both replicated,
+    'no traffic'); the Dense pair through the ReLU and the row's input quantizer (an absolute maximum
+    over the split features) is one unit (before: 'no row-parallel partner follows')."""
+    rule = user_int8.rules.match(path)
+    assert rule.axes == axes
+    assert note in rule.note
+
+
+def test_a_users_int8_model_is_predicted_as_compiled(user_int8):
+    """Forward, the table's looked-up int8 rows and their scales are all-reduced over 'model' (two arrays,
+    one byte and four per element, 4 of the 8 sequences per device); backward, the tied head's input
+    gradient is one float32 per position (its input is rounded: only its scale has a gradient). Before:
+    predicted 4.9× the compiled bytes over 'model' (float rows, the whole input gradient)."""
+    measured = user_int8.report.wire_bytes_by_axis
+    assert set(measured) == {"data", "model"}
+    for axis, value in measured.items():
+        assert user_int8.rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
+    assert user_int8.rules.cost.state_bytes == user_int8.state_bytes
+    table = [t for t in user_int8.report.transfers if t.layer == "tokens"]
+    assert all(t.axes == ("model",) for t in table)
+    assert sorted(t.nbytes for t in table if t.phase == "forward") == [4 * 8 * 4, 4 * 8 * 32]
+    assert [t.nbytes for t in table if t.phase == "backward"] == [4 * 8 * 4]
+
+
+def test_a_frozen_lora_layer_sends_no_gradient():
+    """Regression: a layer frozen after `enable_lora` (`layer.trainable = False`: its adapters freeze too)
+    was planned as if its merged kernel trained, predicting 5,420 bytes over 'data' against the compiled
+    step's 1,324 (2×4, this model). Only the head trains: its gradient and the loss are all that is summed
+    over 'data' (measured compiled: 1,324 bytes, the same as predicted now)."""
+    ids = keras.Input((8,), dtype="int32")
+    up, down = keras.layers.Dense(64, activation="relu", name="up"), keras.layers.Dense(32, name="down")
+    table = keras.layers.Embedding(512, 32, trainable=False)
+    pooled = keras.layers.GlobalAveragePooling1D()(down(up(table(ids))))
+    model = keras.Model(ids, keras.layers.Dense(10, name="head")(pooled))
+    for layer in (up, down):
+        layer.enable_lora(4)
+        layer.trainable = False
+    x = np.zeros((BATCH, 8), "int32")
+    rules = kml.auto_rules(model, kml.Mesh(**MESH_SHAPE), batch=x, optimizer="adam", replicate_below=0)
+    head = (32 * 10 + 10) * 4  # all-reduced over 'data' (2): each device sends half of it, twice
+    assert rules.cost.wire_bytes_by_axis["data"] == head + 4  # and the loss's one float32

@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from . import _notes
-from ._layers import idle_axes, stored_weight
+from ._layers import followers, idle_axes, stored_weight
 from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import find_added, find_units
@@ -119,18 +119,24 @@ def final_layers(ledger: Ledger, setting: Setting) -> None:
 def unused_weights(ledger: Ledger, setting: Setting) -> None:
     """Splits the weights the step never reads (trainable or frozen) over the model and batch axes.
 
-    Frozen float weights count too (a LoRA model's unused reverse table): they
-    cost memory on every device all the same. Integer state is left alone: an
-    int8 table split so moves over the batch axis in the compiled step (not
-    yet predicted), and seed generators' counters are tiny.
+    Frozen weights count too (a LoRA model's unused reverse table, an int8
+    model's, with its scale: `_quantized`): they cost memory on every device
+    all the same, and nothing moves (an unread int8 reverse table split over
+    both axes, its scale over 'model', sent nothing on keras-hub Llama, 2×4).
+    Seed generators' counters are tiny and left alone.
     """
     if setting.trace is None:
         return
     sizes = ((setting.axis, setting.size), (setting.batch_axis, setting.batch_size))
+    follow = followers(setting.model)
+    following = {f.path for items in follow.values() for f, _ in items}
     for variable in setting.model.weights:
-        if not (variable.trainable or stored_weight(variable)):
+        if not (variable.trainable or stored_weight(variable, following)):
             continue
-        if ledger.decided(variable.path) or variable.path in setting.trace.read:
+        # A trainable weight is read when the outputs depend on it; a frozen one, when anything reads it.
+        trace = setting.trace
+        read = variable.path in trace.read if variable.trainable else not trace.unread(variable.path)
+        if ledger.decided(variable.path) or read:
             continue
         axes, shards = idle_axes(tuple(variable.shape), sizes)
         if shards > 1 and math.prod(variable.shape) >= max(setting.replicate_below, 1):

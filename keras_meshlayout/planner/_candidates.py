@@ -22,6 +22,7 @@ from ..core._axes import Axes
 from ..core._memory import slot_model
 from ..core._shape_checks import is_weight_matrix
 from ..report._collectives import wire_bytes
+from ._layers import followers
 from ._ledger import Proposal
 from ._trace import Trace
 
@@ -130,6 +131,9 @@ class Bytes:
             if parts is not None
             for adapter in parts[1:]
         }
+        #: Per weight path, the weights laid out as it (int8 scales, LoRA adapters) and how.
+        self.followers = followers(model)
+        self.following = frozenset(f.path for items in self.followers.values() for f, _ in items)
         #: The label `kml.comm_report` gives a collective over both axes (`"data×model"`).
         self.both = "×".join(a for a in axis_sizes if a in (self.batch_axis, self.model_axis))
 
@@ -183,6 +187,34 @@ class Bytes:
         if not uses:
             return ""
         return "row" if axes.index(self.model_axis) in uses[0].contracted else "column"
+
+    def _shards(self, axes: Axes) -> int:
+        """How many pieces a layout cuts a variable into on this mesh."""
+        names = [n for entry in axes if entry for n in ((entry,) if isinstance(entry, str) else entry)]
+        return math.prod(self.axis_sizes.get(n, 1) for n in names)
+
+    def _with_followers(self, unit: UnitCosts) -> UnitCosts:
+        """`unit` with its weights' followers (int8 scales, LoRA adapters) laid out as those per candidate.
+
+        A follower's state counts at its own split (a table's scale split with
+        its rows); its traffic, where it has any, is its weight's candidate's.
+        """
+        candidates = []
+        for option in unit.candidates:
+            axes, state, notes = dict(option.axes), option.state, dict(option.notes)
+            for path, weight_axes in option.axes.items():
+                for follower, follow in self.followers.get(path, ()):
+                    if follower.path in axes:
+                        continue
+                    got = follow(weight_axes)
+                    got = (None,) * len(follower.shape) if got is None else got
+                    axes[follower.path] = got
+                    state += self._state(follower, self._shards(got), follower.trainable)
+                    if tuple(self.tp_axes.get(follower.path, ())) == got:  # the rule writer's own note
+                        notes[follower.path] = self.proposal.notes.get(follower.path, "")
+            changed = dict(axes=frozen(axes), state=int(state), notes=frozen(notes))
+            candidates.append(dataclasses.replace(option, **changed))
+        return dataclasses.replace(unit, candidates=tuple(candidates))
 
     def _replicated(self, variables: Sequence[keras.Variable]) -> Candidate:
         wire: dict[str, float] = {}

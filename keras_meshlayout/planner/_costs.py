@@ -107,31 +107,18 @@ class _Coster(ConvCosts, OneWeightCosts):
         units = [self._tensor_parallel_unit(name, variables, owners) for name, variables in by_unit.items()]
         fixed_state = self.memory.scalar_bytes
         fixed_wire: dict[str, float] = {}
-        for variable in self.model.weights:
-            if id(variable) in in_units:
+        claimed: set[str] = set()  # followers (int8 scales, LoRA adapters) in their weight's unit
+        # Followers last, so that each finds its weight's unit built.
+        ordered = sorted(self.model.weights, key=lambda v: v.path in self.following)
+        for variable in ordered:
+            if id(variable) in in_units or variable.path in claimed:
                 continue
             owner = owners.get(id(variable))
-            embedding = None
-            if self._kept_whole(variable):
-                pass  # the policy keeps it whole: one layout, below
-            elif owner is not None:
-                embedding = (
-                    self._embedding_unit(owner, variable)
-                    or self._tied_unit(owner, variable)
-                    or self._head_dim_unit(owner, variable)
-                )
-            if embedding is not None:
-                units.append(embedding)
+            one = self._one_weight_unit(owner, variable, id(variable) in trainable)
+            if one is not None:
+                units.append(one)
+                claimed.update(path for c in one.candidates for path in c.axes)
                 continue
-            if (
-                (id(variable) in trainable or stored_weight(variable))
-                and variable.path not in self.used
-                and not self._kept_whole(variable)
-            ):
-                idle = self._idle_unit(variable)
-                if idle is not None:
-                    units.append(idle)
-                    continue
             if id(variable) in trainable and variable.path in self.used and not self._kept_whole(variable):
                 sharded = self._fully_sharded_unit(variable)
                 if sharded is not None:
@@ -150,6 +137,25 @@ class _Coster(ConvCosts, OneWeightCosts):
         add_wire(fixed_wire, self.batch_axis, self.batch_norm_traffic())
         units.append(UnitCosts("(everything else)", (candidate("replicated", {}, fixed_state, fixed_wire),)))
         return units
+
+    def _one_weight_unit(self, owner, variable: keras.Variable, trainable: bool) -> UnitCosts | None:
+        """A weight outside every unit as a unit of its own (a table, an unread or a head_dim-split weight).
+
+        With its followers (int8 scales, LoRA adapters) laid out as it is in each candidate.
+        """
+        if self._kept_whole(variable) or variable.path in self.following:
+            return None  # the policy keeps it whole, or it follows its weight: in the fixed unit
+        one = None
+        if owner is not None:
+            one = (
+                self._embedding_unit(owner, variable)
+                or self._tied_unit(owner, variable)
+                or self._head_dim_unit(owner, variable)
+            )
+        read = variable.path in self.used if trainable else not self.trace.unread(variable.path)
+        if one is None and (trainable or stored_weight(variable, self.following)) and not read:
+            one = self._idle_unit(variable)
+        return None if one is None else self._with_followers(one)
 
     def _tensor_parallel_unit(
         self, name: str, variables: list[keras.Variable], owners: Mapping[int, keras.layers.Layer]

@@ -6,7 +6,9 @@ other planner module.
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -16,12 +18,17 @@ from .. import _compat
 __all__ = [
     "auto_named",
     "features",
+    "followers",
     "head_dim_index",
     "heads_dim",
     "idle_axes",
+    "int8_weights",
+    "kernel_scale_axes",
     "labels",
     "lookup_table",
+    "lora_axes",
     "owners",
+    "stored_weight",
     "tied_table",
 ]
 
@@ -118,7 +125,8 @@ def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
     """Whether `variable` is a look-up table the vocabulary of which can split `size` ways.
 
     A Keras `Embedding`'s table (keras-hub's `ReversibleEmbedding` too), or a
-    custom layer's 2-D float weight (trainable or frozen: LoRA), read by exactly one look-up
+    custom layer's 2-D float weight (trainable or frozen: LoRA; an int8 one: `quantize("int8")`), read by
+    exactly one look-up
     (`gather`) and nothing else, whose rows divide by `size`. Keras and
     keras-hub weights other than an `Embedding`'s table (relative position
     biases) are not tables here; a table also read by a projection (a tied
@@ -134,7 +142,7 @@ def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
         and uses[0].kind == "gather"
         and len(variable.shape) == 2
         and variable.shape[0] % size == 0
-        and (bool(variable.trainable) or "float" in str(variable.dtype))
+        and (bool(variable.trainable) or "float" in str(variable.dtype) or str(variable.dtype) == "int8")
     )
 
 
@@ -163,15 +171,104 @@ def tied_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
     )
 
 
-def stored_weight(variable: Any) -> bool:
-    """Whether a non-trainable variable is a frozen float matrix (not int8, a scale, a counter, a seed).
+def stored_weight(variable: Any, followers: Any = ()) -> bool:
+    """Whether a non-trainable variable is a frozen matrix of values (float or int8), not a counter or seed.
 
-    Quantized layers' scales (`kernel_scale`, `embeddings_scale`) are the
-    `_quantized` strategy's, laid out with their kernel, never as idle weights.
+    A weight that follows another's layout (`followers`: an int8 scale, a
+    LoRA adapter, by path) is never one: it is laid out with its weight.
     """
     dtype = str(variable.dtype)
-    scale = str(variable.path).endswith("_scale")
-    return "float" in dtype and len(variable.shape) >= 2 and not scale
+    stored = "float" in dtype or dtype == "int8"
+    return stored and len(variable.shape) >= 2 and variable.path not in followers
+
+
+#: Follow = how a follower's axes derive from its weight's (`None`: it cannot follow them).
+Follow = Callable[[tuple], "tuple | None"]
+
+
+def int8_weights(layer: Any) -> list[tuple[Any, Any, Follow]]:
+    """`(int8 weight, its scale, how the scale's axes follow the weight's)` of a `quantize("int8")` layer.
+
+    Read from Keras's own list of what an int8 layer stores
+    (`variable_serialization_spec["int8"]`: `kernel` and `kernel_scale`,
+    `embeddings` and `embeddings_scale`, `reverse_embeddings` and its scale):
+    each weight whose scale the layer holds. A kernel's scale runs along its
+    output features (`kernel_scale_axes`), a look-up table's along its rows
+    (one scale per row), a reverse table's along its last dimension (the
+    logits it computes).
+    """
+    if getattr(layer, "quantization_mode", None) != "int8":
+        return []
+    spec = getattr(layer, "variable_serialization_spec", None) or {}
+    own = {variable.name: variable for variable in _compat.own_variables(layer)}
+    found = []
+    for name in spec.get("int8", ()):
+        weight, scale = own.get(name), getattr(layer, f"{name}_scale", None)
+        stored = f"{name}_scale" in spec["int8"]
+        if weight is None or scale is None or str(weight.dtype) != "int8" or not stored:
+            continue
+        if name == "kernel":
+            follow: Follow = functools.partial(kernel_scale_axes, layer, scale)
+        elif len(scale.shape) == 1 and len(weight.shape) == 2:
+            dim = 0 if isinstance(layer, keras.layers.Embedding) and name == "embeddings" else 1
+            follow = functools.partial(_one_dim, dim)
+        else:
+            continue
+        found.append((weight, scale, follow))
+    return found
+
+
+def _one_dim(dim: int, axes: tuple) -> tuple:
+    return (axes[dim],)
+
+
+def kernel_scale_axes(layer: Any, scale: Any, kernel_axes: tuple) -> tuple | None:
+    """The axes of an int8 kernel's scale given its kernel's, or `None` when unreadable.
+
+    `(units,)` for a `Dense`: its output features; for an `EinsumDense`, the
+    output's shape with 1 for every dimension the kernel lacks
+    (`(1, 1, heads, head_dim)` for `btd,dnh->btnh`): the kernel's axis on
+    each output dimension it shares with the kernel.
+    """
+    if isinstance(layer, keras.layers.Dense) and len(scale.shape) == 1 and len(kernel_axes) == 2:
+        return (kernel_axes[1],)
+    equation = getattr(layer, "equation", None)
+    if not equation or "->" not in equation or "," not in equation:
+        return None
+    kernel, output = equation.split(",")[1].split("->")
+    if len(output) != len(scale.shape) or len(kernel) != len(kernel_axes):
+        return None
+    axes = []
+    for label, size in zip(output, scale.shape, strict=True):
+        where = kernel.find(label)
+        axes.append(kernel_axes[where] if where >= 0 and size > 1 else None)
+    return tuple(axes)
+
+
+def lora_axes(base_axes: tuple, which: str) -> tuple:
+    """A LoRA adapter's axes given its base kernel's: `a` its axes but the last, `b` the last one.
+
+    So `a @ b` comes out split as the kernel is and adds without moving anything.
+    """
+    return (*base_axes[:-1], None) if which == "a" else (None, base_axes[-1])
+
+
+def followers(model: keras.Model) -> dict[str, tuple[tuple[Any, Follow], ...]]:
+    """The weights laid out as another one, by that one's path: LoRA adapters, int8 scales.
+
+    Each with how its axes follow the weight's (`lora_axes`, `int8_weights`).
+    """
+    found: dict[str, list[tuple[Any, Follow]]] = {}
+    for layer in _compat.sublayers(model):
+        parts = _compat.lora_parts(layer) if getattr(layer, "lora_kernel_a", None) is not None else None
+        if parts is not None:
+            base, a, b = parts
+            found.setdefault(base.path, []).extend(
+                [(a, functools.partial(lora_axes, which="a")), (b, functools.partial(lora_axes, which="b"))]
+            )
+        for weight, scale, follow in int8_weights(layer):
+            found.setdefault(weight.path, []).append((scale, follow))
+    return {path: tuple(items) for path, items in found.items()}
 
 
 def idle_axes(shape: tuple[int, ...], axes_and_sizes: tuple[tuple[str | None, int], ...]) -> tuple:

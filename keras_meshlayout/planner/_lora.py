@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from .. import _compat
 from . import _notes
+from ._layers import lora_axes
 from ._ledger import Ledger, Setting
 
 __all__ = ["lora_adapters"]
@@ -38,7 +39,7 @@ def lora_adapters(ledger: Ledger, setting: Setting) -> None:
             continue
         unit = ledger.unit(base.path)
         name = setting.display(layer.path)
-        a_axes, b_axes = (*axes[:-1], None), (None, axes[-1])
+        a_axes, b_axes = lora_axes(axes, "a"), lora_axes(axes, "b")
         # An earlier strategy may have taken the adapters for its layer's other weights (a bias): revised.
         ledger.revise(a.path, a_axes, _notes.lora(name, "a", a_axes), unit=unit)
         ledger.revise(b.path, b_axes, _notes.lora(name, "b", b_axes), unit=unit)

@@ -195,14 +195,18 @@ def lora(layer: str, which: str, axes: tuple) -> str:
     )
 
 
-# -- int8 kernels' scales ------------------------------------------------------------------
+# -- int8 weights' scales ------------------------------------------------------------------
 
 
-def int8_scale(layer: str, axes: tuple) -> str:
-    """An int8 kernel's scale laid out with its kernel's output features."""
+_SCALED = {"kernel": "its kernel's output features", "embeddings": "its table's rows"}
+
+
+def int8_scale(layer: str, axes: tuple, weight: str = "kernel") -> str:
+    """An int8 weight's scale laid out with its kernel's output features, its table's rows, its logits."""
     split = " and ".join(repr(a) for a in axes if a is not None)
     how = f"split over {split}" if split else "whole"
-    return f"int8 scale of {layer}: {how}, as its kernel's output features, so each device scales its own"
+    scaled = _SCALED.get(weight, f"its {weight}' logits")
+    return f"int8 scale of {layer}: {how}, as {scaled}, so each device scales its own"
 
 
 # -- experts ----------------------------------------------------------------------------

@@ -94,6 +94,12 @@ class Trace:
     read: Mapping[str, float]
     trained: frozenset[int] = frozenset()
 
+    def unread(self, path: str) -> bool:
+        """Whether no operation of the traced step reads the variable at `path` (trainable or frozen)."""
+        return path not in self.read and not any(
+            self.consumers.get(value) for value, name in self.variables.items() if name == path
+        )
+
     def weight_of(self, value: int) -> tuple[str, tuple[int, ...]] | None:
         """`(path, permutation)` when `value` is a variable, cast or transposed at most."""
         perm: tuple[int, ...] | None = None
@@ -178,7 +184,12 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
             keras.tree.map_structure(_abstract, batch),
         )
     jaxpr = closed.jaxpr
-    lora = [parts for parts in map(_compat.lora_parts, _compat.lora_layers(model)) if parts is not None]
+    # Only adapters that train make their kernel trained (a layer frozen after `enable_lora` has none).
+    lora = [
+        parts
+        for parts in map(_compat.lora_parts, _compat.lora_layers(model))
+        if parts is not None and (parts[1].trainable or parts[2].trainable)
+    ]
     trained = {v.path for v in trainable} | {base.path for base, _, _ in lora}
     trace = _flat(jaxpr, [v.path for v in trainable + non_trainable], trained=trained)
     read = _fraction_read(jaxpr)

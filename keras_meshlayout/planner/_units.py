@@ -10,8 +10,9 @@ row-parallel end, whose output is all-reduced. Operands met on the way must be
 split the same way: a bias is split with it, a second projection (the gate of
 SwiGLU, the key and value of attention) joins the unit as another column, and
 constants (masks, rotary tables) are sliced locally. The unit is rejected as
-soon as the split would reach the model's output, a reduction over it, or
-anything else that would need the whole dimension.
+soon as the split would reach the model's output, a reduction over it (but an
+absolute maximum: an int8 projection's input quantizer, whose maximum XLA
+all-reduces), or anything else that would need the whole dimension.
 
 It does not matter how the model wrote the computation: a `Dense` layer, a
 custom layer's `ops.matmul`, the `*` operator or `ops.einsum` all trace to the
@@ -167,6 +168,22 @@ class _Grower:
             for index in self.trace.consumers.get(value, ()):
                 self.forward(self.trace.nodes[index], value, dim)
 
+    def _reduction(self, node, value: int, dim: int) -> None:
+        """`value`, split on `dim`, reduced: split on over other dimensions, else the unit fails.
+
+        But an absolute maximum over the split features (an int8 projection's
+        input quantizer): XLA all-reduces it over the model axis (`_costs`) and
+        the path ends there, whole.
+        """
+        axes = tuple(node.params["axes"])
+        if dim not in axes:
+            self.set_split(node.outputs[0], dim - sum(a < dim for a in axes))
+            return
+        producer = self.trace.producer.get(value)
+        absolute = producer is not None and self.trace.nodes[producer].primitive == "abs"
+        if node.primitive != "reduce_max" or not absolute:
+            raise _Fail("reduced over the split dimension")
+
     def forward(self, node, value: int, dim: int) -> None:
         """`value`, split on `dim`, is read by `node`: carry the split through it or end there."""
         self.state.visited.add(node.index)
@@ -188,10 +205,7 @@ class _Grower:
                 raise _Fail("reshape cuts across the split")
             self.set_split(node.outputs[0], out)
         elif name in REDUCTIONS:
-            axes = tuple(params["axes"])
-            if dim in axes:
-                raise _Fail("reduced over the split dimension")
-            self.set_split(node.outputs[0], dim - sum(a < dim for a in axes))
+            self._reduction(node, value, dim)
         elif name == "squeeze":
             axes = tuple(params["dimensions"])
             self.set_split(node.outputs[0], dim - sum(a < dim for a in axes))
