@@ -28,7 +28,7 @@ from ..report._collectives import wire_bytes
 from . import _notes
 from ._by_layers import ATTENTION
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
-from ._layers import head_dim_index, heads_dim, idle_axes, lookup_table, tied_table
+from ._layers import head_dim_index, idle_axes, kv_head_count, lookup_table, tied_table
 
 __all__ = ["OneWeightCosts"]
 
@@ -173,7 +173,8 @@ class OneWeightCosts(Bytes):
         """
         uses = self.uses.get(variable.path, ())
         whole = self.proposal.whole_outputs
-        index = head_dim_index(owner, variable, uses, self.m, whole, with_bias=True)
+        kv_heads = self.proposal.kv_heads
+        index = head_dim_index(owner, variable, uses, self.m, whole, with_bias=True, kv_heads=kv_heads)
         if index is None or id(owner) in self._keras_attention_projections():
             return None
         size = nbytes(variable)
@@ -184,17 +185,33 @@ class OneWeightCosts(Bytes):
             for use in uses:
                 gathered = self._activation(use.output, use.dtype)
                 add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
-        axes = tuple(self.model_axis if i == index else None for i in range(3))
+        axes = tuple(self.model_axis if i == index else None for i in range(len(variable.shape)))
         state = self._state(variable, self.m, variable.trainable)
         split = candidate("head_dim split", {variable.path: axes}, state, wire)
         replicated = self._replicated([variable])
         if len(uses) > 1:
             replicated_wire = plus_wire({}, self.batch_axis, len(uses) * self._grad_sync(variable, 1))
             replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
-        count, width = variable.shape[heads_dim(owner)[0]], variable.shape[index]
-        note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m)}
+        count, width = kv_head_count(owner, variable, kv_heads), variable.shape[index]
+        dense = len(variable.shape) == 2
+        note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m, dense)}
         proposed = 1 if self.tp_axes.get(variable.path) == axes else 0
-        return UnitCosts(owner.path, (replicated, split), frozen(note), proposed=proposed)
+        candidates = (replicated, split, *self._sharded_too(variable))
+        return UnitCosts(owner.path, candidates, frozen(note), proposed=proposed)
+
+    def _sharded_too(self, variable: keras.Variable) -> tuple[Candidate, ...]:
+        """A `Dense` key/value kernel's fully sharded layouts, as when it was replicated (budget plans).
+
+        Its head_dim split holds `1/model` of it; split over the batch axis, or
+        both axes, it holds less (keras-hub SmolLM3's smallest plan: 1.0004× the
+        floor with them, 1.059× with the head_dim split alone).
+        """
+        sharded = self._fully_sharded_unit(variable) if len(variable.shape) == 2 else None
+        if sharded is None:
+            return ()
+        return tuple(
+            c if c.notes else dataclasses.replace(c, notes=sharded.notes) for c in sharded.candidates[1:]
+        )
 
     def _keras_attention_projections(self) -> set[int]:
         """The ids of the projections inside Keras's own attention layers (`MultiHeadAttention`, ...)."""
