@@ -134,11 +134,10 @@ class OneWeightCosts(Bytes):
     def _head_dim_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
         """A grouped-query key/value kernel whose heads do not divide the model axis: split on head_dim.
 
-        The kernel of an `EinsumDense` key or value projection (`(hidden,
-        kv_heads, head_dim)`) whose output the rules keep whole. Split over
-        the model axis on its head_dim, each device holds `1/model` of it;
-        measured on XLA:CPU (keras-hub Llama, 2 key/value heads on 2×4), the
-        kernel is all-gathered over the model axis once per step (the forward
+        The kernel of an `EinsumDense` key or value projection (`(hidden, kv_heads, head_dim)`), or a
+        `Dense` one's on its output features (`(hidden, kv_heads × head_dim)`), whose output the rules
+        keep whole. Split over the model axis, each device holds `1/model` of it; measured on XLA:CPU
+        (keras-hub Llama and SmolLM3, 2 key/value heads on 2×4, exact both), the kernel is all-gathered over the model axis once per step (the forward
         gather serves the backward pass too) and its gradient is all-reduced
         over the batch axis in model-axis shards. The activations move as
         when it is replicated (`_grouped_kv`). With a batch axis of 2 that
@@ -148,7 +147,8 @@ class OneWeightCosts(Bytes):
 
         Split on its hidden dimension instead, XLA splits the block's norm
         and gathers the query projection's input (337,468 bytes per step
-        against 261,932 on the same model, at the same state), and split
+        against 261,932 on the same model, at the same state; SmolLM3's Dense
+        ones: 394,812 against 319,276), and split
         over the batch axis it permutes the kernel (319,276 bytes, more state
         than head_dim): neither is offered. Split on head_dim and on hidden
         over the batch axis (266,028 bytes, state 343,208 on that model) is
@@ -200,12 +200,10 @@ class OneWeightCosts(Bytes):
         return UnitCosts(owner.path, candidates, frozen(note), proposed=proposed)
 
     def _sharded_too(self, variable: keras.Variable) -> tuple[Candidate, ...]:
-        """A `Dense` key/value kernel's fully sharded layouts, as when it was replicated (budget plans).
+        """A `Dense` key/value kernel's fully sharded layouts, as when replicated, for budget plans.
 
-        Its head_dim split holds `1/model` of it; split over the batch axis, or
-        both axes, it holds less (keras-hub SmolLM3's smallest plan: 1.0004× the
-        floor with them, 1.059× with the head_dim split alone).
-        """
+        They hold less than its head_dim split (keras-hub SmolLM3's smallest plan: 1.0004× the floor
+        with them, 1.059× without)."""
         sharded = self._fully_sharded_unit(variable) if len(variable.shape) == 2 else None
         if sharded is None:
             return ()
