@@ -137,13 +137,12 @@ class OneWeightCosts(Bytes):
         The kernel of an `EinsumDense` key or value projection (`(hidden, kv_heads, head_dim)`), or a
         `Dense` one's on its output features (`(hidden, kv_heads × head_dim)`), whose output the rules
         keep whole. Split over the model axis, each device holds `1/model` of it; measured on XLA:CPU
-        (keras-hub Llama and SmolLM3, 2 key/value heads on 2×4, exact both), the kernel is all-gathered over the model axis once per step (the forward
-        gather serves the backward pass too) and its gradient is all-reduced
-        over the batch axis in model-axis shards. The activations move as
-        when it is replicated (`_grouped_kv`). With a batch axis of 2 that
-        sends as many bytes as replicated, at `1/model` of the state (less
-        over a larger one), so the rule writer takes it there
-        (`_by_layers.kv_head_dim`), and the plan without a budget with it.
+        (keras-hub Llama and SmolLM3, 2 key/value heads on 2×4, exact both), the kernel is all-gathered
+        over the model axis once per step (the forward gather serves the backward pass too) and its
+        gradient is all-reduced over the batch axis in model-axis shards. The activations move as
+        when it is replicated (`_grouped_kv`). With a batch axis of 2 that sends as many bytes as
+        replicated, at `1/model` of the state (less over a larger one), so the rule writer takes it
+        there (`_by_layers.kv_head_dim`), and the plan without a budget with it.
 
         Split on its hidden dimension instead, XLA splits the block's norm
         and gathers the query projection's input (337,468 bytes per step
@@ -159,11 +158,12 @@ class OneWeightCosts(Bytes):
         Keras's own `GroupQueryAttention`: in the smallest plan of a Keras
         encoder (2×4) the compiled step sent 8% more than predicted.
 
-        A projection with a bias (Qwen's) keeps its bias replicated (split
-        too, its gradient was still all-reduced whole), and XLA all-gathers
-        the projection's output over the model axis once more (measured on
-        keras-hub Qwen, 2×4: 6,144 + 3,072 bytes per kernel over 'model'):
-        that sends more than replicated, so only a budget takes it.
+        With a bias (Qwen's; kept replicated: split too, its gradient is still all-reduced whole and
+        the bytes are the same), XLA all-gathers the projection's output forward and the kernel only
+        backward, for the input gradient: none where the projection reads the model's input (a
+        user's Dense block, 2×4, exact). The costs take it without a budget where that sends no more
+        than replicated, not on Qwen (2×4: 6,144 + 3,072 bytes per kernel over 'model', 332,204 per
+        step against 319,916), where the rule writer, which sees no activations, keeps it whole.
 
         A kernel read by more than one projection (T5Gemma 2's merged
         self/cross attention: the decoder's and the encoder's keys) has its
@@ -179,12 +179,13 @@ class OneWeightCosts(Bytes):
             return None
         size = nbytes(variable)
         wire: dict[str, float] = {}
+        biased = owner.bias is not None
         add_wire(wire, self.batch_axis, len(uses) * self._grad_sync(variable, self.m))
-        add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
-        if owner.bias is not None:
-            for use in uses:
-                gathered = self._activation(use.output, use.dtype)
-                add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
+        if not (biased and all(use.from_input for use in uses)):
+            add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
+        for use in uses if biased else ():
+            gathered = self._activation(use.output, use.dtype)
+            add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
         axes = tuple(self.model_axis if i == index else None for i in range(len(variable.shape)))
         state = self._state(variable, self.m, variable.trainable)
         split = candidate("head_dim split", {variable.path: axes}, state, wire)
@@ -195,15 +196,13 @@ class OneWeightCosts(Bytes):
         count, width = kv_head_count(owner, variable, kv_heads), variable.shape[index]
         dense = len(variable.shape) == 2
         note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m, dense)}
-        proposed = 1 if self.tp_axes.get(variable.path) == axes else 0
+        cheaper = biased and split.total <= replicated.total
+        proposed = 1 if self.tp_axes.get(variable.path) == axes or cheaper else 0
         candidates = (replicated, split, *self._sharded_too(variable))
         return UnitCosts(owner.path, candidates, frozen(note), proposed=proposed)
 
     def _sharded_too(self, variable: keras.Variable) -> tuple[Candidate, ...]:
-        """A `Dense` key/value kernel's fully sharded layouts, as when replicated, for budget plans.
-
-        They hold less than its head_dim split (keras-hub SmolLM3's smallest plan: 1.0004× the floor
-        with them, 1.059× without)."""
+        """A `Dense` key/value kernel's fully sharded layouts, as when replicated (SmolLM3's smallest)."""
         sharded = self._fully_sharded_unit(variable) if len(variable.shape) == 2 else None
         if sharded is None:
             return ()
