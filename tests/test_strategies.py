@@ -220,6 +220,36 @@ def test_kv_head_dim_splits_a_whole_key_value_kernel_on_its_head_dim(bias, batch
     assert not ledger.unit("key/kernel")  # a unit of its own for the costs, as before
 
 
+def dense_kv_model(bias: bool = False) -> keras.Model:
+    """A `Dense` key projection into 2 heads of 16, reshaped into them (as keras-hub SmolLM3's)."""
+    inputs = keras.Input((8, 64))
+    key = keras.layers.Dense(32, use_bias=bias, name="key")(inputs)
+    heads = keras.layers.Reshape((8, 2, 16))(key)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(keras.layers.Flatten()(heads)), name="net")
+
+
+@pytest.mark.parametrize(
+    ("size", "bias", "axes"),
+    [(SIZE, False, (None, "model")), (3, False, (None, None)), (SIZE, True, (None, None))],
+    ids=["split", "indivisible", "with-a-bias"],
+)
+def test_kv_head_dim_splits_a_dense_key_value_kernel_on_its_output_features(size, bias, axes):
+    """Issue 19 item 4: SmolLM3's Dense k_proj/v_proj (2 key/value heads, model=4) stayed whole (1.196x the
+    ideal) while EinsumDense ones were split on head_dim; a Dense kernel's output features hold the heads
+    and their head_dim together, so it is split there when they divide (32 features: over 4, not over 3)."""
+    with kml.dry_build(lambda: dense_kv_model(bias)) as model:  # nothing allocated: no initializer compiles
+        ledger = Ledger(model.name, MESH_AXIS, "data")
+        ledger.replicate(model.get_layer("key").weights, "kept whole before")
+        ledger.keep_output_whole("key", rank=3)
+        ledger.kv_heads["key"] = 2  # as `_by_name.attention_blocks` records a Dense key/value projection
+        trace = trace_model(model, np.zeros((4, 8, 64), "float32"))
+        _by_layers.kv_head_dim(ledger, Setting(model, MESH_AXIS, size, 0, "data", trace, 2))
+    assert decisions(ledger)["key/kernel"] == axes
+    expected = _notes.kv_head_dim_split(2, 32, MESH_AXIS, size, dense=True) if any(axes) else None
+    assert ledger.proposal().notes["key/kernel"] == (expected or "kept whole before")
+    assert not expected or "output features (2 heads × 16) are split over it" in expected
+
+
 def test_named_weights_decide_only_what_is_left():
     tokens = keras.Input((8,), dtype="int32")
     x = keras.layers.Embedding(64, 32, name="token_embedding")(tokens)

@@ -4,7 +4,8 @@
   split over heads, read off their `EinsumDense` equations; key/value
   projections with too few heads stay replicated, their output kept whole.
 - `kv_head_dim`: such a key/value projection (outside Keras's own attention
-  layers) has its kernel split on its head_dim instead, where the batch axis
+  layers, an `EinsumDense` or a `Dense`) has its kernel split on its head_dim
+  (a `Dense` kernel: on its output features) instead, where the batch axis
   has 2 devices or more: the kernel is gathered once per step, which sends
   no more than its replicated gradient's all-reduce would
   (`_one_weight.OneWeightCosts._head_dim_unit` has the measurements).
@@ -25,7 +26,7 @@ import keras
 
 from .. import _compat
 from . import _notes
-from ._layers import features, head_dim_index, heads_dim, labels, owners
+from ._layers import features, head_dim_index, heads_dim, kv_head_count, labels, owners
 from ._ledger import Ledger, Setting
 
 __all__ = [
@@ -144,8 +145,10 @@ def kv_head_dim(ledger: Ledger, setting: Setting) -> None:
     all-gathered over the model axis (`(m-1)/m` of it) and its gradient
     all-reduced over the batch axis in model-axis shards, at most the
     `2(d-1)/d` of it a replicated kernel's gradient all-reduce sends (equal
-    at `d = 2`), for `1/m` of the state. Never inside Keras's own attention
-    layers, and never with a bias (see `_head_dim_index`).
+    at `d = 2`), for `1/m` of the state. An `EinsumDense` kernel is split on
+    its head_dim, a `Dense` one (`(hidden, kv_heads × head_dim)`, SmolLM3's)
+    on its output features. Never inside Keras's own attention layers, and
+    never with a bias (see `head_dim_index`).
     """
     if setting.trace is None or setting.batch_size < 2:
         return
@@ -164,12 +167,13 @@ def kv_head_dim(ledger: Ledger, setting: Setting) -> None:
         ):
             continue
         uses = setting.trace.uses.get(variable.path, ())
-        index = head_dim_index(owner, variable, uses, setting.size, whole)
+        index = head_dim_index(owner, variable, uses, setting.size, whole, kv_heads=ledger.kv_heads)
         if index is None:
             continue
-        heads = variable.shape[heads_dim(owner)[0]]
-        axes = tuple(setting.axis if i == index else None for i in range(3))
-        note = _notes.kv_head_dim_split(heads, variable.shape[index], setting.axis, setting.size)
+        heads = kv_head_count(owner, variable, ledger.kv_heads)
+        axes = tuple(setting.axis if i == index else None for i in range(len(variable.shape)))
+        width, dense = variable.shape[index], len(variable.shape) == 2
+        note = _notes.kv_head_dim_split(heads, width, setting.axis, setting.size, dense)
         ledger.revise(variable.path, axes, note)
 
 

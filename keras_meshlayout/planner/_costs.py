@@ -219,9 +219,13 @@ class _Coster(ConvCosts, OneWeightCosts):
 
         Forward after a row-parallel projection, backward before a
         column-parallel one that does not read the model's input, and, for a
-        final layer, the loss's reductions of its split logits.
+        final layer, the loss's reductions of its split logits. Kernels that
+        share one path (keras-hub SmolLM3 builds every layer's `o_proj` outside
+        its scope: `o_proj/kernel` twice) count once, since `calls` already
+        gives every projection by that path (counted twice, SmolLM3's 'model'
+        axis was predicted 1.162× the compiled step).
         """
-        for kernel in kernels:
+        for kernel in {kernel.path: kernel for kernel in kernels}.values():
             side = self.side(kernel.path, self.tp_axes[kernel.path])
             for inputs, output, from_input, dtype in self.calls(kernel.path):
                 if final:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
@@ -24,6 +24,7 @@ __all__ = [
     "idle_axes",
     "int8_weights",
     "kernel_scale_axes",
+    "kv_head_count",
     "labels",
     "lookup_table",
     "lora_axes",
@@ -54,28 +55,34 @@ def heads_dim(layer: Any) -> tuple[int, str] | None:
 
 
 def head_dim_index(
-    owner: Any, variable: Any, uses: tuple, size: int, whole_outputs: Any, with_bias: bool = False
+    owner: Any,
+    variable: Any,
+    uses: tuple,
+    size: int,
+    whole_outputs: Any,
+    with_bias: bool = False,
+    kv_heads: Mapping[str, int] | None = None,
 ) -> int | None:
     """The head_dim of a grouped-query key/value kernel kept whole, when it can split `size` ways.
 
     The kernel of an `EinsumDense` projecting into heads (`(hidden, kv_heads,
-    head_dim)` or `(kv_heads, hidden, head_dim)`), without a bias unless
-    `with_bias`, not quantized (an int8 kernel split on head_dim sent 21%
-    more over the model axis than predicted on keras-hub Llama: not offered),
-    whose output the rules keep whole (`whole_outputs`: its heads
+    head_dim)` or `(kv_heads, hidden, head_dim)`), or of a `Dense` one whose
+    output features hold the heads one after another (`(hidden, kv_heads ×
+    head_dim)`, named in `kv_heads`: its head count by layer path), without a
+    bias unless `with_bias`, not quantized (an int8 kernel split on head_dim
+    sent 21% more over the model axis than predicted on keras-hub Llama: not
+    offered), whose output the rules keep whole (`whole_outputs`: its heads
     do not divide the model axis), read only by projections that all sum over
     the same dimensions: the index of the dimension neither summed over nor
-    holding the heads, if it divides by `size`; else `None`. Where this was
-    measured, and what is not offered, is in
-    `_one_weight.OneWeightCosts._head_dim_unit`.
+    holding the heads (a `Dense` kernel's output features, heads and head_dim
+    together), if it divides by `size`; else `None`. Where this was measured,
+    and what is not offered, is in `_one_weight.OneWeightCosts._head_dim_unit`.
     """
-    heads = heads_dim(owner)
+    heads = _kv_heads_dim(owner, variable, kv_heads or {})
     if (
         heads is None
-        or heads[1] != "in"
         or getattr(owner, "path", None) not in whole_outputs
         or getattr(getattr(owner, "kernel", None), "path", None) != variable.path
-        or len(variable.shape) != 3
         or size <= 1
         or (getattr(owner, "bias", None) is not None and not with_bias)
         or getattr(owner, "quantization_mode", None) is not None
@@ -88,10 +95,28 @@ def head_dim_index(
         or any(use.batch or use.contracted != matmuls[0].contracted for use in matmuls)
     ):
         return None
-    free = [i for i in range(3) if i not in matmuls[0].contracted and i != heads[0]]
+    rank = len(variable.shape)
+    free = [i for i in range(rank) if i not in matmuls[0].contracted and (i != heads or rank == 2)]
     if len(free) != 1 or variable.shape[free[0]] % size:
         return None
     return free[0]
+
+
+def kv_head_count(owner: Any, variable: Any, kv_heads: Mapping[str, int]) -> int:
+    """The key/value heads of a kernel `head_dim_index` splits: from its einsum, or `kv_heads`."""
+    if len(variable.shape) == 2:
+        return kv_heads[owner.path]
+    return variable.shape[heads_dim(owner)[0]]
+
+
+def _kv_heads_dim(owner: Any, variable: Any, kv_heads: Mapping[str, int]) -> int | None:
+    """The kernel dimension holding a key/value projection's heads (a `Dense` kernel's output), or `None`."""
+    heads = heads_dim(owner)
+    if heads is not None:
+        return heads[0] if heads[1] == "in" and len(variable.shape) == 3 else None
+    if features(owner) is not None and getattr(owner, "path", None) in kv_heads and len(variable.shape) == 2:
+        return 1
+    return None
 
 
 def labels(layer: Any, variable: Any) -> str:

@@ -33,11 +33,18 @@ def kv_heads_replicated(count: int, axis: str, size: int) -> str:
     )
 
 
-def kv_head_dim_split(count: int, head_dim: int, axis: str, size: int) -> str:
-    """Grouped-query key/value heads too few to divide the model axis: the kernel split on head_dim."""
+def kv_head_dim_split(count: int, head_dim: int, axis: str, size: int, dense: bool = False) -> str:
+    """Grouped-query key/value heads too few to divide the model axis: the kernel split on head_dim.
+
+    A `dense` kernel (`(hidden, heads × head_dim)`) has its output features split, heads and head_dim
+    together (`head_dim` is then the width of all of them).
+    """
+    what = f"head_dim ({head_dim}) is"
+    if dense:
+        what = f"output features ({count} heads × {head_dim // count}) are"
     return (
         f"grouped-query attention: {count} key/value heads do not divide by {axis!r} ({size}), so the "
-        f"kernel's head_dim ({head_dim}) is split over it, gathered once per step; its output stays whole"
+        f"kernel's {what} split over it, gathered once per step; its output stays whole"
     )
 
 
