@@ -8,7 +8,7 @@
   (a `Dense` kernel: on its output features) instead, where the batch axis
   has 2 devices or more: the kernel is gathered once per step, which sends
   no more than its replicated gradient's all-reduce would
-  (`_one_weight.OneWeightCosts._head_dim_unit` has the measurements).
+  (`_kv_costs.KeyValueCosts._head_dim_unit` has the measurements).
 - `projection_pairs`: without a trace (a subclassed model never called), a
   `Dense` whose output goes, through element-wise layers (or a `Multiply`
   gate), only into another `Dense` makes a column → row pair; with a trace

@@ -62,10 +62,10 @@ from ._candidates import (
     second_axis,
 )
 from ._conv_costs import ConvCosts
+from ._kv_costs import KeyValueCosts
 from ._layers import heads_dim, stored_weight
 from ._layers import owners as layer_owners
 from ._ledger import Proposal
-from ._one_weight import OneWeightCosts
 from ._trace import Trace
 
 __all__ = ["Candidate", "CostTable", "Proposal", "UnitCosts", "cost_units"]
@@ -89,7 +89,7 @@ def cost_units(
     return CostTable(tuple(coster.units()), coster.activation_reserve())
 
 
-class _Coster(ConvCosts, OneWeightCosts):
+class _Coster(ConvCosts, KeyValueCosts):
     """Builds the `CostTable` of one `Proposal` (private: only `cost_units` uses it)."""
 
     # -- units -----------------------------------------------------------------------

@@ -76,7 +76,7 @@ def head_dim_index(
     the same dimensions: the index of the dimension neither summed over nor
     holding the heads (a `Dense` kernel's output features, heads and head_dim
     together), if it divides by `size`; else `None`. Where this was measured,
-    and what is not offered, is in `_one_weight.OneWeightCosts._head_dim_unit`.
+    and what is not offered, is in `_kv_costs.KeyValueCosts._head_dim_unit`.
     """
     heads = _kv_heads_dim(owner, variable, kv_heads or {})
     if (

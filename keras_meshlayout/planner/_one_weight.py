@@ -4,8 +4,6 @@
   `take`): vocab-parallel, or fully sharded over the batch axis or both;
 - a tied table (looked up, and read again as the language-model head):
   vocab-parallel;
-- a key/value kernel of grouped-query attention with too few heads to split
-  over the model axis: split on its head_dim, gathered where used;
 - a weight outside every unit (a norm's scale, a small head): fully
   sharded (ZeRO-3), gathered when used;
 - a trainable weight the step never reads: split over both axes, no traffic.
@@ -23,12 +21,10 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from .. import _compat
 from ..report._collectives import wire_bytes
 from . import _notes
-from ._by_layers import ATTENTION
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
-from ._layers import head_dim_index, idle_axes, kv_head_count, lookup_table, tied_table
+from ._layers import idle_axes, lookup_table, tied_table
 
 __all__ = ["OneWeightCosts"]
 
@@ -143,98 +139,6 @@ class OneWeightCosts(Bytes):
             return []
         axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
         return [self._moved_rows(variable, axes, self._state(variable, d * m, variable.trainable))]
-
-    def _head_dim_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
-        """A grouped-query key/value kernel whose heads do not divide the model axis: split on head_dim.
-
-        The kernel of an `EinsumDense` key or value projection (`(hidden, kv_heads, head_dim)`), or a
-        `Dense` one's on its output features (`(hidden, kv_heads × head_dim)`), whose output the rules
-        keep whole. Split over the model axis, each device holds `1/model` of it; measured on XLA:CPU
-        (keras-hub Llama and SmolLM3, 2 key/value heads on 2×4, exact both), the kernel is all-gathered
-        over the model axis once per step (the forward gather serves the backward pass too) and its
-        gradient is all-reduced over the batch axis in model-axis shards. The activations move as
-        when it is replicated (`_grouped_kv`). With a batch axis of 2 that sends as many bytes as
-        replicated, at `1/model` of the state (less over a larger one), so the rule writer takes it
-        there (`_by_layers.kv_head_dim`), and the plan without a budget with it.
-
-        Split on its hidden dimension instead, XLA splits the block's norm
-        and gathers the query projection's input (337,468 bytes per step
-        against 261,932 on the same model, at the same state; SmolLM3's Dense
-        ones: 394,812 against 319,276), and split
-        over the batch axis it permutes the kernel (319,276 bytes, more state
-        than head_dim): neither is offered. Split on head_dim and on hidden
-        over the batch axis (266,028 bytes, state 343,208 on that model) is
-        not offered either: it is predicted exactly there, but in the budget
-        plans of `tests/test_budget.py` (Llama and Gemma, 2×4) the compiled
-        step sent 2.0–2.6× the predicted bytes over both axes together, for a
-        reason not yet pinned. Nor is the split offered to the projections of
-        Keras's own `GroupQueryAttention`: in the smallest plan of a Keras
-        encoder (2×4) the compiled step sent 8% more than predicted.
-
-        With a bias (Qwen's; kept replicated: split too, its gradient is still all-reduced whole and
-        the bytes are the same), XLA all-gathers the projection's output forward and the kernel only
-        backward, for the input gradient: none where the projection reads the model's input (a
-        user's Dense block, 2×4, exact). The costs take it without a budget where that sends no more
-        than replicated, not on Qwen (2×4: 6,144 + 3,072 bytes per kernel over 'model', 332,204 per
-        step against 319,916), where the rule writer, which sees no activations, keeps it whole.
-
-        A kernel read by more than one projection (T5Gemma 2's merged
-        self/cross attention: the decoder's and the encoder's keys) has its
-        gradient all-reduced over the batch axis once per read, split or
-        not, and is gathered once per step (measured on keras-hub T5Gemma 2,
-        2×4, without a budget and at its smallest plan).
-        """
-        uses = self.uses.get(variable.path, ())
-        whole = self.proposal.whole_outputs
-        kv_heads = self.proposal.kv_heads
-        index = head_dim_index(owner, variable, uses, self.m, whole, with_bias=True, kv_heads=kv_heads)
-        if index is None or id(owner) in self._keras_attention_projections():
-            return None
-        size = nbytes(variable)
-        wire: dict[str, float] = {}
-        biased = owner.bias is not None
-        add_wire(wire, self.batch_axis, len(uses) * self._grad_sync(variable, self.m))
-        if not (biased and all(use.from_input for use in uses)):
-            add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
-        for use in uses if biased else ():
-            gathered = self._activation(use.output, use.dtype)
-            add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
-        axes = tuple(self.model_axis if i == index else None for i in range(len(variable.shape)))
-        state = self._state(variable, self.m, variable.trainable)
-        split = candidate("head_dim split", {variable.path: axes}, state, wire)
-        replicated = self._replicated([variable])
-        if len(uses) > 1:
-            replicated_wire = plus_wire({}, self.batch_axis, len(uses) * self._grad_sync(variable, 1))
-            replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
-        count, width = kv_head_count(owner, variable, kv_heads), variable.shape[index]
-        dense = len(variable.shape) == 2
-        note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m, dense)}
-        cheaper = biased and split.total <= replicated.total
-        proposed = 1 if self.tp_axes.get(variable.path) == axes or cheaper else 0
-        candidates = (replicated, split, *self._sharded_too(variable))
-        return UnitCosts(owner.path, candidates, frozen(note), proposed=proposed)
-
-    def _sharded_too(self, variable: keras.Variable) -> tuple[Candidate, ...]:
-        """A `Dense` key/value kernel's fully sharded layouts, as when replicated (SmolLM3's smallest)."""
-        sharded = self._fully_sharded_unit(variable) if len(variable.shape) == 2 else None
-        if sharded is None:
-            return ()
-        return tuple(
-            c if c.notes else dataclasses.replace(c, notes=sharded.notes) for c in sharded.candidates[1:]
-        )
-
-    def _keras_attention_projections(self) -> set[int]:
-        """The ids of the projections inside Keras's own attention layers (`MultiHeadAttention`, ...)."""
-        if self._keras_attention is None:
-            self._keras_attention = {
-                id(sub)
-                for layer in _compat.sublayers(self.model)
-                if isinstance(layer, ATTENTION)
-                for sub in _compat.sublayers(layer)
-            }
-        return self._keras_attention
-
-    _keras_attention: set[int] | None = None
 
     def _sharded_table(
         self, variable: keras.Variable, vocab_wire: Mapping[str, float], looked_up: float
