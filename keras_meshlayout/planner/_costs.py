@@ -190,6 +190,8 @@ class _Coster(ConvCosts, OneWeightCosts):
         self._lora_traffic(variables, tp_wire)
         if name in self.proposal.expert_units:
             self._expert_traffic(variables, tp_wire)
+        elif name in self.proposal.input_convs:
+            self._input_conv_traffic(variables, tp_wire)
         elif name in self.proposal.conv_units or name in self.proposal.lone_convs:
             self._conv_traffic(variables, tp_wire, lone=name in self.proposal.lone_convs)
             self._activation_traffic(kernels, False, tp_wire)  # a projection ending the unit (a head)

@@ -244,6 +244,16 @@ def conv_lone(kernel: str, axis: str) -> str:
     )
 
 
+def conv_input(kernel: str, axis: str) -> str:
+    return (
+        f"input conv, output channels split over {axis!r}: {kernel} reads the model's input (a patch or "
+        "stem conv, no partner summing its channels); its output gathered over the axis forward"
+    )
+
+
+INPUT_CONV_OUTPUT = "input conv: output gathered whole over the model axis, as the layers after it read it"
+
+
 def conv_after(unit: str) -> str:
     return f"conv unit {unit}: added after the all-reduce, replicated"
 
