@@ -92,10 +92,8 @@ MISSES: dict[tuple[str, str], str] = {
     ("QwenBackbone", "no_budget"): f"1.198: {_KV_WHOLE} (no head_dim split for a biased projection)",
     ("RWKV7Backbone", "no_budget"): "1.475: the time-mix receptance/key/value/output kernels stay whole",
     ("SmolLM3Backbone", "no_budget"): "1.196: Dense k_proj/v_proj (64 × 32, 2 key/value heads) stay whole",
-    ("ViTBackbone", "no_budget"): "1.556: the patch-embedding conv (15% of the parameters) is not split",
     ("int8-Llama", "no_budget"): "3.049: the int8 token and reverse tables stay replicated ('no traffic')",
     # smallest budget plan ÷ fully sharded floor
-    ("ViTBackbone", "smallest"): "2.159: the patch-embedding conv is never split (no strategy for it)",
     ("LoRA-Llama", "smallest"): "1.544: the frozen tables split, the rest not yet traced",
     ("int8-Llama", "smallest"): "1.515: " + _BUDGET_KEEPS.format("the int8 tables"),
     # predicted ÷ compiled bytes per step, by axis

@@ -86,7 +86,8 @@ def cost_units(
     """
     coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
     coster.replicate_below = replicate_below
-    return CostTable(tuple(coster.units()), coster.activation_reserve())
+    whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
+    return CostTable(tuple(coster.units()), coster.activation_reserve(), whole_after)
 
 
 class _Coster(ConvCosts, OneWeightCosts):

@@ -148,6 +148,7 @@ class PeakWalk:
             state=state,
             gradients=gradients,
             compiler=self.compiler,
+            whole_after=getattr(table, "whole_after", frozenset()),
         )
 
 
@@ -185,13 +186,15 @@ def peak_memory(
     state: int,
     gradients: int,
     compiler: str = "cpu",
+    whole_after: frozenset[str] = frozenset(),
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
     `state` and `gradients` are the per-device training-state bytes and their gradients' share
-    (`core._memory`: a plan's `memory()`, or the planner's candidates).
+    (`core._memory`: a plan's `memory()`, or the planner's candidates); `whole_after` the kernels
+    whose convolution's layer output a rule keeps whole (`_propagate.Specs`).
     """
-    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler)
+    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler, whole_after)
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
         return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient, held=False)
     return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient)
@@ -203,13 +206,14 @@ def transient_peak(
     axis_sizes: Mapping[str, int],
     batch_axis: str | None,
     compiler: str = "cpu",
+    whole_after: frozenset[str] = frozenset(),
 ) -> tuple[int, int]:
     """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
 
     `layouts` gives each variable path its axes (missing: replicated).
     """
     held = compiler != "tpu"
-    specs = Specs(trace, layouts, axis_sizes, batch_axis)
+    specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after)
     sizes = {value: specs.bytes(value) for value in trace.shapes}
     fused = _fused(trace) | (_laid_out(trace) if not held else set())
     last = _last_reads(trace, fused)
