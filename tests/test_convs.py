@@ -3,7 +3,9 @@
 The planner (`planner/_convs.py`) splits a convolution's output channels over
 the model axis and follows them through batch norms, activations, depthwise
 convolutions and squeeze-and-excitation gates into the convolutions that sum
-over them; a convolution no unit takes is split on its input channels alone.
+over them; a convolution no unit takes is split on its input channels alone,
+and one reading the model's input (a vision transformer's patch embedding) on
+its output channels, its layer output gathered whole.
 Proof rows for convnets: keras.applications ResNet50, EfficientNetB0 and
 MobileNetV3Small (`weights=None`, 32 × 32 inputs) and a keras-hub ResNet,
 dry-built, on data=2 × model=4.
@@ -46,6 +48,20 @@ def mbconv(lone: bool = True) -> keras.Model:
     if lone:
         x = L.Add()([x, L.Conv2D(32, 3, padding="same", name="lone")(x)])
     return keras.Model(inputs, L.Dense(10, name="head")(L.GlobalAveragePooling2D()(x)), name="mbconv")
+
+
+def patches() -> keras.Model:
+    """A user's vision transformer stem: 4 × 4 patches (a stride-4 conv) reshaped into 16 tokens, an MLP.
+
+    The patch conv's output feeds a layer norm over its channels and a residual: no convolution
+    or projection sums over its channels, so no unit takes it (`_convs.input_convs` does).
+    """
+    x = inputs = keras.Input((16, 16, 3))
+    tokens = L.Reshape((16, 32))(L.Conv2D(32, 4, strides=4, name="patches")(x))
+    x = L.LayerNormalization(name="norm")(tokens)
+    x = L.Dense(32, name="down")(L.Dense(64, activation="gelu", name="up")(x))
+    pooled = L.GlobalAveragePooling1D()(L.Add()([tokens, x]))
+    return keras.Model(inputs, L.Dense(10, name="head")(pooled), name="vit_stem")
 
 
 def hub_resnet() -> keras.Model:
@@ -152,6 +168,41 @@ def test_channels_that_do_not_divide_stay_whole_with_the_reason():
     assert "6 channels do not divide by 'model' (4), replicated" in rule.note
 
 
+@pytest.fixture(scope="module")
+def patch_rules() -> kml.LayoutRules:
+    with kml.dry_build(patches) as model:
+        return kml.auto_rules(model, mesh(), replicate_below=0)
+
+
+@pytest.mark.parametrize(
+    ("path", "axes", "note"),
+    [
+        ("patches/kernel", (None, None, None, "model"), "input conv, output channels split"),
+        ("patches/bias", ("model",), "its output gathered over the axis forward"),
+        ("patches/output", ("data", None, None, None), "input conv: output gathered whole"),
+        ("up/kernel", (None, "model"), "column-parallel"),
+    ],
+    ids=["kernel", "bias", "output", "mlp"],
+)
+def test_a_patch_embedding_conv_is_split_on_its_output_channels_and_gathered_after(
+    patch_rules, path, axes, note
+):
+    rule = patch_rules.match(path)
+    assert (rule.axes, note in rule.note) == (axes, True), rule.note
+
+
+def test_the_smallest_budget_plan_splits_a_patch_embedding_conv_over_both_axes():
+    """Its 2-D layout: output channels over 'model', kernel rows over 'data' (gathered before the conv)."""
+    x, _ = images(8, (16, 16, 3))
+    options = dict(replicate_below=0, batch=x, optimizer="adam")
+    with kml.dry_build(patches) as model:
+        with pytest.raises(kml.MemoryBudgetError) as error:
+            kml.auto_rules(model, mesh(), memory_budget=1, **options)
+        smallest = kml.auto_rules(model, mesh(), memory_budget=error.value.smallest_bytes, **options)
+    rule = smallest.match("patches/kernel")
+    assert rule.axes == ("data", None, None, "model") and rule.note.startswith("2-D: saves"), rule
+
+
 @pytest.mark.parametrize("name", list(CONVNETS), ids=list(CONVNETS))
 def test_convnets_near_the_tensor_parallel_ideal_and_the_fully_sharded_floor(name):
     """No budget ≤ 1.5× the TP ideal (was 4.00×); the smallest budget plan ≤ 1.10× the floor (was ~7.9×)."""
@@ -210,17 +261,21 @@ def test_fit_warns_when_it_starts_on_a_grouped_conv_of_the_users_own_layout():
 
 @pytest.mark.parametrize(
     ("name", "shape"),
-    [("mbconv", (8, 8, 3)), ("keras-hub-ResNet", IMAGE)],
-    ids=["mbconv-without-lone-conv", "keras-hub-ResNet"],
+    [("mbconv", (8, 8, 3)), ("keras-hub-ResNet", IMAGE), ("patches", (16, 16, 3))],
+    ids=["mbconv-without-lone-conv", "keras-hub-ResNet", "patch-embedding"],
 )
 def test_predicted_bytes_match_the_compiled_step(name, shape):
     """Predicted bytes per axis = the compiled step's ± 2% (the ResNet: model axis exact, data +0.4%).
+
+    The patch embedding's conv output is all-gathered over 'model' once, forward: without its
+    layer-output rule XLA would carry the channel split into the layer norm after it.
 
     The ResNet has a lone conv between two units (`stack0_block1_2_conv`), with a batch norm after
     it. A lone conv added back to its own input (the residual of `mbconv()`) makes XLA compute the
     batch norm before it split over the model axis as well, which is not predicted: it is left out.
     """
-    build = functools.partial(mbconv, lone=False) if name == "mbconv" else CONVNETS[name]
+    builds = {"mbconv": functools.partial(mbconv, lone=False), "patches": patches}
+    build = builds.get(name) or CONVNETS[name]
     x, y = images(8, shape)
     with kml.dry_build(build) as model:
         rules = kml.auto_rules(model, mesh(), replicate_below=0, batch=x, optimizer="adam")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import keras_meshlayout as kml
-from keras_meshlayout.planner import _by_layers, _by_name, _by_trace, _notes, trace_model
+from keras_meshlayout.planner import _by_layers, _by_name, _by_trace, _convs, _notes, trace_model
 from keras_meshlayout.planner._auto import STRATEGIES
 from keras_meshlayout.planner._ledger import Ledger, Setting
 
@@ -140,6 +140,33 @@ def test_final_layers_split_only_a_head_as_large_as_the_largest_split_kernel(hea
     assert ledger.proposal().notes["mlp/head/kernel"].startswith(note)
 
 
+@pytest.mark.parametrize(
+    ("channels", "groups", "axes"),
+    [(32, 1, (None, None, None, "model")), (30, 1, None), (32, 2, None)],
+    ids=["split", "channels-that-do-not-divide", "grouped"],
+)
+def test_input_convs_split_a_patch_conv_on_its_output_channels_and_gather_its_output(channels, groups, axes):
+    def build() -> keras.Model:
+        layers = keras.layers
+        inputs = keras.Input((8, 8, 4))
+        x = layers.Conv2D(channels, 4, strides=4, groups=groups, name="patches")(inputs)
+        x = layers.LayerNormalization(name="norm")(layers.Reshape((4, channels))(x))
+        return keras.Model(inputs, layers.Dense(10, name="head")(x), name="net")
+
+    with kml.dry_build(build) as model:  # read, never run: nothing allocated
+        ledger = Ledger(model.name, MESH_AXIS, "data")
+        _convs.input_convs(ledger, setting(model, np.zeros((2, 8, 8, 4), "float32")))
+    assert ledger.axes("patches/kernel") == axes
+    assert not ledger.decided("head/kernel") and not ledger.decided("norm/gamma")
+    outputs = [rule for rule in ledger.rules() if rule[0].endswith("/output")]
+    if axes is None:
+        assert outputs == [] and ledger.proposal().input_convs == frozenset()
+    else:
+        assert ledger.axes("patches/bias") == ("model",)
+        assert outputs == [("patches/output", ("data", None, None, None), _notes.INPUT_CONV_OUTPUT)]
+        assert ledger.proposal().input_convs == {"patches/kernel"}
+
+
 def test_lone_projections_are_noted_with_the_reason():
     model = mlp()
     ledger = Ledger(model.name, MESH_AXIS, "data")
@@ -241,6 +268,7 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_by_layers.kv_head_dim",
         "_convs.conv_units",
         "_convs.lone_convs",
+        "_convs.input_convs",
         "_by_trace.final_layers",
         "_by_layers.projection_pairs",
         "_embeddings.vocab_parallel_tables",
