@@ -292,4 +292,3 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
             ledger.record(layer.bias.path, (setting.axis,), _notes.conv_input(name, setting.axis), unit=name)
         ledger.output_whole(layer.path, len(trace.shapes[node.outputs[0]]), _notes.INPUT_CONV_OUTPUT)
         ledger.input_convs.add(name)
-

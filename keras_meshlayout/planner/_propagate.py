@@ -129,8 +129,11 @@ class Specs:
             result = [kept if len(kept) == len(outs[0]) else _none(outs[0])]
         else:
             result = [_like(out, ins, in_shapes) for out in outs]
-        whole = [v for v in node.inputs if v in self._whole] if name in ELEMENTWISE else []
-        if whole or (name == "conv_general_dilated" and self._kernel_path(node.inputs[1]) in self.whole_after):
+        if name in ELEMENTWISE:
+            whole = any(v in self._whole for v in node.inputs)
+        else:
+            whole = name == "conv_general_dilated" and self._kernel_path(node.inputs[1]) in self.whole_after
+        if whole:
             batch = (self.batch_axis,) if self.batch_axis else ()
             result = [tuple(tuple(a for a in e if a in batch) for e in spec) for spec in result]
             self._whole.update(node.outputs)
