@@ -22,7 +22,8 @@ per-device state and the bytes each device sends per training step:
 - `fully sharded` (ZeRO-3/FSDP): a weight outside every unit (a norm's
   scale, a small head) split over the batch axis, or over the batch and model
   axes together (one dimension in `d × m` pieces) when it divides, and
-  gathered when used;
+  gathered when used; a position table looked up with constant ids whose rows
+  do not divide, on its width over both axes (`_table_costs`);
 - `split, unused`: a trainable weight the step never reads, split over both axes;
 - `head_dim split`: a grouped-query key/value kernel whose heads do not
   divide the model axis, split on its head_dim and gathered over the model
@@ -66,6 +67,7 @@ from ._layers import heads_dim, stored_weight
 from ._layers import owners as layer_owners
 from ._ledger import Proposal
 from ._one_weight import OneWeightCosts
+from ._table_costs import TableCosts
 from ._trace import Trace
 
 __all__ = ["Candidate", "CostTable", "Proposal", "UnitCosts", "cost_units"]
@@ -90,7 +92,7 @@ def cost_units(
     return CostTable(tuple(coster.units()), coster.activation_reserve(), whole_after)
 
 
-class _Coster(ConvCosts, OneWeightCosts):
+class _Coster(ConvCosts, OneWeightCosts, TableCosts):
     """Builds the `CostTable` of one `Proposal` (private: only `cost_units` uses it)."""
 
     # -- units -----------------------------------------------------------------------
@@ -120,6 +122,7 @@ class _Coster(ConvCosts, OneWeightCosts):
                     self._embedding_unit(owner, variable)
                     or self._tied_unit(owner, variable)
                     or self._head_dim_unit(owner, variable)
+                    or self._width_sharded_table(owner, variable)
                 )
             if embedding is not None:
                 units.append(embedding)
