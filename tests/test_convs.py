@@ -208,6 +208,21 @@ def test_a_patch_embedding_conv_is_split_on_its_output_channels_and_gathered_aft
     assert (rule.axes, note in rule.note) == (axes, True), rule.note
 
 
+def test_a_patch_embedding_plan_peaks_alike_from_its_rules_and_from_the_plan():
+    """The CLI's peak (`plan_peak`, from the plan's layer-output rules) = `auto_rules`' (its cost table).
+
+    Both gather the patch conv's output where its rule keeps it whole; without that, the walk would
+    carry the split into every activation after it (61,793 bytes predicted against 71,201).
+    """
+    from keras_meshlayout.planner._peak import plan_peak
+
+    x, _ = images(8, (12, 12, 3))
+    with kml.dry_build(patches) as model:
+        rules = kml.auto_rules(model, mesh(), replicate_below=0, batch=x, optimizer="adam")
+        plan = kml.dry_plan(patches, kml.ModelParallel(mesh(), rules), optimizer="adam")
+        assert plan_peak(model, plan, x, "data").peak == rules.cost.peak_bytes
+
+
 @pytest.fixture(scope="module")
 def patch_smallest() -> tuple[kml.LayoutRules, np.ndarray, np.ndarray]:
     """The smallest budget plan of `patches()` (Adam), with its batch."""

@@ -47,7 +47,7 @@ from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import Member, Unit, _dynamic, _Fail, _Grower, _name, _reshape_dim, _uses_inside, find_added
 
-__all__ = ["CONV", "conv_kernel", "conv_units", "find_conv_units", "input_convs", "lone_convs"]
+__all__ = ["CONV", "CONV_LAYERS", "conv_kernel", "conv_units", "find_conv_units", "input_convs", "lone_convs"]
 
 CONV = "conv_general_dilated"
 
@@ -247,7 +247,7 @@ def lone_convs(ledger: Ledger, setting: Setting) -> None:
 
 
 #: The Keras layers whose output `input_convs` can keep whole with a layer-output rule.
-_CONV_LAYERS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+CONV_LAYERS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
 
 def input_convs(ledger: Ledger, setting: Setting) -> None:
@@ -268,7 +268,7 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
     trace = setting.trace
     if trace is None or setting.size <= 1:
         return
-    layers = [layer for layer in _compat.sublayers(setting.model) if isinstance(layer, _CONV_LAYERS)]
+    layers = [layer for layer in _compat.sublayers(setting.model) if isinstance(layer, CONV_LAYERS)]
     for layer in layers:
         kernel = layer.kernel
         if ledger.decided(kernel.path) or not kernel.trainable or layer.groups != 1:

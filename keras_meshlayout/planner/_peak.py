@@ -43,7 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import _compat
 from ..core._axes import Axes, entry_axes
+from ._convs import CONV_LAYERS
 from ._propagate import REDUCTIONS, Specs
 from ._trace import Trace, trace_step
 
@@ -174,6 +176,22 @@ def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None, compile
         state=memory.total,
         gradients=memory.gradients,
         compiler=compiler,
+        whole_after=_whole_conv_outputs(model, plan, batch_axis),
+    )
+
+
+def _whole_conv_outputs(model: Any, plan: Any, batch_axis: str | None) -> frozenset[str]:
+    """The kernels of the convolution layers whose output a layer-output rule splits over the batch only."""
+    kept = {
+        layer
+        for rule, layers in plan.outputs
+        if all(axis == batch_axis for entry in rule.axes for axis in entry_axes(entry))
+        for layer in layers
+    }
+    return frozenset(
+        layer.kernel.path
+        for layer in _compat.sublayers(model)
+        if isinstance(layer, CONV_LAYERS) and getattr(layer, "path", None) in kept
     )
 
 
