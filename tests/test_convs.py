@@ -223,6 +223,17 @@ def test_a_patch_embedding_plan_peaks_alike_from_its_rules_and_from_the_plan():
         assert plan_peak(model, plan, x, "data").peak == rules.cost.peak_bytes
 
 
+def test_a_patch_embedding_trains_sharded_like_one_device():
+    """The patch conv split on its output channels, its output gathered by the rule: one device's fit."""
+    data = images(16, (12, 12, 3))
+    reference = Reference(patches, data, batch_size=8)
+    with kml.dry_build(patches) as model:
+        rules = kml.auto_rules(model, mesh(), replicate_below=0)
+    model = train(patches, reference.initial, data, kml.ModelParallel(mesh(), rules), batch_size=8)
+    assert model.get_layer("patches").kernel.value.sharding.spec[3] == "model"
+    assert_same_weights(model, reference.trained)
+
+
 @pytest.fixture(scope="module")
 def patch_smallest() -> tuple[kml.LayoutRules, np.ndarray, np.ndarray]:
     """The smallest budget plan of `patches()` (Adam), with its batch."""
