@@ -72,7 +72,7 @@ def patches() -> keras.Model:
     or projection sums over its channels, so no unit takes it (`_convs.input_convs` does). The
     9-row position table does not divide by 'model'.
     """
-    x = inputs = keras.Input((12, 12, 3))
+    x = L.Rescaling(1 / 255)(inputs := keras.Input((12, 12, 3)))  # no weight: its conv reads the input
     x = L.Reshape((9, 32))(L.Conv2D(32, 4, strides=4, name="patches")(x))
     tokens = Positions(9, 32, name="positions")(x)
     x = L.LayerNormalization(name="norm")(tokens)

@@ -141,15 +141,24 @@ def test_final_layers_split_only_a_head_as_large_as_the_largest_split_kernel(hea
 
 
 @pytest.mark.parametrize(
-    ("channels", "groups", "axes"),
-    [(32, 1, (None, None, None, "model")), (30, 1, None), (32, 2, None)],
-    ids=["split", "channels-that-do-not-divide", "grouped"],
+    ("channels", "groups", "before", "axes"),
+    [
+        (32, 1, "rescaled", (None, None, None, "model")),
+        (30, 1, None, None),
+        (32, 2, None, None),
+        (32, 1, "dense", None),
+    ],
+    ids=["split", "channels-that-do-not-divide", "grouped", "reads-a-trained-value"],
 )
-def test_input_convs_split_a_patch_conv_on_its_output_channels_and_gather_its_output(channels, groups, axes):
+def test_input_convs_split_a_patch_conv_on_its_output_channels_and_gather_its_output(
+    channels, groups, before, axes
+):
     def build() -> keras.Model:
         layers = keras.layers
-        inputs = keras.Input((8, 8, 4))
-        x = layers.Conv2D(channels, 4, strides=4, groups=groups, name="patches")(inputs)
+        x = inputs = keras.Input((8, 8, 4))
+        if before is not None:  # a rescaled image is still the input; a projected one gets a gradient
+            x = layers.Rescaling(0.5)(x) if before == "rescaled" else layers.Dense(4, name="proj")(x)
+        x = layers.Conv2D(channels, 4, strides=4, groups=groups, name="patches")(x)
         x = layers.LayerNormalization(name="norm")(layers.Reshape((4, channels))(x))
         return keras.Model(inputs, layers.Dense(10, name="head")(x), name="net")
 

@@ -255,7 +255,8 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
 
     A vision transformer's patch embedding (stride = kernel, output channels =
     the hidden size, reshaped into tokens) is the commonest: a Keras `Conv1D`,
-    `Conv2D` or `Conv3D` of one feature group, called once on the batch, whose
+    `Conv2D` or `Conv3D` of one feature group, called once on the batch (or
+    on what no trainable weight computes from it: rescaled, normalised), whose
     output channels divide by the model axis and whose kernel has at least
     `replicate_below` elements, as a look-up table's (`_embeddings`). Its
     kernel and bias are split on the output channels and a layer-output rule
@@ -280,7 +281,7 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
             and (found := conv_kernel(trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[0], 1))
             and found[0] == kernel.path
         ]
-        if len(reads) != 1 or not trace.from_input(reads[0][0].inputs[0]):
+        if len(reads) != 1 or reads[0][0].inputs[0] in trace.trained:  # its input gets a gradient
             continue
         (node, dim), channels = reads[0], kernel.shape[reads[0][1]]
         if channels % setting.size or math.prod(kernel.shape) < max(setting.replicate_below, 1):
