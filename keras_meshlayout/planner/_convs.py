@@ -257,18 +257,23 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
     the hidden size, reshaped into tokens) is the commonest: a Keras `Conv1D`,
     `Conv2D` or `Conv3D` of one feature group, called once on the batch (or
     on what no trainable weight computes from it: rescaled, normalised), whose
-    output channels divide by the model axis and whose kernel has at least
-    `replicate_below` elements, as a look-up table's (`_embeddings`). Its
+    output channels divide by the model axis and whose kernel is at least as
+    large as the largest kernel the plan splits (as a final layer's,
+    `_by_trace.final_layers`) and `replicate_below`. Its
     kernel and bias are split on the output channels and a layer-output rule
     keeps its output whole over the model axis: XLA all-gathers the output
     there (otherwise it carries the split into the layers after, which it
     then computes split on their features). Backward, each device takes its
     channels of the output gradient: no traffic; the kernel's gradient is
-    all-reduced over the batch axis at `1/model` of its size.
+    all-reduced over the batch axis at `1/model` of its size. A smaller one (a
+    ResNet's stem, a ViT-B/16's patch conv beside its 768 × 3,072 MLP kernels)
+    stays replicated: its gathered output would cost more than it saves.
     """
     trace = setting.trace
     if trace is None or setting.size <= 1:
         return
+    variables = setting.variables
+    largest = max((math.prod(variables[p].shape) for p in ledger.split_paths()), default=0)
     layers = [layer for layer in _compat.sublayers(setting.model) if isinstance(layer, CONV_LAYERS)]
     for layer in layers:
         kernel = layer.kernel
@@ -284,7 +289,13 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
         if len(reads) != 1 or reads[0][0].inputs[0] in trace.trained:  # its input gets a gradient
             continue
         (node, dim), channels = reads[0], kernel.shape[reads[0][1]]
-        if channels % setting.size or math.prod(kernel.shape) < max(setting.replicate_below, 1):
+        count = math.prod(kernel.shape)
+        if channels % setting.size or count < max(setting.replicate_below, 1):
+            continue
+        if count < largest or not largest:
+            ledger.record(
+                kernel.path, (None,) * len(kernel.shape), _notes.conv_input_replicated(count, largest)
+            )
             continue
         name = setting.display(kernel.path)
         axes = tuple(setting.axis if i == dim else None for i in range(len(kernel.shape)))

@@ -251,6 +251,16 @@ def conv_input(kernel: str, axis: str) -> str:
     )
 
 
+def conv_input_replicated(count: int, largest: int) -> str:
+    """An input conv smaller than the largest split kernel (a ResNet stem): its output needs no gathering."""
+    why = (
+        f"{count:,} weights, fewer than the {largest:,} of the largest split kernel"
+        if largest
+        else "the plan splits no other kernel"
+    )
+    return f"input conv: replicated, so its output needs no gathering ({why})"
+
+
 INPUT_CONV_OUTPUT = "input conv: output gathered whole over the model axis, as the layers after it read it"
 
 
