@@ -17,6 +17,8 @@ that keep weights where they are:
 - a final projection as large as the largest kernel the plan splits (a
   language model's head) is split over its output features; a smaller one,
   and any projection with no partner, stays replicated, with the reason noted;
+  so is a convolution reading the model's input that no unit takes (a vision
+  transformer's patch embedding), its layer output gathered whole;
 - what remains (embeddings, norms) is matched by name against
   `transformer_rules`; without a trace (a subclassed model never called), the
   Keras layer graph pairs projections instead.
