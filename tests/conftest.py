@@ -83,6 +83,8 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_predicted_bytes_match_the_compiled_step",
         "test_a_depthwise_convnet_trains_sharded_like_one_device",
         "test_convnets_near_the_tensor_parallel_ideal_and_the_fully_sharded_floor",
+        "test_the_smallest_patch_embedding_plan_sends_what_its_units_predict",
+        "test_a_patch_embedding_trains_sharded_like_one_device",
     ),
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_targets.py": (  # XLA:TPU compiles (the toy steps' shared with the traffic test)

@@ -356,6 +356,7 @@ PLANNER_ORDER = [
     "_candidates",
     "_conv_costs",
     "_one_weight",
+    "_table_costs",
     "_costs",
     "_propagate",
     "_peak",

@@ -93,9 +93,7 @@ MISSES: dict[tuple[str, str], str] = {
     "the output forward and the kernel backward, 332,204 vs 319,916 bytes per step (more as the batch "
     "grows), so only a budget takes it",
     ("RWKV7Backbone", "no_budget"): "1.475: the time-mix receptance/key/value/output kernels stay whole",
-    ("ViTBackbone", "no_budget"): "1.556: the patch-embedding conv (15% of the parameters) is not split",
     # smallest budget plan ÷ fully sharded floor
-    ("ViTBackbone", "smallest"): "2.159: the patch-embedding conv is never split (no strategy for it)",
     ("LoRA-Llama", "smallest"): "1.530: the search fits the peak, not state: the smallest-state plan "
     "(1.196: value LoRA a whole beside a head_dim-split kernel) peaks higher (317,120 B compiled vs 310,720)",
     # predicted ÷ compiled bytes per step, by axis

@@ -13,7 +13,7 @@
    (`_convs`), LoRA adapters (`_lora`), int8 scales (`_quantized`); every note text is in
    `_notes`. The ledger's decisions, frozen, are the `Proposal`: per variable
    its tensor-parallel axes, note and unit.
-3. `cost_units` (`_costs`, over `_candidates`, `_one_weight` and
+3. `cost_units` (`_costs`, over `_candidates`, `_one_weight`, `_table_costs` and
    `_conv_costs`): per unit,
    its candidate layouts (replicated, tensor-parallel, 2-D, vocab-parallel,
    ...), each a `Candidate` with its bytes per device (the one memory model,

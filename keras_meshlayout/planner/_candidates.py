@@ -80,10 +80,13 @@ class CostTable:
     Attributes:
         units: One `UnitCosts` per unit; the last holds everything that has one layout.
         reserve: The activation reserve per device, in bytes.
+        whole_after: Kernels of input convolutions whose layer output a rule keeps whole over
+            the model axis (the peak walk gathers it there).
     """
 
     units: tuple[UnitCosts, ...]
     reserve: int
+    whole_after: frozenset[str] = frozenset()
 
 
 def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -22,7 +22,8 @@ per-device state and the bytes each device sends per training step:
 - `fully sharded` (ZeRO-3/FSDP): a weight outside every unit (a norm's
   scale, a small head) split over the batch axis, or over the batch and model
   axes together (one dimension in `d × m` pieces) when it divides, and
-  gathered when used;
+  gathered when used; a position table looked up with constant ids whose rows
+  do not divide, on its width over both axes (`_table_costs`);
 - `split, unused`: a trainable weight the step never reads, split over both axes;
 - `head_dim split`: a grouped-query key/value kernel whose heads do not
   divide the model axis, split on its head_dim and gathered over the model
@@ -66,6 +67,7 @@ from ._kv_costs import KeyValueCosts
 from ._layers import heads_dim, stored_weight
 from ._layers import owners as layer_owners
 from ._ledger import Proposal
+from ._table_costs import TableCosts
 from ._trace import Trace
 
 __all__ = ["Candidate", "CostTable", "Proposal", "UnitCosts", "cost_units"]
@@ -86,10 +88,11 @@ def cost_units(
     """
     coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
     coster.replicate_below = replicate_below
-    return CostTable(tuple(coster.units()), coster.activation_reserve())
+    whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
+    return CostTable(tuple(coster.units()), coster.activation_reserve(), whole_after)
 
 
-class _Coster(ConvCosts, KeyValueCosts):
+class _Coster(ConvCosts, KeyValueCosts, TableCosts):
     """Builds the `CostTable` of one `Proposal` (private: only `cost_units` uses it)."""
 
     # -- units -----------------------------------------------------------------------
@@ -151,6 +154,7 @@ class _Coster(ConvCosts, KeyValueCosts):
                 self._embedding_unit(owner, variable)
                 or self._tied_unit(owner, variable)
                 or self._head_dim_unit(owner, variable)
+                or self._width_sharded_table(owner, variable)
             )
         read = variable.path in self.used if trainable else not self.trace.unread(variable.path)
         if one is None and (trainable or stored_weight(variable, self.following)) and not read:
@@ -196,6 +200,8 @@ class _Coster(ConvCosts, KeyValueCosts):
         self._lora_traffic(variables, tp_wire)
         if name in self.proposal.expert_units:
             self._expert_traffic(variables, tp_wire)
+        elif name in self.proposal.input_convs:
+            self._input_conv_traffic(variables, tp_wire)
         elif name in self.proposal.conv_units or name in self.proposal.lone_convs:
             self._conv_traffic(variables, tp_wire, lone=name in self.proposal.lone_convs)
             self._activation_traffic(kernels, False, tp_wire)  # a projection ending the unit (a head)

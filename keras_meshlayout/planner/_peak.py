@@ -43,7 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import _compat
 from ..core._axes import Axes, entry_axes
+from ._convs import CONV_LAYERS
 from ._propagate import REDUCTIONS, Specs
 from ._trace import Trace, trace_step
 
@@ -148,6 +150,7 @@ class PeakWalk:
             state=state,
             gradients=gradients,
             compiler=self.compiler,
+            whole_after=getattr(table, "whole_after", frozenset()),
         )
 
 
@@ -173,6 +176,22 @@ def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None, compile
         state=memory.total,
         gradients=memory.gradients,
         compiler=compiler,
+        whole_after=_whole_conv_outputs(model, plan, batch_axis),
+    )
+
+
+def _whole_conv_outputs(model: Any, plan: Any, batch_axis: str | None) -> frozenset[str]:
+    """The kernels of the convolution layers whose output a layer-output rule splits over the batch only."""
+    kept = {
+        layer
+        for rule, layers in plan.outputs
+        if all(axis == batch_axis for entry in rule.axes for axis in entry_axes(entry))
+        for layer in layers
+    }
+    return frozenset(
+        layer.kernel.path
+        for layer in _compat.sublayers(model)
+        if isinstance(layer, CONV_LAYERS) and getattr(layer, "path", None) in kept
     )
 
 
@@ -185,13 +204,15 @@ def peak_memory(
     state: int,
     gradients: int,
     compiler: str = "cpu",
+    whole_after: frozenset[str] = frozenset(),
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
     `state` and `gradients` are the per-device training-state bytes and their gradients' share
-    (`core._memory`: a plan's `memory()`, or the planner's candidates).
+    (`core._memory`: a plan's `memory()`, or the planner's candidates); `whole_after` the kernels
+    whose convolution's layer output a rule keeps whole (`_propagate.Specs`).
     """
-    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler)
+    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler, whole_after)
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
         return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient, held=False)
     return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient)
@@ -203,13 +224,14 @@ def transient_peak(
     axis_sizes: Mapping[str, int],
     batch_axis: str | None,
     compiler: str = "cpu",
+    whole_after: frozenset[str] = frozenset(),
 ) -> tuple[int, int]:
     """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
 
     `layouts` gives each variable path its axes (missing: replicated).
     """
     held = compiler != "tpu"
-    specs = Specs(trace, layouts, axis_sizes, batch_axis)
+    specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after)
     sizes = {value: specs.bytes(value) for value in trace.shapes}
     fused = _fused(trace) | (_laid_out(trace) if not held else set())
     last = _last_reads(trace, fused)
