@@ -16,7 +16,6 @@ Each candidate's traffic is what XLA:CPU's partitioner was measured to emit
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -83,10 +82,8 @@ class OneWeightCosts(Bytes):
         lookups = [u for u in calls if u.kind == "gather"]
         heads = [u for u in calls if u.kind == "matmul"]
         replicated = self._replicated([variable])
-        replicated_wire = {self.batch_axis: len(calls) * self._grad_sync(variable, 1)} if self.d > 1 else {}
-        replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
         wire: dict[str, float] = {}
-        add_wire(wire, self.batch_axis, len(calls) * self._grad_sync(variable, self.m))
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
         for lookup in lookups:
             looked_up = self._summed(lookup.output, lookup.dtype)
             add_wire(wire, self.model_axis, wire_bytes("all-reduce", looked_up, self.m))
@@ -178,7 +175,7 @@ class OneWeightCosts(Bytes):
             return None
         size = nbytes(variable)
         wire: dict[str, float] = {}
-        add_wire(wire, self.batch_axis, len(uses) * self._grad_sync(variable, self.m))
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
         add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
         if owner.bias is not None:
             for use in uses:
@@ -188,9 +185,6 @@ class OneWeightCosts(Bytes):
         state = self._state(variable, self.m, variable.trainable)
         split = candidate("head_dim split", {variable.path: axes}, state, wire)
         replicated = self._replicated([variable])
-        if len(uses) > 1:
-            replicated_wire = plus_wire({}, self.batch_axis, len(uses) * self._grad_sync(variable, 1))
-            replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
         count, width = variable.shape[heads_dim(owner)[0]], variable.shape[index]
         note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m)}
         proposed = 1 if self.tp_axes.get(variable.path) == axes else 0

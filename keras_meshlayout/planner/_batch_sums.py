@@ -1,0 +1,205 @@
+"""What XLA sums over the batch axis: where the batch's dimension runs through a traced step.
+
+`batch_sums(trace)` reads the forward `Trace` and says, per trainable weight, how
+many times its gradient is all-reduced over the batch axis, and which other
+values' gradients are. Measured on XLA:CPU (2×4, keras-hub ALBERT, DeBERTaV3,
+FNet, BERT): the partitioner sums a gradient over the batch axis where the
+batch's dimension first meets a value that has none, once per such meeting,
+and never adds two partial sums before their all-reduce:
+
+- a weight read by an operation whose output carries the batch (a projection,
+  a norm's scale, a look-up, a position table broadcast over the batch) has its
+  gradient all-reduced once per read: a layer called several times (ALBERT's one
+  shared block) or a table read in several places (T5's shared embedding) sends
+  its gradient once per call; a read through a slice sends the rows read;
+- a weight read only where the batch is not yet (a norm over a relative-position
+  table before it is repeated over the batch, as DeBERTa's) sends nothing; the
+  value that then meets the batch is all-reduced instead, once per meeting;
+- a fast Fourier transform of a batch-split value (FNet's token mixing) is
+  computed on the whole batch: its operand is all-gathered over the batch axis
+  forward and again backward.
+
+The batch's dimension starts at the first dimension of every input and follows
+the dataflow (element-wise operations, broadcasts, reshapes, transposes, dot
+products' batch and free dimensions); a reduction over it ends it, and a
+weight-computed value broadcast to the batch's size (`repeat` over the batch)
+starts it again.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import numpy as np
+
+from ._trace import Node, Trace
+
+__all__ = ["BatchSums", "batch_sums"]
+
+#: Operations that move a weight into place without computing from it: its reads are what follows.
+_MOVES = frozenset(
+    "convert_element_type copy copy_p reduce_precision reshape transpose squeeze expand_dims "
+    "broadcast_in_dim slice dynamic_slice".split()
+)
+_SLICES = frozenset(("slice", "dynamic_slice"))
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSums:
+    """Gradient all-reduces over the batch axis, read off a forward trace.
+
+    Attributes:
+        reads: Per trained variable path, how many of its gradients are summed over
+            the batch axis (one per read that meets the batch; a read through a slice
+            counts the fraction of the variable it reads).
+        meetings: Per-device bytes (whole, before any split over the model axis) of each
+            weight-computed value whose gradient is summed over the batch axis where it
+            meets the batch, in float32 at least.
+        gathered: Bytes of each value XLA all-gathers over the batch axis, whole (the
+            operands of Fourier transforms), once forward and once backward.
+    """
+
+    reads: Mapping[str, float]
+    meetings: tuple[float, ...]
+    gathered: tuple[float, ...]
+
+
+def batch_sums(trace: Trace) -> BatchSums:
+    """Where `trace`'s gradients are summed over the batch axis (see the module docstring)."""
+    live = _live(trace)
+    fed = _fed(trace)
+    batch = _batch_dims(trace)
+    reads: dict[str, float] = collections.defaultdict(float)
+    moved: set[int] = set()
+    for value, path in trace.variables.items():
+        if value not in trace.trained:
+            continue
+        stack = [(value, 1.0)]
+        while stack:
+            current, fraction = stack.pop()
+            moved.add(current)
+            for index in trace.consumers.get(current, ()):
+                node = trace.nodes[index]
+                if not live[index]:
+                    continue
+                out = node.outputs[0]
+                if out in batch:
+                    reads[path] += fraction
+                elif node.primitive in _MOVES and len(node.outputs) == 1:
+                    shrink = (
+                        _size(trace, out) / max(_size(trace, current), 1) if node.primitive in _SLICES else 1
+                    )
+                    stack.append((out, fraction * min(shrink, 1.0)))
+    meetings, gathered = [], []
+    for node in trace.nodes:
+        if not live[node.index] or not any(out in batch for out in node.outputs):
+            continue
+        if node.primitive == "fft" and node.inputs[0] in batch:
+            gathered.append(_size(trace, node.inputs[0]) * np.dtype(trace.dtypes[node.inputs[0]]).itemsize)
+        for value in node.inputs:
+            if value >= 0 and value in trace.trained and value not in batch and value not in fed:
+                if value not in moved:
+                    itemsize = max(np.dtype(trace.dtypes[value]).itemsize, 4)
+                    meetings.append(float(_size(trace, value) * itemsize))
+    return BatchSums(MappingProxyType(dict(reads)), tuple(meetings), tuple(gathered))
+
+
+def _size(trace: Trace, value: int) -> int:
+    return math.prod(trace.shapes[value])
+
+
+def _live(trace: Trace) -> list[bool]:
+    """Per node, whether the forward pass's outputs depend on what it writes."""
+    needed = set(trace.outputs)
+    live = [False] * len(trace.nodes)
+    for node in reversed(trace.nodes):
+        if any(out in needed for out in node.outputs):
+            live[node.index] = True
+            needed.update(v for v in node.inputs if v >= 0)
+    return live
+
+
+def _fed(trace: Trace) -> set[int]:
+    """The values computed from the batch."""
+    fed = set(trace.inputs)
+    for node in trace.nodes:
+        if any(v in fed for v in node.inputs):
+            fed.update(node.outputs)
+    return fed
+
+
+def _batch_dims(trace: Trace) -> dict[int, int]:
+    """Per value that carries the batch, the index of its batch dimension."""
+    sizes = [trace.shapes[v][0] for v in trace.inputs if trace.shapes[v]]
+    if not sizes:
+        return {}
+    size = collections.Counter(sizes).most_common(1)[0][0]
+    batch = {v: 0 for v in trace.inputs if trace.shapes[v]}
+    for node in trace.nodes:
+        carried = [(i, v) for i, v in enumerate(node.inputs) if v in batch]
+        if carried:
+            dim = _carried(trace, node, *carried[0], batch)
+        elif node.primitive == "broadcast_in_dim" and node.inputs[0] in trace.trained:
+            dim = _started(trace, node, size)
+        else:
+            continue
+        if dim is not None:
+            for out in node.outputs:
+                if dim < len(trace.shapes[out]):
+                    batch[out] = dim
+    return batch
+
+
+def _started(trace: Trace, node: Node, size: int) -> int | None:
+    """The batch dimension a broadcast of a weight-computed value to the batch's size creates, if any."""
+    shape, source = trace.shapes[node.outputs[0]], trace.shapes[node.inputs[0]]
+    mapped = dict(zip(node.params["broadcast_dimensions"], source, strict=True))
+    for dim, extent in enumerate(shape):
+        if extent == size and mapped.get(dim, 1) == 1 and size > 1:
+            return dim if all(d == 1 for d in shape[:dim]) else None
+    return None
+
+
+def _carried(trace: Trace, node: Node, position: int, value: int, batch: Mapping[int, int]) -> int | None:
+    """Where `node` puts the batch dimension of its input `value` (at `position`); `None`: summed away."""
+    dim, name, params = batch[value], node.primitive, node.params
+    out = trace.shapes[node.outputs[0]]
+    if name == "broadcast_in_dim":
+        return params["broadcast_dimensions"][dim]
+    if name == "transpose":
+        return tuple(params["permutation"]).index(dim)
+    if name == "squeeze":
+        return dim - sum(d < dim for d in params["dimensions"])
+    if name.startswith("reduce_") or name in ("argmax", "argmin"):
+        axes = tuple(params.get("axes", ()))
+        return None if dim in axes else dim - sum(a < dim for a in axes)
+    if name == "dot_general":
+        return _dot_dim(trace, node, position, dim)
+    if name == "reshape":
+        before = math.prod(trace.shapes[value][:dim])
+        for index in range(len(out)):
+            if math.prod(out[:index]) == before:
+                return index
+        return None
+    return dim if dim < len(out) else None
+
+
+def _dot_dim(trace: Trace, node: Node, position: int, dim: int) -> int | None:
+    """The output dimension of a `dot_general` that input `position`'s dimension `dim` becomes."""
+    (contract_l, contract_r), (batch_l, batch_r) = node.params["dimension_numbers"]
+    contracted, batched = (contract_l, batch_l) if position == 0 else (contract_r, batch_r)
+    if dim in contracted:
+        return None
+    if dim in batched:
+        return tuple(batched).index(dim)
+    rank_l = len(trace.shapes[node.inputs[0]])
+    free_l = [d for d in range(rank_l) if d not in contract_l and d not in batch_l]
+    if position == 0:
+        return len(batch_l) + free_l.index(dim)
+    rank_r = len(trace.shapes[node.inputs[1]])
+    free_r = [d for d in range(rank_r) if d not in contract_r and d not in batch_r]
+    return len(batch_l) + len(free_l) + free_r.index(dim)
