@@ -21,9 +21,10 @@ and never adds two partial sums before their all-reduce:
 
 The batch's dimension starts at the first dimension of every input and follows
 the dataflow (element-wise operations, broadcasts, reshapes, transposes, dot
-products' batch and free dimensions); a reduction over it ends it, and a
-weight-computed value broadcast to the batch's size (`repeat` over the batch)
-starts it again.
+products' batch and free dimensions), and back from a value that carries it to
+the operands whose dimension lines up with it (XLA's propagation runs both ways: a
+relative-position table repeated over the batch carries it from the repeat on);
+a reduction over it ends it.
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ def batch_sums(trace: Trace) -> BatchSums:
                 if value not in moved:
                     itemsize = max(np.dtype(trace.dtypes[value]).itemsize, 4)
                     meetings.append(float(_size(trace, value) * itemsize))
-    return BatchSums(MappingProxyType(dict(reads)), tuple(meetings), tuple(gathered))
+    # Variables sharing a path (two layers of one name) share its count.
+    shared = collections.Counter(trace.variables.values())
+    reads = {path: count / shared[path] for path, count in reads.items()}
+    return BatchSums(MappingProxyType(reads), tuple(meetings), tuple(gathered))
 
 
 def _size(trace: Trace, value: int) -> int:
@@ -133,34 +137,78 @@ def _fed(trace: Trace) -> set[int]:
 
 
 def _batch_dims(trace: Trace) -> dict[int, int]:
-    """Per value that carries the batch, the index of its batch dimension."""
-    sizes = [trace.shapes[v][0] for v in trace.inputs if trace.shapes[v]]
-    if not sizes:
-        return {}
-    size = collections.Counter(sizes).most_common(1)[0][0]
+    """Per value that carries the batch, the index of its batch dimension.
+
+    Forward from the inputs, then backward from each value that carries it to the operands
+    that line up with it (XLA's propagation both ways: a relative-position table broadcast
+    to the batch's size carries the batch where it meets the batch), until nothing changes.
+    """
     batch = {v: 0 for v in trace.inputs if trace.shapes[v]}
-    for node in trace.nodes:
-        carried = [(i, v) for i, v in enumerate(node.inputs) if v in batch]
-        if carried:
-            dim = _carried(trace, node, *carried[0], batch)
-        elif node.primitive == "broadcast_in_dim" and node.inputs[0] in trace.trained:
-            dim = _started(trace, node, size)
-        else:
-            continue
-        if dim is not None:
-            for out in node.outputs:
-                if dim < len(trace.shapes[out]):
-                    batch[out] = dim
+    for _ in range(4):
+        before = len(batch)
+        for node in trace.nodes:
+            carried = [(i, v) for i, v in enumerate(node.inputs) if v in batch]
+            if carried and node.outputs[0] not in batch:
+                position, value = carried[0]
+                dim = _carried(trace, node, position, value, batch)
+                extent = trace.shapes[value][batch[value]]
+                for out in node.outputs:
+                    shape = trace.shapes[out]
+                    if dim is not None and dim < len(shape) and shape[dim] % extent == 0:
+                        batch[out] = dim
+        for node in reversed(trace.nodes):
+            if node.outputs[0] in batch:
+                for position, value in enumerate(node.inputs):
+                    if value >= 0 and value not in batch and value not in trace.variables:
+                        dim = _operand_dim(trace, node, position, batch[node.outputs[0]])
+                        if dim is not None:
+                            batch[value] = dim
+        if len(batch) == before:
+            break
     return batch
 
 
-def _started(trace: Trace, node: Node, size: int) -> int | None:
-    """The batch dimension a broadcast of a weight-computed value to the batch's size creates, if any."""
-    shape, source = trace.shapes[node.outputs[0]], trace.shapes[node.inputs[0]]
-    mapped = dict(zip(node.params["broadcast_dimensions"], source, strict=True))
-    for dim, extent in enumerate(shape):
-        if extent == size and mapped.get(dim, 1) == 1 and size > 1:
-            return dim if all(d == 1 for d in shape[:dim]) else None
+def _operand_dim(trace: Trace, node: Node, position: int, dim: int) -> int | None:
+    """The dimension of operand `position` that lines up with `node`'s output dimension `dim`, if any."""
+    out, shape = trace.shapes[node.outputs[0]], trace.shapes[node.inputs[position]]
+    name, params = node.primitive, node.params
+    found: int | None = None
+    if name == "broadcast_in_dim":
+        found = next((i for i, d in enumerate(params["broadcast_dimensions"]) if d == dim), None)
+    elif name == "transpose":
+        found = tuple(params["permutation"])[dim]
+    elif name == "reshape":
+        found = _lined_up(out, dim, shape)
+    elif name == "dot_general":
+        found = _dot_operand(trace, node, position, dim)
+    elif len(shape) == len(out):
+        found = dim
+    if found is None or found >= len(shape) or (shape[found] != out[dim] and name != "reshape"):
+        return None
+    return found
+
+
+def _lined_up(shape: tuple[int, ...], dim: int, other: tuple[int, ...]) -> int | None:
+    """The dimension of `other` (a reshape of `shape`) that `shape`'s `dim` is, or leads (merged).
+
+    The same size with as many elements before it, or else a dimension that starts there and
+    holds it whole (the batch merged with the sequence, `(B, T, C)` as `(B·T, C)`).
+    """
+    before = math.prod(shape[:dim])
+    for index, extent in enumerate(other):
+        if math.prod(other[:index]) == before and extent == shape[dim]:
+            return index
+    for index, extent in enumerate(other):  # merged with the dimensions after it: still the major one
+        if math.prod(other[:index]) == before and extent % shape[dim] == 0 and extent > shape[dim]:
+            return index
+    return None
+
+
+def _dot_operand(trace: Trace, node: Node, position: int, dim: int) -> int | None:
+    """The operand dimension of a `dot_general` that becomes its output dimension `dim`."""
+    for candidate in range(len(trace.shapes[node.inputs[position]])):
+        if _dot_dim(trace, node, position, candidate) == dim:
+            return candidate
     return None
 
 
@@ -180,12 +228,8 @@ def _carried(trace: Trace, node: Node, position: int, value: int, batch: Mapping
     if name == "dot_general":
         return _dot_dim(trace, node, position, dim)
     if name == "reshape":
-        before = math.prod(trace.shapes[value][:dim])
-        for index in range(len(out)):
-            if math.prod(out[:index]) == before:
-                return index
-        return None
-    return dim if dim < len(out) else None
+        return _lined_up(trace.shapes[value], dim, out)
+    return dim  # element-wise, and anything else: the same dimension, where an output has it
 
 
 def _dot_dim(trace: Trace, node: Node, position: int, dim: int) -> int | None:
