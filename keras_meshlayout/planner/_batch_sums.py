@@ -71,9 +71,31 @@ class BatchSums:
 
 def batch_sums(trace: Trace) -> BatchSums:
     """Where `trace`'s gradients are summed over the batch axis (see the module docstring)."""
-    live = _live(trace)
-    fed = _fed(trace)
-    batch = _batch_dims(trace)
+    live, fed, batch = _live(trace), _fed(trace), _batch_dims(trace)
+    reads, moved = _reads(trace, live, batch)
+    meetings, gathered = [], []
+    for node in trace.nodes:
+        if not live[node.index] or not any(out in batch for out in node.outputs):
+            continue
+        if node.primitive == "fft" and node.inputs[0] in batch:
+            gathered.append(_size(trace, node.inputs[0]) * np.dtype(trace.dtypes[node.inputs[0]]).itemsize)
+        for value in node.inputs:
+            if value < 0 or value not in trace.trained or value in batch or value in fed or value in moved:
+                continue
+            source = _source(trace, value)
+            if source is not None:  # a weight computed on (a norm's scale times its statistics): its read
+                reads[source] += 1.0
+            else:
+                itemsize = max(np.dtype(trace.dtypes[value]).itemsize, 4)
+                meetings.append(float(_size(trace, value) * itemsize))
+    # Variables sharing a path (two layers of one name) share its count.
+    shared = collections.Counter(trace.variables.values())
+    counts = {path: count / shared[path] for path, count in reads.items()}
+    return BatchSums(MappingProxyType(counts), tuple(meetings), tuple(gathered))
+
+
+def _reads(trace: Trace, live: list[bool], batch: Mapping[int, int]) -> tuple[dict[str, float], set[int]]:
+    """Per trained variable, its reads that meet the batch; and the values that only move a weight."""
     reads: dict[str, float] = collections.defaultdict(float)
     moved: set[int] = set()
     for value, path in trace.variables.items():
@@ -91,25 +113,32 @@ def batch_sums(trace: Trace) -> BatchSums:
                 if out in batch:
                     reads[path] += fraction
                 elif node.primitive in _MOVES and len(node.outputs) == 1:
-                    shrink = (
-                        _size(trace, out) / max(_size(trace, current), 1) if node.primitive in _SLICES else 1
-                    )
-                    stack.append((out, fraction * min(shrink, 1.0)))
-    meetings, gathered = [], []
-    for node in trace.nodes:
-        if not live[node.index] or not any(out in batch for out in node.outputs):
-            continue
-        if node.primitive == "fft" and node.inputs[0] in batch:
-            gathered.append(_size(trace, node.inputs[0]) * np.dtype(trace.dtypes[node.inputs[0]]).itemsize)
-        for value in node.inputs:
-            if value >= 0 and value in trace.trained and value not in batch and value not in fed:
-                if value not in moved:
-                    itemsize = max(np.dtype(trace.dtypes[value]).itemsize, 4)
-                    meetings.append(float(_size(trace, value) * itemsize))
-    # Variables sharing a path (two layers of one name) share its count.
-    shared = collections.Counter(trace.variables.values())
-    reads = {path: count / shared[path] for path, count in reads.items()}
-    return BatchSums(MappingProxyType(reads), tuple(meetings), tuple(gathered))
+                    shrink = min(_size(trace, out) / max(_size(trace, current), 1), 1.0)
+                    stack.append((out, fraction * shrink if node.primitive in _SLICES else fraction))
+    return reads, moved
+
+
+def _source(trace: Trace, value: int) -> str | None:
+    """The nearest trained variable `value` is computed from that has as many elements, if any.
+
+    A norm's scale times its moving statistics (a batch norm traced for inference), one plus
+    a scale (Gemma's norms): the gradient summed is that variable's.
+    """
+    size, seen, frontier = _size(trace, value), {value}, [value]
+    while frontier:
+        following = []
+        for current in frontier:
+            if current in trace.variables:
+                if _size(trace, current) == size:
+                    return trace.variables[current]
+                continue
+            producer = trace.producer.get(current)
+            for operand in trace.nodes[producer].inputs if producer is not None else ():
+                if operand >= 0 and operand in trace.trained and operand not in seen:
+                    seen.add(operand)
+                    following.append(operand)
+        frontier = following
+    return None
 
 
 def _size(trace: Trace, value: int) -> int:
