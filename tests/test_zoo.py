@@ -99,9 +99,6 @@ MISSES: dict[tuple[str, str], str] = {
     ("LoRA-Llama", "smallest"): "1.544: the frozen tables split, the rest not yet traced",
     ("int8-Llama", "smallest"): "1.515: " + _BUDGET_KEEPS.format("the int8 tables"),
     # predicted ÷ compiled bytes per step, by axis
-    ("AlbertBackbone", "compiled"): "'data' 0.780 (157,100 compiled): cause not yet found",
-    ("DebertaV3Backbone", "compiled"): "'data' 0.898 (158,636 compiled): cause not yet found",
-    ("FNetBackbone", "compiled"): "'data' 0.653 (188,716 compiled): cause not yet found",
     ("SmolLM3Backbone", "compiled"): "'model' 1.162 (151,552 compiled): Dense key/value kernels (status.md)",
     ("XLNetBackbone", "compiled"): "'model' 0.965 (165,504 compiled), 'data' 1.013: cause not yet found",
     ("ResNet50", "compiled"): "'model' 1.171 (4,393,728 compiled), 'data' 1.002: cause not yet found",

@@ -14,7 +14,8 @@
    `_notes`. The ledger's decisions, frozen, are the `Proposal`: per variable
    its tensor-parallel axes, note and unit.
 3. `cost_units` (`_costs`, over `_candidates`, `_one_weight` and
-   `_conv_costs`): per unit,
+   `_conv_costs`, with `_batch_sums`: how often XLA sums each gradient over
+   the batch axis, read off the trace): per unit,
    its candidate layouts (replicated, tensor-parallel, 2-D, vocab-parallel,
    ...), each a `Candidate` with its bytes per device (the one memory model,
    `core._memory.SlotModel`) and its bytes on the wire per step (the ring
