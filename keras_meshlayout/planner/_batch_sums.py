@@ -3,9 +3,10 @@
 `batch_sums(trace)` reads the forward `Trace` and says, per trainable weight, how
 many times its gradient is all-reduced over the batch axis, and which other
 values' gradients are. Measured on XLA:CPU (2×4, keras-hub ALBERT, DeBERTaV3,
-FNet, BERT): the partitioner sums a gradient over the batch axis where the
-batch's dimension first meets a value that has none, once per such meeting,
-and never adds two partial sums before their all-reduce:
+FNet, XLNet, RWKV-7, T5 and the zoo's other rows, `tests/test_zoo.py`): the
+partitioner sums a gradient over the batch axis where the batch's dimension
+first meets a value that has none, once per such meeting, and never adds two
+partial sums before their all-reduce:
 
 - a weight read by an operation whose output carries the batch (a projection,
   a norm's scale, a look-up, a position table broadcast over the batch) has its
@@ -14,7 +15,13 @@ and never adds two partial sums before their all-reduce:
   its gradient once per call; a read through a slice sends the rows read;
 - a weight read only where the batch is not yet (a norm over a relative-position
   table before it is repeated over the batch, as DeBERTa's) sends nothing; the
-  value that then meets the batch is all-reduced instead, once per meeting;
+  value that then meets the batch is all-reduced instead, once per meeting. When
+  that value is computed from one weight of its size (a batch norm's scale times
+  its moving statistics, traced for inference; Gemma's one plus a scale), it
+  counts as that weight's read, so the weight's split shrinks it. Otherwise it is
+  counted whole: T5's relative-position bias, summed where it meets the attention
+  scores, is summed by XLA in the scores' shards over the model axis (1,024 bytes
+  predicted per bias where 256 are sent: not yet followed);
 - a fast Fourier transform of a batch-split value (FNet's token mixing) is
   computed on the whole batch: its operand is all-gathered over the batch axis
   forward and again backward.
@@ -57,7 +64,7 @@ class BatchSums:
         reads: Per trained variable path, how many of its gradients are summed over
             the batch axis (one per read that meets the batch; a read through a slice
             counts the fraction of the variable it reads).
-        meetings: Per-device bytes (whole, before any split over the model axis) of each
+        meetings: Bytes (whole, before any split over the model axis) of each
             weight-computed value whose gradient is summed over the batch axis where it
             meets the batch, in float32 at least.
         gathered: Bytes of each value XLA all-gathers over the batch axis, whole (the
