@@ -22,6 +22,7 @@ from ..core._axes import Axes
 from ..core._memory import slot_model
 from ..core._shape_checks import is_weight_matrix
 from ..report._collectives import wire_bytes
+from ._batch_sums import batch_sums
 from ._layers import followers
 from ._ledger import Proposal
 from ._trace import Trace
@@ -125,6 +126,8 @@ class Bytes:
         self.trace = trace
         self.used = dict(trace.read)
         self.uses = trace.uses
+        #: Per weight, how often its gradient is summed over the batch axis; other values summed there.
+        self.sums = batch_sums(trace)
         self.memory = slot_model(optimizer)
         self.tp_axes = proposal.axes
         #: LoRA adapters by path, and their base kernel's path: XLA sums the merged kernel's gradient.
@@ -151,11 +154,12 @@ class Bytes:
     # -- bytes ---------------------------------------------------------------------
 
     def _grad_sync(self, variable: keras.Variable, shards: int) -> float:
-        # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it. A LoRA
-        # adapter's gradient is computed from its kernel's, which is the one summed (measured on XLA:CPU).
-        if variable.path in self.lora_base:
+        # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it, once per
+        # read that meets the batch (`_batch_sums`). A LoRA adapter's gradient is computed from its
+        # kernel's, which is the one summed (measured on XLA:CPU).
+        if variable.path in self.lora_base or variable.path not in self.used:
             return 0.0
-        read = nbytes(variable) * self.used.get(variable.path, 0.0)
+        read = nbytes(variable) * self.sums.reads.get(variable.path, 0.0)
         return wire_bytes("all-reduce", read / shards, self.d)
 
     def _state(self, variable: keras.Variable, shards: int, trainable: bool) -> int:

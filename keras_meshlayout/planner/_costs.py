@@ -129,14 +129,15 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                     continue
             fixed_state += self._state(variable, 1, id(variable) in trainable)
             if id(variable) in trainable:
-                # A table looked up more than once (T5's shared encoder/decoder embedding)
-                # has its gradient summed once per lookup: XLA does not add them first.
-                lookups = (
-                    len(self.uses.get(variable.path, ())) if isinstance(owner, keras.layers.Embedding) else 1
-                )
-                add_wire(fixed_wire, self.batch_axis, max(lookups, 1) * self._grad_sync(variable, 1))
+                add_wire(fixed_wire, self.batch_axis, self._grad_sync(variable, 1))
         # The loss is averaged over the batch axis: one scalar all-reduce.
         add_wire(fixed_wire, self.batch_axis, wire_bytes("all-reduce", 4, self.d))
+        # Weight-computed values meeting the batch (DeBERTa's normed relative table, repeated over
+        # it) have their gradients summed there; a Fourier transform gathers the batch (`_batch_sums`).
+        for meeting in self.sums.meetings:
+            add_wire(fixed_wire, self.batch_axis, wire_bytes("all-reduce", meeting, self.d))
+        for gathered in self.sums.gathered:
+            add_wire(fixed_wire, self.batch_axis, 2 * wire_bytes("all-gather", gathered, self.d))
         add_wire(fixed_wire, self.batch_axis, self.batch_norm_traffic())
         units.append(UnitCosts("(everything else)", (candidate("replicated", {}, fixed_state, fixed_wire),)))
         return units

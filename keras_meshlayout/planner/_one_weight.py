@@ -14,7 +14,6 @@ Each candidate's traffic is what XLA:CPU's partitioner was measured to emit
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -93,10 +92,8 @@ class OneWeightCosts(Bytes):
         lookups = [u for u in calls if u.kind == "gather"]
         heads = [u for u in calls if u.kind == "matmul"]
         replicated = self._replicated([variable])
-        replicated_wire = {self.batch_axis: len(calls) * self._grad_sync(variable, 1)} if self.d > 1 else {}
-        replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
         wire: dict[str, float] = {}
-        add_wire(wire, self.batch_axis, len(calls) * self._grad_sync(variable, self.m))
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
         for lookup in lookups:
             self._lookup_wire(variable, lookup, wire)
         for head in heads:
