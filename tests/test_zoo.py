@@ -91,7 +91,8 @@ _HAND_2D = (
 )
 MISSES: dict[tuple[str, str], str] = {
     # no budget ÷ tensor-parallel ideal
-    ("RWKV7Backbone", "no_budget"): "1.475: the time-mix receptance/key/value/output kernels stay whole",
+    ("RWKV7Backbone", "no_budget"): "1.328 (1.475 before its table went over both axes): the time-mix "
+    "receptance/key/value/output kernels stay whole",
     ("ViTBackbone", "no_budget"): "1.556: the patch-embedding conv (15% of the parameters) is not split",
     ("int8-Llama", "no_budget"): "3.049: the int8 token and reverse tables stay replicated ('no traffic')",
     # smallest budget plan ÷ fully sharded floor
