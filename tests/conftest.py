@@ -103,7 +103,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_tied_table_trains_sharded_as_on_one_device",
         "test_the_smallest_plan_is_predicted_under_the_default_policy",
         # a shared table (two look-ups) planned and compiled: vocab-parallel, over both axes, and fit
-        "test_a_shared_table_is_vocab_parallel_and_predicted",
+        "test_a_shared_table_is_split_and_predicted",
         "test_a_shared_table_split_over_both_axes_is_predicted",
         "test_a_shared_table_over_both_axes_trains_sharded_as_on_one_device",
         "test_a_sliced_position_table_over_both_axes_trains_as_on_one_device",  # planned twice, and fit

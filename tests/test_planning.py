@@ -355,6 +355,7 @@ PLANNER_ORDER = [
     "_lora",
     "_quantized",
     "_candidates",
+    "_tables_2d",
     "_conv_costs",
     "_one_weight",
     "_table_costs",

@@ -117,7 +117,9 @@ def auto_rules(
             weights outside every unit (norms, biases, a small head) fully
             sharded (split over `batch_axis`, gathered when used); the note
             of each rule says what it saves and costs. `None` keeps the
-            planner's tensor-parallel layout.
+            planner's tensor-parallel layout (with `batch`, a look-up table
+            goes over both axes where that sends no more bytes and holds
+            less than vocab-parallel).
         batch: One global batch of inputs (arrays, or anything with `shape`
             and `dtype`). Needed with `memory_budget`; with it, the returned
             rules carry `rules.cost`, a `kml.PlanCost` predicting the bytes

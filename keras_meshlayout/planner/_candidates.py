@@ -65,7 +65,8 @@ class UnitCosts:
         candidates: Its layouts; the first is always `replicated`.
         notes: Per variable path, the proposal's note for its split (shown
             beside the layout the search picks).
-        proposed: The index of the proposal's own layout (the plan without a budget).
+        proposed: The index of the layout the plan without a budget takes: the proposal's own, or
+            for a look-up table one that sends no more and holds less (`_tables_2d`).
     """
 
     name: str

@@ -24,6 +24,7 @@ from ..report._collectives import wire_bytes
 from . import _notes
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
 from ._layers import idle_axes, lookup_table, tied_table
+from ._tables_2d import no_budget_choice
 
 __all__ = ["OneWeightCosts"]
 
@@ -57,7 +58,8 @@ class OneWeightCosts(Bytes):
         for sharded in (offer(variable, wire, looked_up) for offer in both):
             if sharded is not None:
                 candidates.append(sharded)
-        proposed = 1 if self.tp_axes.get(variable.path) == (self.model_axis, None) else 0
+        split_rows = self.tp_axes.get(variable.path) == (self.model_axis, None)
+        proposed = no_budget_choice(candidates, int(split_rows))
         name = getattr(owner, "path", variable.path)
         return UnitCosts(name, tuple(candidates), frozen(note), proposed=proposed)
 
@@ -121,7 +123,8 @@ class OneWeightCosts(Bytes):
         candidates = [replicated, split]
         if not heads:
             candidates.extend(self._shared_over_both(variable, lookups))
-        proposed = 1 if self.tp_axes.get(variable.path) == (self.model_axis, None) else 0
+        split_rows = self.tp_axes.get(variable.path) == (self.model_axis, None)
+        proposed = no_budget_choice(candidates, int(split_rows))
         return UnitCosts(getattr(owner, "path", variable.path), tuple(candidates), frozen(note), proposed)
 
     def _shared_over_both(self, variable: keras.Variable, lookups: list) -> list[Candidate]:
