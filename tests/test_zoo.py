@@ -111,9 +111,6 @@ MISSES: dict[tuple[str, str], str] = {
     ("GemmaBackbone", "hand_bytes"): "1.037× the hand map's bytes per step (294,700 vs 284,108)",
     ("QwenBackbone", "hand_memory"): "2.259× the hand map's state (673,448 vs 298,152 bytes per device)",
     # the hand map's compiled peak ÷ (1 - PEAK_HEADROOM) as memory_budget
-    ("GemmaBackbone", "hand_budget"): "MemoryBudgetError at 478,438: the smallest plan would beat the map "
-    "(compiled peak 441,960 vs 454,516, state 247,768 vs 294,056, bytes 280,800 vs 284,108) but its "
-    "peak is predicted 512,344 = 1.159× compiled (cause not yet found)",
     ("QwenBackbone", "hand_budget"): "budget 628,889: state 312,744 = 1.049× the map's 298,152 (compiled "
     "peak 532,804 vs 597,444 and bytes 324,204 vs 383,308 both beaten): the search fits the peak, not state",
 }
