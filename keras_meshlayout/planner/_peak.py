@@ -62,6 +62,11 @@ _ELEMENTWISE = frozenset(
 _CHEAP = frozenset(
     "broadcast_in_dim convert_element_type reshape squeeze expand_dims iota copy copy_p".split()
 )
+#: Element-wise operations XLA counts expensive (transcendental, division): never duplicated into readers.
+_EXPENSIVE = frozenset(
+    """atan2 cbrt cos cosh div erf erf_inv erfc exp exp2 expm1 lgamma log log1p logistic pow rem rsqrt
+    sin sinh sqrt tan tanh""".split()
+)
 #: Operations that update their first operand in place: XLA writes the result into that buffer.
 _IN_PLACE = frozenset("scatter scatter-add scatter-mul scatter-min scatter-max dynamic_update_slice".split())
 
@@ -213,7 +218,7 @@ def transient_peak(
     held = compiler != "tpu"
     specs = Specs(trace, layouts, axis_sizes, batch_axis)
     sizes = {value: specs.bytes(value) for value in trace.shapes}
-    fused = _fused(trace) | (_laid_out(trace) if not held else set())
+    fused = _fused(trace) | (_laid_out(trace) | _fused_on_tpu(trace) if not held else set())
     last = _last_reads(trace, fused)
     end = len(trace.nodes)
     for value in trace.outputs:
@@ -310,6 +315,36 @@ def _fused(trace: Trace) -> set[int]:
             elif node.primitive in _CHEAP and _updated_only(trace, value, readers):
                 fused.add(value)  # the zeros a scatter-add starts from: written into its result
             elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
+                fused.add(value)
+    return fused
+
+
+def _fused_on_tpu(trace: Trace) -> set[int]:
+    """Values XLA:TPU fuses where XLA:CPU writes them: into matmuls, and duplicated into readers.
+
+    XLA:TPU fuses an element-wise producer into the `dot_general`s that read it (each
+    recomputes it as it loads its operand), and duplicates a cheap element-wise result
+    (`_EXPENSIVE` excluded) into every element-wise, reduction or matmul reader. Measured on a
+    Llama-3-style block (v5e 2x4, libtpu 0.0.42.1): the softmax's probabilities (read by the
+    two backward matmuls) and the normalised hidden states (read by the projections) are not
+    buffers; the attention mask is kept before its broadcast over the heads (4 MiB, where the
+    walk counted the broadcast and of the causal and padding masks, 32 MiB).
+    """
+    outputs = set(trace.outputs)
+    fused = set()
+    for node in trace.nodes:
+        if node.primitive not in _ELEMENTWISE:
+            continue
+        for value in node.outputs:
+            readers = trace.consumers.get(value, ())
+            if value in outputs or not readers:
+                continue
+            primitives = [trace.nodes[r].primitive for r in readers]
+            into_matmuls = all(p == "dot_general" for p in primitives)
+            duplicated = node.primitive not in _EXPENSIVE and all(
+                _fusing(p) or p == "dot_general" for p in primitives
+            )
+            if into_matmuls or duplicated:
                 fused.add(value)
     return fused
 
