@@ -30,7 +30,9 @@ buffer assignment was measured to do instead (libtpu 0.0.42.1): each gradient is
 applied by the optimizer as soon as it is written, so the gradients are neither
 held to the end nor summed into a second copy, and partial sums are all-reduced in
 place; a result read only by a transpose is written once, in the transposed layout;
-an element-wise result takes the buffer of an operand that dies there.
+an element-wise result takes the buffer of an operand that dies there; an element-wise
+result read only by matmuls is computed inside them, and a cheap one is recomputed in
+each of its readers (`_fused_on_tpu`).
 """
 
 from __future__ import annotations
