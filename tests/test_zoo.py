@@ -102,6 +102,10 @@ MISSES: dict[tuple[str, str], str] = {
     f"the table over both axes since): {_HAND_2D}",
     ("QwenBackbone", "hand_memory"): "1.819× the hand map's state (542,376 vs 298,152; the table over both "
     f"axes since): {_HAND_2D}",
+    # the hand map's compiled peak ÷ (1 - PEAK_HEADROOM) as memory_budget
+    ("GemmaBackbone", "hand_budget"): "compiled peak 475,908 = 1.047× the map's 454,516 (within the budget, "
+    "478,438; state the map's, 294,056, bytes 0.94×): the peak walk predicts Gemma's budget plans at about "
+    "0.90× their compiled peak, so the search does not see the excess",
 }
 
 
@@ -337,19 +341,20 @@ def test_the_auto_plan_matches_or_beats_keras_hubs_hand_map(name, measure):
 
 @pytest.mark.parametrize("name", _params("hand_budget", list(HAND_MAPS)))
 def test_the_hand_maps_memory_as_the_budget_gives_a_plan_no_bigger_and_no_chattier(name):
-    """The hand map's compiled peak (plus the planner's headroom) as `memory_budget`: a plan that fits
-    it once compiled and sends no more bytes per step than the map.
+    """The hand map's compiled peak (plus the planner's headroom) as `memory_budget`: a plan whose
+    compiled peak is no bigger than the map's and that sends no more bytes per step.
 
     "No bigger" is measured as the budget is, by the compiled peak: `memory_budget` bounds the
     step's peak, and within it the search buys the least traffic, with state if that is what the
     room allows (Qwen: 444,072 bytes of state against the map's 298,152, at a compiled peak of
     594,436 against its 597,444 and 0.76x its bytes). A user who needs less state asks for it with
-    a smaller budget.
+    a smaller budget. The headroom is the planner's margin for its own prediction, not room to
+    exceed the map: the compiled peak is held to the map's.
     """
     hand_report, _, hand_peak = compiled(name, hand=True)
     budget = math.ceil(hand_peak / (1 - PEAK_HEADROOM))  # as `MemoryBudgetError.smallest_bytes`
     report, _, peak = compiled(name, budget=budget)
-    assert peak <= budget, f"{name}: budget {budget:,}: the plan's compiled peak is {peak:,}"
+    assert peak <= hand_peak, f"{name}: budget {budget:,}: compiled peak {peak:,}, the map's {hand_peak:,}"
     assert report.wire_bytes <= hand_report.wire_bytes, (
         f"{name}: budget {budget:,}: auto sends {report.wire_bytes:,.0f}, hand {hand_report.wire_bytes:,.0f}"
     )
