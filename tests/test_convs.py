@@ -216,9 +216,10 @@ def test_fit_warns_when_it_starts_on_a_grouped_conv_of_the_users_own_layout():
 def test_predicted_bytes_match_the_compiled_step(name, shape):
     """Predicted bytes per axis = the compiled step's ± 2% (the ResNet: model axis exact, data +0.4%).
 
-    The ResNet has a lone conv between two units (`stack0_block1_2_conv`), with a batch norm after
-    it. A lone conv added back to its own input (the residual of `mbconv()`) makes XLA compute the
-    batch norm before it split over the model axis as well, which is not predicted: it is left out.
+    The ResNet has a lone conv between two units (`stack0_block1_2_conv`): XLA computes the batch
+    norm before it split over the model axis and gathers it after the update (`_split_before`). A
+    lone conv added back to its own input (the residual of `mbconv()`) carries the split on through
+    the pooling into the head's kernel, which is not predicted: it is left out.
     """
     build = functools.partial(mbconv, lone=False) if name == "mbconv" else CONVNETS[name]
     x, y = images(8, shape)
