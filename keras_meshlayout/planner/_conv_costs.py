@@ -73,13 +73,21 @@ class ConvCosts(Bytes):
                         self.model_axis,
                         wire_bytes("all-reduce", self._summed(self.trace.shapes[out], dtype), self.m),
                     )
-                    if lone and not self.trace.from_input(lhs):
+                    if lone and not self._no_gradient(lhs):
                         gathered = self._activation(self.trace.shapes[lhs], dtype)
                         add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
                         self._split_before(lhs, wire)
-                elif not self.trace.from_input(lhs):
+                elif not self._no_gradient(lhs):
                     summed = self._summed(self.trace.shapes[lhs], dtype)
                     add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
+
+    def _no_gradient(self, value: int) -> bool:
+        """Whether no gradient flows back to `value`: the batch, or computed from no trainable weight.
+
+        A stem convolution reading preprocessed images (EfficientNet's rescaling, normalisation and
+        padding) gets no input gradient, as one reading the batch itself.
+        """
+        return self.trace.from_input(value) or value not in self.trace.trained
 
     def _split_before(self, lhs: int, wire: dict[str, float]) -> None:
         """What a lone convolution's input-channel split does to the layer before it.
@@ -116,7 +124,7 @@ class ConvCosts(Bytes):
 
     def _gathered_twice(self, node: object, lhs: int) -> bool:
         """Whether convolution `node`'s output gradient is gathered twice (see `_split_before`)."""
-        if node.primitive != CONV or self.trace.from_input(node.inputs[0]):
+        if node.primitive != CONV or self._no_gradient(node.inputs[0]):
             return False
         shape = self.trace.shapes[lhs]
         channels = shape[node.params["dimension_numbers"].out_spec[1]]
