@@ -103,7 +103,6 @@ MISSES: dict[tuple[str, str], str] = {
     ("DebertaV3Backbone", "compiled"): "'data' 0.898 (158,636 compiled): cause not yet found",
     ("FNetBackbone", "compiled"): "'data' 0.653 (188,716 compiled): cause not yet found",
     ("SmolLM3Backbone", "compiled"): "'model' 1.162 (151,552 compiled): Dense key/value kernels (status.md)",
-    ("XLNetBackbone", "compiled"): "'model' 0.965 (165,504 compiled), 'data' 1.013: cause not yet found",
     ("LoRA-Llama", "compiled"): "state 212,392 vs 210,856 compiled (bytes per step match): cause not found",
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.613× the hand map's state (474,280 vs 294,056 bytes per device)",
