@@ -90,7 +90,9 @@ MISSES: dict[tuple[str, str], str] = {
     ("AlbertBackbone", "no_budget"): "1.185: embedding_projection (64 × 64) and the position table whole",
     ("FNetBackbone", "no_budget"): "1.188: embedding_projection (64 × 64) and the position table whole",
     ("QwenBackbone", "no_budget"): f"1.198: {_KV_WHOLE} (no head_dim split for a biased projection)",
-    ("RWKV7Backbone", "no_budget"): "1.475: the time-mix receptance/key/value/output kernels stay whole",
+    ("RWKV7Backbone", "no_budget"): "1.475: the time-mix receptance/key/value/output kernels stay whole: "
+    "the unit grower cannot carry a head split through the recurrence's `scan` (receptance, key), the "
+    "per-head `reduce_sum` of r·k·r_k scaling the value, nor the `gather` before the output projection",
     ("SmolLM3Backbone", "no_budget"): "1.196: Dense k_proj/v_proj (64 × 32, 2 key/value heads) stay whole",
     ("ViTBackbone", "no_budget"): "1.556: the patch-embedding conv (15% of the parameters) is not split",
     ("int8-Llama", "no_budget"): "3.049: the int8 token and reverse tables stay replicated ('no traffic')",

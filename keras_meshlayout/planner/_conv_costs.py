@@ -103,8 +103,10 @@ class ConvCosts(Bytes):
         When a convolution not reading the model's input writes that input, its
         output gradient (gathered for it) is gathered twice, once for its input
         gradient and once for its kernel's, when the rows each device holds
-        (batch × spatial) outnumber half the channels (probed with 1 × 1 convs from
-        16 to 512 channels, 1-8 KiB rows; XLA does not merge the two).
+        (batch × spatial positions) outnumber half the channels: probed with a 1 × 1
+        convolution of 16 to 512 channels over 16 to 1,024 rows per device (twice at
+        64 rows of 96 or 112 channels, once at 64 of 128 and 256 of 512); the two
+        gathers differ only in how their device groups are written, so XLA keeps both.
         """
         found, ends = self._channelwise_before(lhs)
         if found and any(self._gathered_twice(node, lhs) for node in ends):
