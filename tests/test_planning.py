@@ -341,6 +341,7 @@ def test_transformer_preset_norms_and_routers(path, note):
 PLANNER_ORDER = [
     "_trace",
     "_units",
+    "_propagate",  # reads the trace alone: the strategies (`_by_trace.beside_split`) read it too
     "_layers",
     "_presets",
     "_notes",
@@ -357,7 +358,6 @@ PLANNER_ORDER = [
     "_conv_costs",
     "_one_weight",
     "_costs",
-    "_propagate",
     "_peak",
     "_search",
     "_auto",
