@@ -342,6 +342,7 @@ PLANNER_ORDER = [
     "_trace",
     "_batch_sums",
     "_units",
+    "_propagate",  # reads the trace alone: the strategies (`_by_trace.beside_split`) read it too
     "_layers",
     "_presets",
     "_notes",
@@ -358,9 +359,9 @@ PLANNER_ORDER = [
     "_tables_2d",
     "_conv_costs",
     "_one_weight",
+    "_kv_costs",
     "_table_costs",
     "_costs",
-    "_propagate",
     "_peak",
     "_search",
     "_auto",

@@ -66,6 +66,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_layers.projection_pairs,  # pairs along the layer graph when nothing was traced
     _embeddings.vocab_parallel_tables,  # large look-up tables split over their vocabulary
     _embeddings.tied_tables,  # tied tables (look-up and language-model head) split over their vocabulary
+    _by_trace.beside_split,  # weights read beside a split activation (per-head biases), split with it
     _by_trace.unused_weights,  # trainable weights the step never reads, split at no cost
     _by_name.named_weights,  # the rest by name (`transformer_rules`)
     _by_trace.lone_projections,  # the projections no unit took, noted

@@ -5,6 +5,8 @@
 - `final_layers`: a final projection as large as the largest kernel the plan
   splits (a language model's head) has its output features split, a smaller
   one stays whole;
+- `beside_split`: a weight read beside an activation split over the model
+  axis (a per-head bias added to split query heads) is split with it;
 - `unused_weights`: a trainable weight the traced step never reads (an untied
   output embedding while a backbone is fine-tuned) is split over both axes:
   it gets no gradient, so that costs no traffic;
@@ -24,10 +26,11 @@ from typing import Any
 from . import _notes
 from ._layers import followers, idle_axes, stored_weight
 from ._ledger import Ledger, Setting
+from ._propagate import Specs
 from ._trace import Trace
-from ._units import find_added, find_units
+from ._units import ELEMENTWISE, find_added, find_units
 
-__all__ = ["final_layers", "left_whole", "lone_projections", "traced_units", "unused_weights"]
+__all__ = ["beside_split", "final_layers", "left_whole", "lone_projections", "traced_units", "unused_weights"]
 
 
 def traced_units(ledger: Ledger, setting: Setting) -> None:
@@ -186,3 +189,120 @@ def left_whole(ledger: Ledger, setting: Setting) -> None:
         if not ledger.decided(variable.path):
             ops = sorted(readers.get(variable.path, ()))
             ledger.record(variable.path, (None,) * len(variable.shape), _notes.left_whole(ops, setting.trace))
+
+
+def beside_split(ledger: Ledger, setting: Setting) -> None:
+    """Weights read beside an activation split over the model axis are split with it.
+
+    A per-head bias added to split query heads (XLNet's content, position and
+    segment biases, `(heads, head_dim)`), or a per-head table contracted with
+    them over the heads as a batch dimension: XLA computes their gradients split
+    like the activation and, were they whole, all-gathers each (with its
+    optimizer slots) after every update. Split with the activation's unit, each
+    device holds and updates its own heads and nothing moves for them.
+    """
+    trace = setting.trace
+    if trace is None:
+        return
+    layouts = {path: ledger.axes(path) for path in setting.variables if ledger.decided(path)}
+    sizes = {setting.axis: setting.size}
+    if setting.batch_axis is not None:
+        sizes[setting.batch_axis] = setting.batch_size
+    specs = Specs(trace, layouts, sizes, setting.batch_axis)
+    trainable = {v.path: v for v in setting.model.trainable_weights}
+    for value, path in trace.variables.items():
+        variable = trainable.get(path)
+        if variable is None or ledger.decided(path) or len(variable.shape) < 2:
+            continue
+        found = _split_beside(trace, specs, ledger, value, setting.axis)
+        if found is None or variable.shape[found[0]] % setting.size:
+            continue
+        dim, unit = found
+        axes = tuple(setting.axis if i == dim else None for i in range(len(variable.shape)))
+        ledger.record(path, axes, _notes.beside_split(setting.display(unit), setting.axis), unit=unit)
+
+
+def _split_beside(
+    trace: Trace, specs: Specs, ledger: Ledger, value: int, axis: str
+) -> tuple[int, str] | None:
+    """`(dimension, unit)`: where the activation that `value` meets is split over `axis`, and whose unit."""
+    stack = [(value, tuple(range(len(trace.shapes[value]))))]
+    while stack:
+        current, dims = stack.pop()  # dims: per dimension of `current`, the weight's dimension (or -1)
+        for index in trace.consumers.get(current, ()):
+            node = trace.nodes[index]
+            if node.primitive in ("convert_element_type", "copy"):
+                stack.append((node.outputs[0], dims))
+            elif node.primitive == "broadcast_in_dim":
+                out = [-1] * len(trace.shapes[node.outputs[0]])
+                for i, d in enumerate(node.params["broadcast_dimensions"]):
+                    out[d] = dims[i]
+                stack.append((node.outputs[0], tuple(out)))
+            elif node.primitive == "reshape":
+                out = _unit_dims(dims, trace.shapes[current], trace.shapes[node.outputs[0]])
+                if out is not None:
+                    stack.append((node.outputs[0], out))
+            elif node.primitive in ELEMENTWISE or node.primitive == "dot_general":
+                for other in node.inputs:
+                    if other < 0 or other == current:
+                        continue
+                    found = _split_dim(trace, specs, ledger, node, current, other, dims, axis)
+                    if found is not None:
+                        return found
+    return None
+
+
+def _split_dim(
+    trace: Trace, specs: Specs, ledger: Ledger, node: Any, mine: int, other: int, dims: tuple, axis: str
+) -> tuple[int, str] | None:
+    """The weight's dimension facing `other`'s split over `axis` at `node`, and the unit it comes from."""
+    spec = specs.spec.get(other)
+    if spec is None:
+        return None
+    if node.primitive == "dot_general":
+        (_, _), (mine_batch, other_batch) = node.params["dimension_numbers"]
+        if node.inputs[0] != mine:
+            mine_batch, other_batch = other_batch, mine_batch
+        pairs = zip(mine_batch, other_batch, strict=True)
+    else:
+        if len(trace.shapes[other]) != len(dims):
+            return None
+        pairs = ((d, d) for d, n in enumerate(trace.shapes[mine]) if n == trace.shapes[other][d])
+    unit = _source_unit(trace, ledger, other)
+    for mine_dim, other_dim in pairs:
+        if axis in spec[other_dim] and dims[mine_dim] >= 0 and unit is not None:
+            return dims[mine_dim], unit
+    return None
+
+
+def _source_unit(trace: Trace, ledger: Ledger, value: int, depth: int = 8) -> str | None:
+    """The unit of the split kernel a projection reading it wrote `value` with, a few operations back."""
+    for _ in range(depth):
+        index = trace.producer.get(value)
+        if index is None:
+            return None
+        node = trace.nodes[index]
+        if node.primitive == "dot_general":
+            for operand in node.inputs:
+                weight = trace.weight_of(operand)
+                if weight is not None and ledger.unit(weight[0]) is not None:
+                    return ledger.unit(weight[0])
+            return None
+        if node.primitive not in ELEMENTWISE and node.primitive not in (
+            "reshape",
+            "transpose",
+            "broadcast_in_dim",
+        ):
+            return None
+        value = next((v for v in node.inputs if v >= 0 and v not in trace.variables), -1)
+        if value < 0:
+            return None
+    return None
+
+
+def _unit_dims(dims: tuple, shape: tuple, out: tuple) -> tuple | None:
+    """`dims` carried through a reshape that only adds or drops dimensions of size 1, else `None`."""
+    if [n for n in shape if n != 1] != [n for n in out if n != 1]:
+        return None
+    kept = iter(d for d, n in zip(dims, shape, strict=True) if n != 1)
+    return tuple(next(kept) if n != 1 else -1 for n in out)

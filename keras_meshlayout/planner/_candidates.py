@@ -188,13 +188,20 @@ class Bytes:
         ]
 
     def side(self, path: str, axes: Axes) -> str:
-        """`"column"` when a kernel's split dimension is an output one, `"row"` when it is summed over."""
+        """`"column"` when a kernel's split dimension is an output one, `"row"` when it is summed over.
+
+        `""` when it is not split, not a projection's, or split on a batch dimension of the matmul
+        outside an expert bank (a per-head table contracted with split heads: nothing moves).
+        """
         if self.model_axis not in axes:
             return ""
         uses = [use for use in self.uses.get(path, ()) if use.kind == "matmul"]
         if not uses:
             return ""
-        return "row" if axes.index(self.model_axis) in uses[0].contracted else "column"
+        split = axes.index(self.model_axis)
+        if split in uses[0].batch and self.proposal.units.get(path) not in self.proposal.expert_units:
+            return ""
+        return "row" if split in uses[0].contracted else "column"
 
     def _shards(self, axes: Axes) -> int:
         """How many pieces a layout cuts a variable into on this mesh."""

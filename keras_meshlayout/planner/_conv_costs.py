@@ -12,7 +12,8 @@ compiled HLO):
   nothing;
 - a lone convolution split on its input channels: its output all-reduced
   over the model axis forward, its input gradient (split over the channels)
-  all-gathered backward;
+  all-gathered backward; the bias and batch norm before it computed split and
+  all-gathered after the update (`ConvCosts._split_before`);
 - batch normalisation in training: its batch statistics, per channel, summed
   over the batch axis, twice forward and twice backward, at the size each
   device holds (1/model of the channels in a unit), costed with the unit
@@ -72,12 +73,11 @@ class ConvCosts(Bytes):
                         self.model_axis,
                         wire_bytes("all-reduce", self._summed(self.trace.shapes[out], dtype), self.m),
                     )
-                    if lone and not self.trace.from_input(lhs):
+                    if lone and not self._no_gradient(lhs):
                         gathered = self._activation(self.trace.shapes[lhs], dtype)
                         add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
-                    if lone:
-                        self._lone_bias(out, wire)
-                elif not self.trace.from_input(lhs):
+                        self._split_before(lhs, wire)
+                elif not self._no_gradient(lhs):
                     summed = self._summed(self.trace.shapes[lhs], dtype)
                     add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
 
@@ -103,58 +103,84 @@ class ConvCosts(Bytes):
                 gathered = self._activation(self.trace.shapes[out], self.trace.dtypes[out])
                 add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
 
-    def _lone_bias(self, output: int, wire: dict[str, float]) -> None:
-        """Weights applied channel-wise after a lone convolution's all-reduce (a bias, a batch norm).
+    def _no_gradient(self, value: int) -> bool:
+        """Whether no gradient flows back to `value`: the batch, or computed from no trainable weight.
 
-        Measured on XLA:CPU (keras-hub ResNet, MobileNetV3Small's `conv_2`):
-        XLA computes them split over the model axis and all-gathers each
-        (with its optimizer slots) after the update; when a batch norm
-        follows, the convolution's output gradient is all-gathered over the
-        model axis too, before its input gradient is.
+        A stem convolution reading preprocessed images (EfficientNet's rescaling, normalisation and
+        padding) gets no input gradient, as one reading the batch itself.
         """
+        return self.trace.from_input(value) or value not in self.trace.trained
+
+    def _split_before(self, lhs: int, wire: dict[str, float]) -> None:
+        """What a lone convolution's input-channel split does to the layer before it.
+
+        Measured on XLA:CPU (ResNet50, keras-hub ResNet, probes of conv → batch norm →
+        ReLU → lone conv): XLA computes the channel-wise weights between the
+        convolution that writes the lone convolution's input and the lone convolution
+        (a bias, a batch norm) split over the model axis, as the lone convolution
+        reads that input, and all-gathers each of them (with its optimizer slots, a
+        batch norm's moving statistics once) after the update. The weights after the
+        lone convolution's own all-reduce stay whole and send nothing.
+
+        When a convolution not reading the model's input writes that input, its
+        output gradient (gathered for it) is gathered twice, once for its input
+        gradient and once for its kernel's, when the rows each device holds
+        (batch × spatial positions) outnumber half the channels: probed with a 1 × 1
+        convolution of 16 to 512 channels over 16 to 1,024 rows per device (twice at
+        64 rows of 96 or 112 channels, once at 64 of 128 and 256 of 512); the two
+        gathers differ only in how their device groups are written, so XLA keeps both.
+        """
+        found, ends = self._channelwise_before(lhs)
+        if found and any(self._gathered_twice(node, lhs) for node in ends):
+            gathered = self._activation(self.trace.shapes[lhs], self.trace.dtypes[lhs])
+            add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
         variables = {v.path: v for v in self.model.weights}
+        for layer in self.batch_norms():
+            if any(v.path in found for v in layer.weights):
+                found.extend(v.path for v in layer.weights if v.path not in found)
         trainable = {v.path for v in self.model.trainable_weights}
-        found, normalised = self._channelwise_after(output)
         for path in found:
             variable = variables.get(path)
             if variable is None or any(self.tp_axes.get(path, ())):
                 continue
             copies = 1 + self.memory.like_parameter if path in trainable else 1
             add_wire(wire, self.model_axis, copies * wire_bytes("all-gather", nbytes(variable), self.m))
-        if normalised:
-            shape, dtype = self.trace.shapes[output], self.trace.dtypes[output]
-            add_wire(wire, self.model_axis, wire_bytes("all-gather", self._activation(shape, dtype), self.m))
 
-    def _channelwise_after(self, output: int) -> tuple[list[str], bool]:
-        """The variables combined element-wise with `output` downstream, and whether one is a normaliser.
+    def _gathered_twice(self, node: object, lhs: int) -> bool:
+        """Whether convolution `node`'s output gradient is gathered twice (see `_split_before`)."""
+        if node.primitive != CONV or self._no_gradient(node.inputs[0]):
+            return False
+        shape = self.trace.shapes[lhs]
+        channels = shape[node.params["dimension_numbers"].out_spec[1]]
+        return 2 * math.prod(shape) / channels / self.d > channels
 
-        A normaliser is a variable reached through `rsqrt` (a batch norm's moving variance).
-        """
+    def _channelwise_before(self, value: int) -> tuple[list[str], list[object]]:
+        """The variables combined element-wise into `value`, and the operations before that are not."""
         found: list[str] = []
-        normalised = False
-        stack, seen = [output], set()
+        ends: list[object] = []
+        stack, seen = [value], set()
         while stack:
-            value = stack.pop()
-            if value in seen:
+            current = stack.pop()
+            index = self.trace.producer.get(current)
+            if current in seen or index is None:
                 continue
-            seen.add(value)
-            for index in self.trace.consumers.get(value, ()):
-                node = self.trace.nodes[index]
-                if node.primitive not in ELEMENTWISE:
+            if self.trace.nodes[index].primitive not in ELEMENTWISE:
+                ends.append(self.trace.nodes[index])
+                continue
+            seen.add(current)
+            for operand in self.trace.nodes[index].inputs:
+                if operand < 0:
                     continue
-                for operand in node.inputs:
-                    if operand == value or operand < 0:
-                        continue
-                    leaves, through_rsqrt = self._weights_of(operand)
+                leaves = self._weights_of(operand)
+                if leaves:
                     found.extend(p for p in leaves if p not in found)
-                    normalised = normalised or through_rsqrt
-                stack.extend(node.outputs)
-        return found, normalised
+                else:
+                    stack.append(operand)
+        return found, ends
 
-    def _weights_of(self, value: int, limit: int = 16) -> tuple[list[str], bool]:
-        """Variables `value` is computed from without any activation, and whether through `rsqrt`."""
+    def _weights_of(self, value: int, limit: int = 64) -> list[str]:
+        """Variables `value` is computed from with no activation (none if it reads one, or past `limit`)."""
         leaves: list[str] = []
-        rsqrt = False
         stack, seen = [value], set()
         while stack and len(seen) < limit:
             current = stack.pop()
@@ -166,14 +192,12 @@ class ConvCosts(Bytes):
                 continue
             index = self.trace.producer.get(current)
             if index is None:
-                return [], False  # a model input: an activation, not a weight
+                return []  # a model input: an activation, not a weight
             node = self.trace.nodes[index]
-            if node.primitive == "rsqrt":
-                rsqrt = True
-            elif node.primitive not in ELEMENTWISE and node.primitive not in ("broadcast_in_dim", "reshape"):
-                return [], False
+            if node.primitive not in ELEMENTWISE and node.primitive not in ("broadcast_in_dim", "reshape"):
+                return []
             stack.extend(node.inputs)
-        return leaves, rsqrt and bool(leaves)
+        return [] if stack else leaves
 
     def batch_norms(self) -> list[keras.layers.BatchNormalization]:
         """The model's trainable batch norms (their statistics are summed over the batch axis in training)."""

@@ -113,6 +113,11 @@ def traced(kind: str, role: str, name: str) -> str:
     return row(name) if role == "row" else column(name)
 
 
+def beside_split(unit: str, axis: str) -> str:
+    """A weight read beside an activation split over `axis` (a per-head bias of split query heads)."""
+    return f"read beside {unit}'s activations split over {axis!r}: split with them"
+
+
 def after_all_reduce(kind: str, name: str) -> str:
     """A bias added to a unit's all-reduced output."""
     after = "row-parallel" if kind == "pair" else "attention output"
