@@ -78,14 +78,18 @@ def cost_units(
     axis_sizes: Mapping[str, int],
     optimizer: str | keras.optimizers.Optimizer | None,
     replicate_below: int = 0,
+    compiler: str = "cpu",
 ) -> CostTable:
     """Every unit of `proposal` with its candidate layouts, costed on `trace`'s batch.
 
     A weight matrix with fewer than `replicate_below` elements gets no layout
-    but replicated: the policy keeps it whole when the rules run.
+    but replicated: the policy keeps it whole when the rules run. `compiler`
+    (`"tpu"` on a TPU target, `_peak.compiler_of`) picks the formulas that differ
+    between XLA:CPU and XLA:TPU (`Bytes.merged_input_grads`).
     """
     coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
     coster.replicate_below = replicate_below
+    coster.compiler = compiler
     return CostTable(tuple(coster.units()), coster.activation_reserve())
 
 
@@ -225,9 +229,19 @@ class _Coster(ConvCosts, KeyValueCosts):
         gives every projection by that path (counted twice, SmolLM3's 'model'
         axis was predicted 1.162× the compiled step).
         """
-        for kernel in {kernel.path: kernel for kernel in kernels}.values():
+        kernels = list({kernel.path: kernel for kernel in kernels}.values())
+        columns = [
+            use
+            for kernel in kernels
+            if self.side(kernel.path, self.tp_axes[kernel.path]) == "column"
+            for use in self.uses.get(kernel.path, ())
+            if use.kind == "matmul" and not use.from_input
+        ]
+        merged = self.merged_input_grads(columns)  # XLA:TPU: one all-reduce for some shared inputs
+        for kernel in kernels:
             side = self.side(kernel.path, self.tp_axes[kernel.path])
-            for inputs, output, from_input, dtype in self.calls(kernel.path):
+            for use in (use for use in self.uses.get(kernel.path, ()) if use.kind == "matmul"):
+                inputs, output, from_input, dtype = use.inputs, use.output, use.from_input, use.dtype
                 if final:
                     # The loss reduces split logits: four float32 all-reduces of one value per position
                     # (measured with sparse categorical cross-entropy on XLA:CPU).
@@ -242,7 +256,7 @@ class _Coster(ConvCosts, KeyValueCosts):
                         # maximum all-reduced forward, one float32 per position (measured on XLA:CPU).
                         per_position = math.prod(output[:-1]) / self.d * 4
                         add_wire(wire, self.model_axis, wire_bytes("all-reduce", per_position, self.m))
-                elif side == "column" and not from_input:
+                elif side == "column" and not from_input and use.node not in merged:
                     add_wire(
                         wire, self.model_axis, wire_bytes("all-reduce", self._summed(inputs, dtype), self.m)
                     )
@@ -283,6 +297,8 @@ class _Coster(ConvCosts, KeyValueCosts):
         """
         axis = self.proposal.expert_axis or self.model_axis
         size = self.axis_sizes[axis]
+        uses = [use for v in variables for use in self.uses.get(v.path, ()) if use.kind == "matmul"]
+        merged = self.merged_input_grads([use for use in uses if 0 not in use.batch and not use.from_input])
         for variable in variables:
             for use in self.uses.get(variable.path, ()):
                 if use.kind != "matmul":
@@ -292,7 +308,7 @@ class _Coster(ConvCosts, KeyValueCosts):
                     add_wire(wire, axis, wire_bytes("all-reduce", summed, size))
                     for choices in self._routing_choices(self.trace.nodes[use.node].outputs[0]):
                         add_wire(wire, axis, wire_bytes("all-reduce", choices, size))
-                elif not use.from_input:
+                elif not use.from_input and use.node not in merged:
                     summed = self._summed(use.inputs, use.dtype)
                     add_wire(wire, axis, wire_bytes("all-reduce", summed, size))
 
