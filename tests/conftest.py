@@ -83,6 +83,8 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_predicted_bytes_match_the_compiled_step",
         "test_a_depthwise_convnet_trains_sharded_like_one_device",
         "test_convnets_near_the_tensor_parallel_ideal_and_the_fully_sharded_floor",
+        "test_the_smallest_patch_embedding_plan_sends_what_its_units_predict",
+        "test_a_patch_embedding_trains_sharded_like_one_device",
     ),
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_targets.py": (  # XLA:TPU compiles (the toy steps' shared with the traffic test)
@@ -102,7 +104,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_tied_table_trains_sharded_as_on_one_device",
         "test_the_smallest_plan_is_predicted_under_the_default_policy",
         # a shared table (two look-ups) planned and compiled: vocab-parallel, over both axes, and fit
-        "test_a_shared_table_is_vocab_parallel_and_predicted",
+        "test_a_shared_table_is_split_and_predicted",
         "test_a_shared_table_split_over_both_axes_is_predicted",
         "test_a_shared_table_over_both_axes_trains_sharded_as_on_one_device",
         "test_a_sliced_position_table_over_both_axes_trains_as_on_one_device",  # planned twice, and fit

@@ -3,7 +3,9 @@
 The planner (`planner/_convs.py`) splits a convolution's output channels over
 the model axis and follows them through batch norms, activations, depthwise
 convolutions and squeeze-and-excitation gates into the convolutions that sum
-over them; a convolution no unit takes is split on its input channels alone.
+over them; a convolution no unit takes is split on its input channels alone,
+and one reading the model's input (a vision transformer's patch embedding) on
+its output channels, its layer output gathered whole.
 Proof rows for convnets: keras.applications ResNet50, EfficientNetB0 and
 MobileNetV3Small (`weights=None`, 32 × 32 inputs) and a keras-hub ResNet,
 dry-built, on data=2 × model=4.
@@ -11,6 +13,7 @@ dry-built, on data=2 × model=4.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import time
@@ -18,7 +21,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from helpers import Reference, assert_predicted_as_compiled, assert_same_weights, train
+from helpers import Reference, assert_predicted_as_compiled, assert_same_weights, compiled_step, train
 
 import keras_meshlayout as kml
 
@@ -46,6 +49,37 @@ def mbconv(lone: bool = True) -> keras.Model:
     if lone:
         x = L.Add()([x, L.Conv2D(32, 3, padding="same", name="lone")(x)])
     return keras.Model(inputs, L.Dense(10, name="head")(L.GlobalAveragePooling2D()(x)), name="mbconv")
+
+
+class Positions(keras.layers.Layer):
+    """A learned position per token, looked up with constant ids (`arange`), as keras-hub's ViT does."""
+
+    def __init__(self, count: int, width: int, **kwargs):
+        super().__init__(**kwargs)
+        self.table = L.Embedding(count, width, name="table")
+
+    def build(self, shape):
+        self.table.build((1, shape[1]))
+
+    def call(self, tokens):
+        return tokens + self.table(keras.ops.arange(keras.ops.shape(tokens)[1]))[None]
+
+
+def patches() -> keras.Model:
+    """A user's vision transformer stem: 4 × 4 patches (a stride-4 conv) as 9 tokens, positions, an MLP.
+
+    The patch conv's output feeds a layer norm over its channels and a residual: no convolution
+    or projection sums over its channels, so no unit takes it (`_convs.input_convs` does: its
+    1,536 weights are as many as the MLP's kernels). The 9-row position table does not divide
+    by 'model'.
+    """
+    x = L.Rescaling(1 / 255)(inputs := keras.Input((12, 12, 3)))  # no weight: its conv reads the input
+    x = L.Reshape((9, 32))(L.Conv2D(32, 4, strides=4, name="patches")(x))
+    tokens = Positions(9, 32, name="positions")(x)
+    x = L.LayerNormalization(name="norm")(tokens)
+    x = L.Dense(32, name="down")(L.Dense(48, activation="gelu", name="up")(x))
+    pooled = L.GlobalAveragePooling1D()(L.Add()([tokens, x]))
+    return keras.Model(inputs, L.Dense(10, name="head")(pooled), name="vit_stem")
 
 
 def hub_resnet() -> keras.Model:
@@ -150,6 +184,102 @@ def test_channels_that_do_not_divide_stay_whole_with_the_reason():
     rule = rules.match("net/a/kernel")
     assert rule.axes == (None,) * 4
     assert "6 channels do not divide by 'model' (4), replicated" in rule.note
+
+
+@pytest.fixture(scope="module")
+def patch_rules() -> kml.LayoutRules:
+    with kml.dry_build(patches) as model:
+        return kml.auto_rules(model, mesh(), replicate_below=0)
+
+
+@pytest.mark.parametrize(
+    ("path", "axes", "note"),
+    [
+        ("patches/kernel", (None, None, None, "model"), "input conv, output channels split"),
+        ("patches/bias", ("model",), "its output gathered over the axis forward"),
+        ("patches/output", ("data", None, None, None), "input conv: output gathered whole"),
+        ("up/kernel", (None, "model"), "column-parallel"),
+    ],
+    ids=["kernel", "bias", "output", "mlp"],
+)
+def test_a_patch_embedding_conv_is_split_on_its_output_channels_and_gathered_after(
+    patch_rules, path, axes, note
+):
+    rule = patch_rules.match(path)
+    assert (rule.axes, note in rule.note) == (axes, True), rule.note
+
+
+def test_a_patch_embedding_plan_peaks_alike_from_its_rules_and_from_the_plan():
+    """The CLI's peak (`plan_peak`, from the plan's layer-output rules) = `auto_rules`' (its cost table).
+
+    Both gather the patch conv's output where its rule keeps it whole; without that, the walk would
+    carry the split into every activation after it (63,969 bytes predicted against 71,601).
+    """
+    from keras_meshlayout.planner._peak import plan_peak
+
+    x, _ = images(8, (12, 12, 3))
+    with kml.dry_build(patches) as model:
+        rules = kml.auto_rules(model, mesh(), replicate_below=0, batch=x, optimizer="adam")
+        plan = kml.dry_plan(patches, kml.ModelParallel(mesh(), rules), optimizer="adam")
+        assert plan_peak(model, plan, x, "data").peak == rules.cost.peak_bytes
+
+
+def test_a_patch_embedding_trains_sharded_like_one_device():
+    """The patch conv split on its output channels, its output gathered by the rule: one device's fit."""
+    data = images(16, (12, 12, 3))
+    reference = Reference(patches, data, batch_size=8)
+    with kml.dry_build(patches) as model:
+        rules = kml.auto_rules(model, mesh(), replicate_below=0)
+    model = train(patches, reference.initial, data, kml.ModelParallel(mesh(), rules), batch_size=8)
+    assert model.get_layer("patches").kernel.value.sharding.spec[3] == "model"
+    assert_same_weights(model, reference.trained)
+
+
+@pytest.fixture(scope="module")
+def patch_smallest() -> tuple[kml.LayoutRules, np.ndarray, np.ndarray]:
+    """The smallest budget plan of `patches()` (Adam), with its batch."""
+    x, y = images(8, (12, 12, 3))
+    options = dict(replicate_below=0, batch=x, optimizer="adam")
+    with kml.dry_build(patches) as model:
+        with pytest.raises(kml.MemoryBudgetError) as error:
+            kml.auto_rules(model, mesh(), memory_budget=1, **options)
+        return kml.auto_rules(model, mesh(), memory_budget=error.value.smallest_bytes, **options), x, y
+
+
+@pytest.mark.parametrize(
+    ("path", "axes", "note"),
+    [
+        ("patches/kernel", ("data", None, None, "model"), "2-D: saves"),
+        ("patches/bias", (("model", "data"),), "2-D: saves"),
+        ("positions/table/embeddings", (None, ("data", "model")), "width split 8 ways over 'data'"),
+    ],
+    ids=["kernel-2d", "bias-2d", "position-table-width"],
+)
+def test_the_smallest_plan_splits_the_patch_conv_and_the_position_table_over_both_axes(
+    patch_smallest, path, axes, note
+):
+    """The patch conv 2-D (its kernel rows also over 'data'); the 9-row table on its width, 8 ways."""
+    rule = patch_smallest[0].match(path)
+    assert (rule.axes, note in rule.note) == (axes, True), rule.note
+
+
+def test_the_smallest_patch_embedding_plan_sends_what_its_units_predict(patch_smallest):
+    """Compiled: the patch conv's and the position table's collectives = their units' predicted bytes.
+
+    The patch conv: its 2-D kernel and bias gathered over 'data' forward, its output over 'model',
+    its gradients reduced over 'data'; the table gathered over both axes before its look-up, its
+    gradient reduced over 'data'. Over 'model' the whole step is exact. (Over 'data' and both
+    axes the fully sharded head's pooled input gradient is gathered too, 160 + 896 bytes not
+    predicted: the head's, as on the zoo's ViT.)
+    """
+    rules, x, y = patch_smallest
+    report, _ = compiled_step(patches, kml.ModelParallel(mesh(), rules, replicate_below=0), x, y)
+    sent = collections.Counter()
+    for transfer in report.transfers:
+        sent[transfer.layer.split("/")[0]] += transfer.wire_bytes
+    predicted = {choice.unit.split("/")[0]: choice.wire_bytes for choice in rules.cost.choices}
+    assert (sent["patches"], sent["positions"]) == (predicted["patches"], predicted["positions"])
+    assert rules.cost.wire_bytes_by_axis["model"] == report.wire_bytes_by_axis["model"]
 
 
 @pytest.mark.parametrize("name", list(CONVNETS), ids=list(CONVNETS))

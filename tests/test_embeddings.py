@@ -1,4 +1,4 @@
-"""Vocabulary-parallel embeddings in the plan without a budget (issue 19, item 1).
+"""Look-up tables in the plan without a budget: vocab-parallel, or over both axes (issue 19, item 1).
 
 A table read by one look-up is split over its rows (`planner/_embeddings.py`),
 and the cost the planner predicts for it is what the compiled step sends,
@@ -113,16 +113,26 @@ def test_a_tied_table_trains_sharded_as_on_one_device():
 
 
 @pytest.mark.parametrize(
-    ("vocab", "mesh_shape"),
-    [(32768, (2, 4)), (131072, (2, 4)), (262144, (4, 2))],
-    ids=["32K-2x4", "128K-2x4", "256K-4x2"],
+    ("vocab", "mesh_shape", "layout", "axes"),
+    [
+        (32768, (2, 4), "fully sharded", (("model", "data"), None)),
+        (131072, (2, 4), "fully sharded", (("model", "data"), None)),
+        (262144, (4, 2), "fully sharded", (("model", "data"), None)),
+        (512, (2, 4), "vocab-parallel", ("model", None)),
+    ],
+    ids=["32K-2x4", "128K-2x4", "256K-4x2", "512-2x4-vocab-parallel"],
 )
-def test_vocab_parallel_prediction_matches_the_compiled_step(vocab, mesh_shape):
+def test_a_large_table_without_a_budget_is_predicted_as_compiled(vocab, mesh_shape, layout, axes):
+    """Issue 19 item 1: the plan without a budget splits a table over both axes where that sends fewer
+    bytes than vocab-parallel and holds less (keras-hub's Gemma and Qwen maps split theirs over both):
+    at 32K-256K rows the batch's 128 looked-up rows move, not the table's gradient (vocab-parallel
+    sends 259 KiB-1 MiB over 'data' per step for it). At 512 rows the gradient is the smaller (4 KiB
+    against 9.3 KiB of moved rows): vocab-parallel stays. Predicted = compiled either way."""
     mesh = kml.Mesh(data=mesh_shape[0], model=mesh_shape[1])
     x, y = tokens(vocab), np.zeros(BATCH, "int32")
     rules = kml.auto_rules(build(vocab), mesh, batch=x, optimizer="adam")
-    assert rules.match("token_embedding/embeddings").axes == ("model", None)
-    assert rules.cost.layouts()["vocab-parallel"] == 1
+    assert rules.match("token_embedding/embeddings").axes == axes
+    assert rules.cost.layouts()[layout] == 1
     dist = kml.ModelParallel(mesh, rules)
     assert_predicted_as_compiled(lambda: build(vocab), rules, dist, x, y)
 
@@ -212,23 +222,31 @@ def smallest_plan(build, mesh: kml.Mesh, x) -> kml.LayoutRules:
 
 
 @pytest.mark.parametrize(
-    ("head", "mesh_shape", "note"),
+    ("head", "mesh_shape", "axes", "note"),
     [
-        (False, (2, 4), "read by 2 look-ups; each look-up is all-reduced forward"),
-        (True, (4, 2), "read by 2 look-ups and 1 head; each look-up is all-reduced forward; the head's"),
+        (False, (2, 4), (("model", "data"), None), "the batch's ids gathered and its looked-up vectors"),
+        (
+            True,
+            (4, 2),
+            ("model", None),
+            "shared embedding, vocab-parallel: 32,768 rows of 8 split over 'model', read by 2 look-ups "
+            "and 1 head; each look-up is all-reduced forward; the head's",
+        ),
     ],
     ids=["two-look-ups-2x4", "and-a-head-4x2"],
 )
-def test_a_shared_table_is_vocab_parallel_and_predicted(head, mesh_shape, note):
+def test_a_shared_table_is_split_and_predicted(head, mesh_shape, axes, note):
     """Issue 19: a table looked up by encoder and decoder stayed replicated (BART 1.91x the TP ideal,
-    T5 and EdRec 1.76x; 2.75-3.05x the floor in their smallest plans). Each look-up is all-reduced
-    over 'model' forward and the gradient over 'data' once per read, as measured here at 32K rows."""
+    T5 and EdRec 1.76x; 2.75-3.05x the floor in their smallest plans). Read by the head too, it is
+    vocab-parallel: each look-up all-reduced over 'model' forward and the gradient over 'data' once
+    per read, as measured here at 32K rows. Looked up only, the plan without a budget splits it over
+    both axes, which sends less (the looked-up rows move, not the 32K rows' gradient) and holds less."""
     mesh = kml.Mesh(data=mesh_shape[0], model=mesh_shape[1])
     x, y = shared_data(32768, head)
     rules = kml.auto_rules(build_shared(32768, head), mesh, batch=x, optimizer="adam")
     table = rules.match("token_embedding/embeddings")
-    assert table.axes == ("model", None)
-    assert "shared embedding, vocab-parallel: 32,768 rows of 8 split over 'model', " + note in table.note
+    assert table.axes == axes
+    assert note in table.note
     assert_predicted_as_compiled(
         lambda: build_shared(32768, head), rules, kml.ModelParallel(mesh, rules), x, y
     )

@@ -340,6 +340,7 @@ def test_transformer_preset_norms_and_routers(path, note):
 # reads one way.
 PLANNER_ORDER = [
     "_trace",
+    "_batch_sums",
     "_units",
     "_layers",
     "_presets",
@@ -354,8 +355,10 @@ PLANNER_ORDER = [
     "_lora",
     "_quantized",
     "_candidates",
+    "_tables_2d",
     "_conv_costs",
     "_one_weight",
+    "_table_costs",
     "_costs",
     "_propagate",
     "_peak",

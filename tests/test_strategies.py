@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import keras_meshlayout as kml
-from keras_meshlayout.planner import _by_layers, _by_name, _by_trace, _notes, trace_model
+from keras_meshlayout.planner import _by_layers, _by_name, _by_trace, _convs, _notes, trace_model
 from keras_meshlayout.planner._auto import STRATEGIES
 from keras_meshlayout.planner._ledger import Ledger, Setting
 
@@ -138,6 +138,51 @@ def test_final_layers_split_only_a_head_as_large_as_the_largest_split_kernel(hea
     _by_trace.final_layers(ledger, s)
     assert decisions(ledger)["mlp/head/kernel"] == axes
     assert ledger.proposal().notes["mlp/head/kernel"].startswith(note)
+
+
+@pytest.mark.parametrize(
+    ("channels", "groups", "before", "hidden", "axes"),
+    [
+        (32, 1, "rescaled", 64, (None, None, None, "model")),
+        (32, 1, None, 128, (None,) * 4),
+        (30, 1, None, 64, None),
+        (32, 2, None, 64, None),
+        (32, 1, "dense", 64, None),
+    ],
+    ids=["split", "smaller-than-the-mlp", "channels-that-do-not-divide", "grouped", "reads-a-trained-value"],
+)
+def test_input_convs_split_a_patch_conv_on_its_output_channels_and_gather_its_output(
+    channels, groups, before, hidden, axes
+):
+    """After `traced_units` (an MLP of 32 × `hidden` kernels), a 4 × 4 × 4 × 32 patch conv (2,048 weights)."""
+
+    def build() -> keras.Model:
+        layers = keras.layers
+        x = inputs = keras.Input((8, 8, 4))
+        if before is not None:  # a rescaled image is still the input; a projected one gets a gradient
+            x = layers.Rescaling(0.5)(x) if before == "rescaled" else layers.Dense(4, name="proj")(x)
+        x = layers.Conv2D(channels, 4, strides=4, groups=groups, name="patches")(x)
+        x = layers.LayerNormalization(name="norm")(layers.Reshape((4, channels))(x))
+        x = layers.Dense(channels, name="down")(layers.Dense(hidden, activation="gelu", name="up")(x))
+        return keras.Model(inputs, layers.Dense(10, name="head")(x), name="net")
+
+    with kml.dry_build(build) as model:  # read, never run: nothing allocated
+        ledger = Ledger(model.name, MESH_AXIS, "data")
+        s = setting(model, np.zeros((2, 8, 8, 4), "float32"))
+        _by_trace.traced_units(ledger, s)
+        _convs.input_convs(ledger, s)
+    assert ledger.axes("patches/kernel") == axes
+    assert not ledger.decided("head/kernel") and not ledger.decided("norm/gamma")
+    outputs = [rule for rule in ledger.rules() if rule[0].endswith("/output")]
+    if axes is None or not any(axes):
+        assert outputs == [] and ledger.proposal().input_convs == frozenset()
+        assert axes is None or ledger.proposal().notes["patches/kernel"].startswith(
+            "input conv: replicated, so its output needs no gathering (2,048 weights, fewer than the 4,096"
+        )
+    else:
+        assert ledger.axes("patches/bias") == ("model",)
+        assert outputs == [("patches/output", ("data", None, None, None), _notes.INPUT_CONV_OUTPUT)]
+        assert ledger.proposal().input_convs == {"patches/kernel"}
 
 
 def test_lone_projections_are_noted_with_the_reason():
@@ -271,6 +316,7 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_by_layers.kv_head_dim",
         "_convs.conv_units",
         "_convs.lone_convs",
+        "_convs.input_convs",
         "_by_trace.final_layers",
         "_by_layers.projection_pairs",
         "_embeddings.vocab_parallel_tables",

@@ -17,6 +17,8 @@ that keep weights where they are:
 - a final projection as large as the largest kernel the plan splits (a
   language model's head) is split over its output features; a smaller one,
   and any projection with no partner, stays replicated, with the reason noted;
+  so is a convolution reading the model's input that no unit takes (a vision
+  transformer's patch embedding), its layer output gathered whole;
 - what remains (embeddings, norms) is matched by name against
   `transformer_rules`; without a trace (a subclassed model never called), the
   Keras layer graph pairs projections instead.
@@ -59,6 +61,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_layers.kv_head_dim,  # grouped-query key/value kernels kept whole, split on head_dim instead
     _convs.conv_units,  # convolutions' output → input channels, through batch norms and depthwise convs
     _convs.lone_convs,  # a convolution no unit took, split on its input channels
+    _convs.input_convs,  # a convolution reading the input (a patch embedding): output channels, gathered
     _by_trace.final_layers,  # a language model's head, split when it is the largest kernel
     _by_layers.projection_pairs,  # pairs along the layer graph when nothing was traced
     _embeddings.vocab_parallel_tables,  # large look-up tables split over their vocabulary
@@ -114,7 +117,9 @@ def auto_rules(
             weights outside every unit (norms, biases, a small head) fully
             sharded (split over `batch_axis`, gathered when used); the note
             of each rule says what it saves and costs. `None` keeps the
-            planner's tensor-parallel layout.
+            planner's tensor-parallel layout (with `batch`, a look-up table
+            goes over both axes where that sends no more bytes and holds
+            less than vocab-parallel).
         batch: One global batch of inputs (arrays, or anything with `shape`
             and `dtype`). Needed with `memory_budget`; with it, the returned
             rules carry `rules.cost`, a `kml.PlanCost` predicting the bytes

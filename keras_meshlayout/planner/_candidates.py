@@ -22,6 +22,7 @@ from ..core._axes import Axes
 from ..core._memory import slot_model
 from ..core._shape_checks import is_weight_matrix
 from ..report._collectives import wire_bytes
+from ._batch_sums import batch_sums
 from ._layers import followers
 from ._ledger import Proposal
 from ._trace import _PASS, Trace
@@ -64,7 +65,8 @@ class UnitCosts:
         candidates: Its layouts; the first is always `replicated`.
         notes: Per variable path, the proposal's note for its split (shown
             beside the layout the search picks).
-        proposed: The index of the proposal's own layout (the plan without a budget).
+        proposed: The index of the layout the plan without a budget takes: the proposal's own, or
+            for a look-up table one that sends no more and holds less (`_tables_2d`).
     """
 
     name: str
@@ -80,10 +82,13 @@ class CostTable:
     Attributes:
         units: One `UnitCosts` per unit; the last holds everything that has one layout.
         reserve: The activation reserve per device, in bytes.
+        whole_after: Kernels of input convolutions whose layer output a rule keeps whole over
+            the model axis (the peak walk gathers it there).
     """
 
     units: tuple[UnitCosts, ...]
     reserve: int
+    whole_after: frozenset[str] = frozenset()
 
 
 def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -122,6 +127,8 @@ class Bytes:
         self.trace = trace
         self.used = dict(trace.read)
         self.uses = trace.uses
+        #: Per weight, how often its gradient is summed over the batch axis; other values summed there.
+        self.sums = batch_sums(trace)
         self.memory = slot_model(optimizer)
         self.tp_axes = proposal.axes
         #: LoRA adapters by path, and their base kernel's path: XLA sums the merged kernel's gradient.
@@ -201,11 +208,12 @@ class Bytes:
     # -- bytes ---------------------------------------------------------------------
 
     def _grad_sync(self, variable: keras.Variable, shards: int) -> float:
-        # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it. A LoRA
-        # adapter's gradient is computed from its kernel's, which is the one summed (measured on XLA:CPU).
-        if variable.path in self.lora_base:
+        # Only what the step reads gets a gradient to sum: nothing, a slice, or all of it, once per
+        # read that meets the batch (`_batch_sums`). A LoRA adapter's gradient is computed from its
+        # kernel's, which is the one summed (measured on XLA:CPU).
+        if variable.path in self.lora_base or variable.path not in self.used:
             return 0.0
-        read = nbytes(variable) * self.used.get(variable.path, 0.0)
+        read = nbytes(variable) * self.sums.reads.get(variable.path, 0.0)
         return wire_bytes("all-reduce", read / shards, self.d)
 
     def _state(self, variable: keras.Variable, shards: int, trainable: bool) -> int:

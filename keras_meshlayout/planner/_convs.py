@@ -21,6 +21,11 @@ row end, whose output is all-reduced. On the way:
 
 A convolution no unit takes (between two units, as ResNet's 3 × 3 ones can
 be) is split on its input channels alone by `lone_convs`, the next strategy.
+One that reads the model's input and feeds layers that need all its channels
+(a vision transformer's patch embedding, reshaped into tokens of the residual
+stream) is the convolutions' input projection: `input_convs` splits its output
+channels and keeps the layer's output whole, one all-gather forward (as a
+token embedding's vocabulary split costs one all-reduce), nothing backward.
 
 Output channels that do not divide and a unit with a kernel smaller than
 `replicate_below` (which `kml.ModelParallel` keeps whole) are replicated with
@@ -34,12 +39,15 @@ from __future__ import annotations
 
 import math
 
+import keras
+
+from .. import _compat
 from . import _notes
 from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import Member, Unit, _dynamic, _Fail, _Grower, _name, _reshape_dim, _uses_inside, find_added
 
-__all__ = ["CONV", "conv_kernel", "conv_units", "find_conv_units", "lone_convs"]
+__all__ = ["CONV", "CONV_LAYERS", "conv_kernel", "conv_units", "find_conv_units", "input_convs", "lone_convs"]
 
 CONV = "conv_general_dilated"
 
@@ -236,3 +244,63 @@ def lone_convs(ledger: Ledger, setting: Setting) -> None:
         axes = tuple(setting.axis if i == dim else None for i in range(len(variable.shape)))
         ledger.record(variable.path, axes, _notes.conv_lone(name, setting.axis), unit=name)
         ledger.lone_convs.add(name)
+
+
+#: The Keras layers whose output `input_convs` can keep whole with a layer-output rule.
+CONV_LAYERS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+
+
+def input_convs(ledger: Ledger, setting: Setting) -> None:
+    """Splits the output channels of a convolution layer reading the model's input that no unit took.
+
+    A vision transformer's patch embedding (stride = kernel, output channels =
+    the hidden size, reshaped into tokens) is the commonest: a Keras `Conv1D`,
+    `Conv2D` or `Conv3D` of one feature group, called once on the batch (or
+    on what no trainable weight computes from it: rescaled, normalised), whose
+    output channels divide by the model axis and whose kernel is at least as
+    large as the largest kernel the plan splits (as a final layer's,
+    `_by_trace.final_layers`) and `replicate_below`. Its
+    kernel and bias are split on the output channels and a layer-output rule
+    keeps its output whole over the model axis: XLA all-gathers the output
+    there (otherwise it carries the split into the layers after, which it
+    then computes split on their features). Backward, each device takes its
+    channels of the output gradient: no traffic; the kernel's gradient is
+    all-reduced over the batch axis at `1/model` of its size. A smaller one (a
+    ResNet's stem, a ViT-B/16's patch conv beside its 768 × 3,072 MLP kernels)
+    stays replicated: its gathered output would cost more than it saves.
+    """
+    trace = setting.trace
+    if trace is None or setting.size <= 1:
+        return
+    variables = setting.variables
+    largest = max((math.prod(variables[p].shape) for p in ledger.split_paths()), default=0)
+    layers = [layer for layer in _compat.sublayers(setting.model) if isinstance(layer, CONV_LAYERS)]
+    for layer in layers:
+        kernel = layer.kernel
+        if ledger.decided(kernel.path) or not kernel.trainable or layer.groups != 1:
+            continue
+        reads = [
+            (node, found[1])
+            for node in trace.nodes
+            if node.primitive == CONV
+            and (found := conv_kernel(trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[0], 1))
+            and found[0] == kernel.path
+        ]
+        if len(reads) != 1 or reads[0][0].inputs[0] in trace.trained:  # its input gets a gradient
+            continue
+        (node, dim), channels = reads[0], kernel.shape[reads[0][1]]
+        count = math.prod(kernel.shape)
+        if channels % setting.size or count < max(setting.replicate_below, 1):
+            continue
+        if count < largest or not largest:
+            ledger.record(
+                kernel.path, (None,) * len(kernel.shape), _notes.conv_input_replicated(count, largest)
+            )
+            continue
+        name = setting.display(kernel.path)
+        axes = tuple(setting.axis if i == dim else None for i in range(len(kernel.shape)))
+        ledger.record(kernel.path, axes, _notes.conv_input(name, setting.axis), unit=name)
+        if layer.bias is not None and not ledger.decided(layer.bias.path):
+            ledger.record(layer.bias.path, (setting.axis,), _notes.conv_input(name, setting.axis), unit=name)
+        ledger.output_whole(layer.path, len(trace.shapes[node.outputs[0]]), _notes.INPUT_CONV_OUTPUT)
+        ledger.input_convs.add(name)

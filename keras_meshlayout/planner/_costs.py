@@ -22,7 +22,8 @@ per-device state and the bytes each device sends per training step:
 - `fully sharded` (ZeRO-3/FSDP): a weight outside every unit (a norm's
   scale, a small head) split over the batch axis, or over the batch and model
   axes together (one dimension in `d × m` pieces) when it divides, and
-  gathered when used;
+  gathered when used; a position table looked up with constant ids whose rows
+  do not divide, on its width over both axes (`_table_costs`);
 - `split, unused`: a trainable weight the step never reads, split over both axes;
 - `head_dim split`: a grouped-query key/value kernel whose heads do not
   divide the model axis, split on its head_dim and gathered over the model
@@ -66,6 +67,7 @@ from ._kv_costs import KeyValueCosts
 from ._layers import heads_dim, stored_weight
 from ._layers import owners as layer_owners
 from ._ledger import Proposal
+from ._table_costs import TableCosts
 from ._trace import Trace
 
 __all__ = ["Candidate", "CostTable", "Proposal", "UnitCosts", "cost_units"]
@@ -90,10 +92,11 @@ def cost_units(
     coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
     coster.replicate_below = replicate_below
     coster.compiler = compiler
-    return CostTable(tuple(coster.units()), coster.activation_reserve())
+    whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
+    return CostTable(tuple(coster.units()), coster.activation_reserve(), whole_after)
 
 
-class _Coster(ConvCosts, KeyValueCosts):
+class _Coster(ConvCosts, KeyValueCosts, TableCosts):
     """Builds the `CostTable` of one `Proposal` (private: only `cost_units` uses it)."""
 
     # -- units -----------------------------------------------------------------------
@@ -130,14 +133,15 @@ class _Coster(ConvCosts, KeyValueCosts):
                     continue
             fixed_state += self._state(variable, 1, id(variable) in trainable)
             if id(variable) in trainable:
-                # A table looked up more than once (T5's shared encoder/decoder embedding)
-                # has its gradient summed once per lookup: XLA does not add them first.
-                lookups = (
-                    len(self.uses.get(variable.path, ())) if isinstance(owner, keras.layers.Embedding) else 1
-                )
-                add_wire(fixed_wire, self.batch_axis, max(lookups, 1) * self._grad_sync(variable, 1))
+                add_wire(fixed_wire, self.batch_axis, self._grad_sync(variable, 1))
         # The loss is averaged over the batch axis: one scalar all-reduce.
         add_wire(fixed_wire, self.batch_axis, wire_bytes("all-reduce", 4, self.d))
+        # Weight-computed values meeting the batch (DeBERTa's normed relative table, repeated over
+        # it) have their gradients summed there; a Fourier transform gathers the batch (`_batch_sums`).
+        for meeting in self.sums.meetings:
+            add_wire(fixed_wire, self.batch_axis, wire_bytes("all-reduce", meeting, self.d))
+        for gathered in self.sums.gathered:
+            add_wire(fixed_wire, self.batch_axis, 2 * wire_bytes("all-gather", gathered, self.d))
         add_wire(fixed_wire, self.batch_axis, self.batch_norm_traffic())
         units.append(UnitCosts("(everything else)", (candidate("replicated", {}, fixed_state, fixed_wire),)))
         return units
@@ -155,6 +159,7 @@ class _Coster(ConvCosts, KeyValueCosts):
                 self._embedding_unit(owner, variable)
                 or self._tied_unit(owner, variable)
                 or self._head_dim_unit(owner, variable)
+                or self._width_sharded_table(owner, variable)
             )
         read = variable.path in self.used if trainable else not self.trace.unread(variable.path)
         if one is None and (trainable or stored_weight(variable, self.following)) and not read:
@@ -200,6 +205,8 @@ class _Coster(ConvCosts, KeyValueCosts):
         self._lora_traffic(variables, tp_wire)
         if name in self.proposal.expert_units:
             self._expert_traffic(variables, tp_wire)
+        elif name in self.proposal.input_convs:
+            self._input_conv_traffic(variables, tp_wire)
         elif name in self.proposal.conv_units or name in self.proposal.lone_convs:
             self._conv_traffic(variables, tp_wire, lone=name in self.proposal.lone_convs)
             self._activation_traffic(kernels, False, tp_wire)  # a projection ending the unit (a head)

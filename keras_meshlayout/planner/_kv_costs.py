@@ -15,7 +15,7 @@ from .. import _compat
 from ..report._collectives import wire_bytes
 from . import _notes
 from ._by_layers import ATTENTION
-from ._candidates import Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
+from ._candidates import Candidate, UnitCosts, add_wire, candidate, frozen, nbytes
 from ._layers import head_dim_index, kv_head_count
 from ._one_weight import OneWeightCosts
 
@@ -74,7 +74,7 @@ class KeyValueCosts(OneWeightCosts):
         size = nbytes(variable)
         wire: dict[str, float] = {}
         biased = owner.bias is not None
-        add_wire(wire, self.batch_axis, len(uses) * self._grad_sync(variable, self.m))
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
         if not (biased and all(use.from_input for use in uses)):
             add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
         for use in uses if biased else ():
@@ -84,9 +84,6 @@ class KeyValueCosts(OneWeightCosts):
         state = self._state(variable, self.m, variable.trainable)
         split = candidate("head_dim split", {variable.path: axes}, state, wire)
         replicated = self._replicated([variable])
-        if len(uses) > 1:
-            replicated_wire = plus_wire({}, self.batch_axis, len(uses) * self._grad_sync(variable, 1))
-            replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
         count, width = kv_head_count(owner, variable, kv_heads), variable.shape[index]
         dense = len(variable.shape) == 2
         note = {variable.path: _notes.kv_head_dim_split(count, width, self.model_axis, self.m, dense)}

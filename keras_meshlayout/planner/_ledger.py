@@ -48,6 +48,8 @@ class Proposal:
         expert_units: Units that are expert banks split on their expert dimension.
         conv_units: Units of convolutions split over their channels (`_convs`).
         lone_convs: Units of one convolution kernel split on its input channels alone (`_convs`).
+        input_convs: Units of one convolution reading the model's input, its output channels split
+            and its output gathered (`_convs.input_convs`).
         expert_axis: The axis expert banks are split over when it is not the model axis (a mesh
             with an `expert` axis), or `None`.
     """
@@ -64,6 +66,7 @@ class Proposal:
     expert_units: frozenset[str] = frozenset()
     conv_units: frozenset[str] = frozenset()
     lone_convs: frozenset[str] = frozenset()
+    input_convs: frozenset[str] = frozenset()
     expert_axis: str | None = None
 
 
@@ -150,6 +153,7 @@ class Ledger:
         self.expert_axis: str | None = None
         self.conv_units: set[str] = set()
         self.lone_convs: set[str] = set()
+        self.input_convs: set[str] = set()
 
     # -- writing --------------------------------------------------------------------------
 
@@ -188,11 +192,15 @@ class Ledger:
         their optimizer slots) every step.
         """
         self.whole_outputs.add(layer_path)
+        self.output_whole(layer_path, rank, _notes.KV_OUTPUT_WHOLE)
+
+    def output_whole(self, layer_path: str, rank: int, note: str) -> None:
+        """A rule keeping a layer's output whole over the model axis (split over the batch axis only)."""
         key = ("output", layer_path)
         if key not in self._entries:
             pattern = self.pattern(layer_path) + "/output"
             axes = (self.batch_axis,) + (None,) * (rank - 1)
-            self._entries[key] = Decision(pattern, axes, _notes.KV_OUTPUT_WHOLE)
+            self._entries[key] = Decision(pattern, axes, note)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -252,6 +260,7 @@ class Ledger:
             expert_units=frozenset(self.expert_units),
             conv_units=frozenset(self.conv_units),
             lone_convs=frozenset(self.lone_convs),
+            input_convs=frozenset(self.input_convs),
             expert_axis=self.expert_axis,
         )
 

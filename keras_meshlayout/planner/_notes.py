@@ -255,6 +255,26 @@ def conv_lone(kernel: str, axis: str) -> str:
     )
 
 
+def conv_input(kernel: str, axis: str) -> str:
+    return (
+        f"input conv, output channels split over {axis!r}: {kernel} reads the model's input (a patch or "
+        "stem conv, no partner summing its channels); its output gathered over the axis forward"
+    )
+
+
+def conv_input_replicated(count: int, largest: int) -> str:
+    """An input conv smaller than the largest split kernel (a ResNet stem): its output needs no gathering."""
+    why = (
+        f"{count:,} weights, fewer than the {largest:,} of the largest split kernel"
+        if largest
+        else "the plan splits no other kernel"
+    )
+    return f"input conv: replicated, so its output needs no gathering ({why})"
+
+
+INPUT_CONV_OUTPUT = "input conv: output gathered whole over the model axis, as the layers after it read it"
+
+
 def conv_after(unit: str) -> str:
     return f"conv unit {unit}: added after the all-reduce, replicated"
 

@@ -14,7 +14,6 @@ Each candidate's traffic is what XLA:CPU's partitioner was measured to emit
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -25,6 +24,7 @@ from ..report._collectives import wire_bytes
 from . import _notes
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
 from ._layers import idle_axes, lookup_table, tied_table
+from ._tables_2d import no_budget_choice
 
 __all__ = ["OneWeightCosts"]
 
@@ -58,7 +58,8 @@ class OneWeightCosts(Bytes):
         for sharded in (offer(variable, wire, looked_up) for offer in both):
             if sharded is not None:
                 candidates.append(sharded)
-        proposed = 1 if self.tp_axes.get(variable.path) == (self.model_axis, None) else 0
+        split_rows = self.tp_axes.get(variable.path) == (self.model_axis, None)
+        proposed = no_budget_choice(candidates, int(split_rows))
         name = getattr(owner, "path", variable.path)
         return UnitCosts(name, tuple(candidates), frozen(note), proposed=proposed)
 
@@ -93,10 +94,8 @@ class OneWeightCosts(Bytes):
         lookups = [u for u in calls if u.kind == "gather"]
         heads = [u for u in calls if u.kind == "matmul"]
         replicated = self._replicated([variable])
-        replicated_wire = {self.batch_axis: len(calls) * self._grad_sync(variable, 1)} if self.d > 1 else {}
-        replicated = dataclasses.replace(replicated, wire=frozen(replicated_wire))
         wire: dict[str, float] = {}
-        add_wire(wire, self.batch_axis, len(calls) * self._grad_sync(variable, self.m))
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
         for lookup in lookups:
             self._lookup_wire(variable, lookup, wire)
         for head in heads:
@@ -124,7 +123,8 @@ class OneWeightCosts(Bytes):
         candidates = [replicated, split]
         if not heads:
             candidates.extend(self._shared_over_both(variable, lookups))
-        proposed = 1 if self.tp_axes.get(variable.path) == (self.model_axis, None) else 0
+        split_rows = self.tp_axes.get(variable.path) == (self.model_axis, None)
+        proposed = no_budget_choice(candidates, int(split_rows))
         return UnitCosts(getattr(owner, "path", variable.path), tuple(candidates), frozen(note), proposed)
 
     def _shared_over_both(self, variable: keras.Variable, lookups: list) -> list[Candidate]:

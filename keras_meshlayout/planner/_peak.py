@@ -30,7 +30,9 @@ buffer assignment was measured to do instead (libtpu 0.0.42.1): each gradient is
 applied by the optimizer as soon as it is written, so the gradients are neither
 held to the end nor summed into a second copy, and partial sums are all-reduced in
 place; a result read only by a transpose is written once, in the transposed layout;
-an element-wise result takes the buffer of an operand that dies there.
+an element-wise result takes the buffer of an operand that dies there; an element-wise
+result read only by matmuls is computed inside them, and a cheap one is recomputed in
+each of its readers (`_fused_on_tpu`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import _compat
 from ..core._axes import Axes, entry_axes
+from ._convs import CONV_LAYERS
 from ._propagate import REDUCTIONS, Specs
 from ._trace import Trace, trace_step
 
@@ -62,6 +66,13 @@ _ELEMENTWISE = frozenset(
 _CHEAP = frozenset(
     "broadcast_in_dim convert_element_type reshape squeeze expand_dims iota copy copy_p".split()
 )
+#: Element-wise operations XLA counts expensive (transcendental, division): never duplicated into readers.
+_EXPENSIVE = frozenset(
+    """atan2 cbrt cos cosh div erf erf_inv erfc exp exp2 expm1 lgamma log log1p logistic pow rem rsqrt
+    sin sinh sqrt tan tanh""".split()
+)
+#: Operations that update their first operand in place: XLA writes the result into that buffer.
+_IN_PLACE = frozenset("scatter scatter-add scatter-mul scatter-min scatter-max dynamic_update_slice".split())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +159,7 @@ class PeakWalk:
             state=state,
             gradients=gradients,
             compiler=self.compiler,
+            whole_after=getattr(table, "whole_after", frozenset()),
         )
 
 
@@ -173,6 +185,22 @@ def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None, compile
         state=memory.total,
         gradients=memory.gradients,
         compiler=compiler,
+        whole_after=_whole_conv_outputs(model, plan, batch_axis),
+    )
+
+
+def _whole_conv_outputs(model: Any, plan: Any, batch_axis: str | None) -> frozenset[str]:
+    """The kernels of the convolution layers whose output a layer-output rule splits over the batch only."""
+    kept = {
+        layer
+        for rule, layers in plan.outputs
+        if all(axis == batch_axis for entry in rule.axes for axis in entry_axes(entry))
+        for layer in layers
+    }
+    return frozenset(
+        layer.kernel.path
+        for layer in _compat.sublayers(model)
+        if isinstance(layer, CONV_LAYERS) and getattr(layer, "path", None) in kept
     )
 
 
@@ -185,13 +213,15 @@ def peak_memory(
     state: int,
     gradients: int,
     compiler: str = "cpu",
+    whole_after: frozenset[str] = frozenset(),
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
     `state` and `gradients` are the per-device training-state bytes and their gradients' share
-    (`core._memory`: a plan's `memory()`, or the planner's candidates).
+    (`core._memory`: a plan's `memory()`, or the planner's candidates); `whole_after` the kernels
+    whose convolution's layer output a rule keeps whole (`_propagate.Specs`).
     """
-    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler)
+    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler, whole_after)
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
         return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient, held=False)
     return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient)
@@ -203,15 +233,16 @@ def transient_peak(
     axis_sizes: Mapping[str, int],
     batch_axis: str | None,
     compiler: str = "cpu",
+    whole_after: frozenset[str] = frozenset(),
 ) -> tuple[int, int]:
     """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
 
     `layouts` gives each variable path its axes (missing: replicated).
     """
     held = compiler != "tpu"
-    specs = Specs(trace, layouts, axis_sizes, batch_axis)
+    specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after)
     sizes = {value: specs.bytes(value) for value in trace.shapes}
-    fused = _fused(trace) | (_laid_out(trace) if not held else set())
+    fused = _fused(trace) | (_laid_out(trace) | _fused_on_tpu(trace) if not held else set())
     last = _last_reads(trace, fused)
     end = len(trace.nodes)
     for value in trace.outputs:
@@ -305,9 +336,54 @@ def _fused(trace: Trace) -> set[int]:
             primitives = [trace.nodes[r].primitive for r in readers]
             if from_weights and all(_fusing(p) or p == "dot_general" for p in primitives):
                 fused.add(value)  # a weight cast or dequantised where a projection reads it
+            elif node.primitive in _CHEAP and _updated_only(trace, value, readers):
+                fused.add(value)  # the zeros a scatter-add starts from: written into its result
             elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
                 fused.add(value)
     return fused
+
+
+def _fused_on_tpu(trace: Trace) -> set[int]:
+    """Values XLA:TPU fuses where XLA:CPU writes them: into matmuls, and duplicated into readers.
+
+    XLA:TPU fuses an element-wise producer into the `dot_general`s that read it (each
+    recomputes it as it loads its operand), and duplicates a cheap element-wise result
+    (`_EXPENSIVE` excluded) into every element-wise, reduction or matmul reader. Measured on a
+    Llama-3-style block (v5e 2x4, libtpu 0.0.42.1): the softmax's probabilities (read by the
+    two backward matmuls) and the normalised hidden states (read by the projections) are not
+    buffers; the attention mask is kept before its broadcast over the heads (4 MiB, where the
+    walk counted the broadcast and of the causal and padding masks, 32 MiB).
+    """
+    outputs = set(trace.outputs)
+    fused = set()
+    for node in trace.nodes:
+        if node.primitive not in _ELEMENTWISE:
+            continue
+        for value in node.outputs:
+            readers = trace.consumers.get(value, ())
+            if value in outputs or not readers:
+                continue
+            primitives = [trace.nodes[r].primitive for r in readers]
+            into_matmuls = all(p == "dot_general" for p in primitives)
+            duplicated = node.primitive not in _EXPENSIVE and all(
+                _fusing(p) or p == "dot_general" for p in primitives
+            )
+            if into_matmuls or duplicated:
+                fused.add(value)
+    return fused
+
+
+def _updated_only(trace: Trace, value: int, readers: Sequence[int]) -> bool:
+    """Whether `value` is read once, as the operand an in-place update (`_IN_PLACE`) writes into.
+
+    Measured on keras-hub Gemma (a token table split over both axes): the gradient of a
+    look-up is a `scatter-add` into a broadcast of zeros, which XLA writes as one buffer of the
+    gradient's own shard; the walk counted the zeros whole (262,144 bytes where XLA:CPU holds 32,768).
+    """
+    if len(readers) != 1:
+        return False
+    node = trace.nodes[readers[0]]
+    return node.primitive in _IN_PLACE and node.inputs[:1] == (value,) and value not in node.inputs[1:]
 
 
 def _in_place(

@@ -9,7 +9,10 @@ same size. A weight split over the batch axis (2-D, fully sharded) is gathered o
 it where a projection, a convolution or a look-up reads it: that gathered copy is
 a temporary, alive from its first read to its last. Buffers XLA writes only while
 one operation runs (partial sums before their all-reduce, convolution operands
-copied into XLA's layout) are `scratch`.
+copied into XLA's layout) are `scratch`. The output of a convolution whose kernel is
+in `whole_after` (an input convolution, `_convs.input_convs`, whose layer output a
+rule keeps whole) is split over the batch axis only, as is the element-wise chain
+after it (its bias, its activation): the layer's output, all-gathered there.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 
 from ..core._axes import Axes, entry_axes
 from ._trace import Node, Trace
+from ._units import ELEMENTWISE
 
 __all__ = ["REDUCTIONS", "Specs", "itemsize"]
 
@@ -38,9 +42,17 @@ class Specs:
     """Per value, the mesh axes over which each of its dimensions is split (see the module docstring)."""
 
     def __init__(
-        self, trace: Trace, layouts: Mapping[str, Axes], axis_sizes: Mapping[str, int], batch_axis: str | None
+        self,
+        trace: Trace,
+        layouts: Mapping[str, Axes],
+        axis_sizes: Mapping[str, int],
+        batch_axis: str | None,
+        whole_after: frozenset[str] = frozenset(),
     ) -> None:
         self.trace = trace
+        self.whole_after = whole_after
+        #: Values a layer-output rule keeps whole over every axis but the batch's.
+        self._whole: set[int] = set()
         self.sizes = dict(axis_sizes)
         self.batch_axis = batch_axis
         self.spec: dict[int, Spec] = {}
@@ -117,6 +129,14 @@ class Specs:
             result = [kept if len(kept) == len(outs[0]) else _none(outs[0])]
         else:
             result = [_like(out, ins, in_shapes) for out in outs]
+        if name in ELEMENTWISE:
+            whole = any(v in self._whole for v in node.inputs)
+        else:
+            whole = name == "conv_general_dilated" and self._kernel_path(node.inputs[1]) in self.whole_after
+        if whole:
+            batch = (self.batch_axis,) if self.batch_axis else ()
+            result = [tuple(tuple(a for a in e if a in batch) for e in spec) for spec in result]
+            self._whole.update(node.outputs)
         for value, spec, shape in zip(node.outputs, result, outs, strict=True):
             self.spec[value] = self._valid(spec, shape)
         if name == "dot_general" and self._summed_over_axis(node, ins):
@@ -144,6 +164,16 @@ class Specs:
         spec[out_spec[0]] = ins[0][lhs_spec[0]]
         spec[out_spec[1]] = ins[1][rhs_spec[0]]
         return tuple(spec)
+
+    def _kernel_path(self, value: int) -> str | None:
+        """The variable `value` is (cast, transposed or reshaped at most), or `None`."""
+        while value not in self.trace.variables:
+            index = self.trace.producer.get(value)
+            node = None if index is None else self.trace.nodes[index]
+            if node is None or node.primitive not in ("convert_element_type", "transpose", "reshape", "copy"):
+                return None
+            value = node.inputs[0]
+        return self.trace.variables[value]
 
     def _summed_over_axis(self, node: Node, ins: list[Spec]) -> bool:
         (lc, rc), _ = node.params["dimension_numbers"]
