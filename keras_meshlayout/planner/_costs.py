@@ -29,6 +29,10 @@ per-device state and the bytes each device sends per training step:
   divide the model axis, split on its head_dim and gathered over the model
   axis once per step.
 
+On a mesh with a TPU target (`compiler="tpu"`) the formulas follow XLA:TPU where it was
+measured to send differently: column-parallel projections that read one activation alone
+share one all-reduce of its gradient (`Bytes.merged_input_grads`); elsewhere they are XLA:CPU's.
+
 Bytes on the wire are counted with the ring formulas of the communication
 report (`report._collectives.wire_bytes`, what `kml.comm_report` reads off the
 compiled HLO), from the shapes the traced projections see on one batch.
