@@ -233,9 +233,9 @@ def test_the_step_compiles_for_tpu_v5e_and_its_traffic_is_predicted(name):
 LM_BATCH, LM_LENGTH = 8, 64
 
 
-def _hub_lm(cls: str, hidden: int, **extra) -> keras.Model:
+def _hub_lm(cls: str, hidden: int, intermediate: int, **extra) -> keras.Model:
     """A one-layer keras-hub decoder under its output table (`reverse=True`), as a causal LM runs it."""
-    config = dict(vocabulary_size=1024, num_layers=1, hidden_dim=hidden, intermediate_dim=2 * hidden)
+    config = dict(vocabulary_size=1024, num_layers=1, hidden_dim=hidden, intermediate_dim=intermediate)
     config.update(num_query_heads=8, num_key_value_heads=2, dropout=0.0, dtype="float32", **extra)
     backbone = getattr(keras_hub.models, cls)(**config)
     inputs = {n: keras.Input((LM_LENGTH,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
@@ -245,8 +245,8 @@ def _hub_lm(cls: str, hidden: int, **extra) -> keras.Model:
 #: A dense Llama 3 and a Mixtral (4 experts, top 2); the MoE's hidden is wider so that its routing's
 #: per-token collectives (not modelled: all-to-alls, permutes, 1-float all-reduces) stay under 2%.
 LMS = {
-    "llama3": functools.partial(_hub_lm, "Llama3Backbone", 128),
-    "mixtral": functools.partial(_hub_lm, "MixtralBackbone", 512, num_experts=4, top_k=2),
+    "llama3": functools.partial(_hub_lm, "Llama3Backbone", 128, 256),
+    "mixtral": functools.partial(_hub_lm, "MixtralBackbone", 512, 256, num_experts=4, top_k=2),
 }
 
 
