@@ -16,11 +16,13 @@ from typing import NamedTuple
 import hub_models
 import jax
 import keras
+import keras_hub
 import pytest
 from helpers import build_convnet
 from test_errors import Case, raises_case
 
 import keras_meshlayout as kml
+from keras_meshlayout.report._collectives import wire_bytes
 
 FORMS = "Valid forms: tpu-v5e:RxC or tpu-v6e:RxC"
 
@@ -196,11 +198,14 @@ def compiled(name: str) -> Compiled:
 #: all-to-alls and sends 12% less on the model axis than the planner (and XLA:CPU) say (1.13, with the
 #: key/value kernels replicated). Since the planner splits key/value kernels with too few heads on
 #: head_dim (issue 19), XLA:TPU sends about twice what it predicts on the model axis (0.49; XLA:CPU
-#: sends what it predicts): a measured gap, pinned until the costs follow the target.
+#: sends what it predicts): a measured gap, pinned until the head_dim split's costs follow the target.
+#: Since the projections' summed input gradients follow XLA:TPU (one all-reduce, see
+#: `test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent`), the prediction is 0.42 of it: the
+#: query and the expert bank's input gradients are right, the head_dim split's activation gathers are not.
 AGREEMENT = {
     "decoder": {"data": (1.0, 0.02), "model": (1.0, 0.02)},
     "convnet": {"data": (1.0, 0.02)},
-    "moe": {"data": (1.0, 0.02), "model": (0.49, 0.03)},
+    "moe": {"data": (1.0, 0.02), "model": (0.42, 0.03)},
 }
 
 
@@ -221,6 +226,69 @@ def test_the_step_compiles_for_tpu_v5e_and_its_traffic_is_predicted(name):
     assert {"platform", "device_kind", "argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"} <= set(
         data
     )
+
+
+# -- bytes per step on XLA:TPU: one all-reduce for projections' summed input gradients -----------
+
+LM_BATCH, LM_LENGTH = 8, 64
+
+
+def _hub_lm(cls: str, hidden: int, intermediate: int, **extra) -> keras.Model:
+    """A one-layer keras-hub decoder under its output table (`reverse=True`), as a causal LM runs it."""
+    config = dict(vocabulary_size=1024, num_layers=1, hidden_dim=hidden, intermediate_dim=intermediate)
+    config.update(num_query_heads=8, num_key_value_heads=2, dropout=0.0, dtype="float32", **extra)
+    backbone = getattr(keras_hub.models, cls)(**config)
+    inputs = {n: keras.Input((LM_LENGTH,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
+    return keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True), name="lm")
+
+
+#: A dense Llama 3 and a Mixtral (4 experts, top 2); the MoE's hidden is wider so that its routing's
+#: per-token collectives (not modelled: all-to-alls, permutes, 1-float all-reduces) stay under 2%.
+LMS = {
+    "llama3": functools.partial(_hub_lm, "Llama3Backbone", 128, 256),
+    "mixtral": functools.partial(_hub_lm, "MixtralBackbone", 512, 256, num_experts=4, top_k=2),
+}
+
+
+def _lm_rules(build, mesh: kml.Mesh) -> kml.LayoutRules:
+    x = {n: jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32") for n in ("token_ids", "padding_mask")}
+    with kml.dry_build(build) as model:
+        return kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
+
+
+@pytest.mark.parametrize("name", sorted(LMS), ids=sorted(LMS))
+def test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent(name):
+    """XLA:TPU turns `all-reduce(a) + all-reduce(b)` into one all-reduce of `a + b`; XLA:CPU does not.
+
+    Query, key and value read their norm's output alone, so the gradient of it is summed before one
+    all-reduce over `model` (XLA:CPU: three); the experts' gate and up projections likewise (two).
+    Before the costs followed the target, predicted / TPU HLO on `model` was 1.60 (Llama 3, hidden
+    256) and 1.63 (Mixtral); on XLA:CPU meshes the formulas are unchanged (`test_costs`, the zoo).
+    """
+    build = LMS[name]
+    mesh = kml.Mesh(data=4, model=2, target="tpu-v5e:2x4")  # key/value heads (2) divide the model axis
+    rules = _lm_rules(build, mesh)
+    x = {n: jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32") for n in ("token_ids", "padding_mask")}
+    y = jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    dist = kml.ModelParallel(mesh, rules, replicate_below=0)
+    step = kml.compile_step(build, dist, x, y, optimizer="adam", loss=loss)
+    measured = {axis: b for axis, b in step.comm.wire_bytes_by_axis.items() if b > 64}  # not scalar sums
+    predicted = {axis: b for axis, b in rules.cost.wire_bytes_by_axis.items() if b > 64}
+    assert set(predicted) == set(measured) == {"data", "model"}
+    for axis in measured:
+        assert predicted[axis] / measured[axis] == pytest.approx(1.0, abs=0.02), (axis, predicted, measured)
+
+
+def test_on_xla_cpu_each_projection_all_reduces_its_input_gradient():
+    """The same Llama 3 planned for 8 CPU devices (no target): XLA:CPU's three query/key/value and two
+    gate/up all-reduces, where XLA:TPU sends one each: two (key, value) and one (gate) more."""
+    build = LMS["llama3"]
+    on_tpu = _lm_rules(build, kml.Mesh(data=4, model=2, target="tpu-v5e:2x4")).cost.wire_bytes_by_axis
+    on_cpu = _lm_rules(build, kml.Mesh(data=4, model=2)).cost.wire_bytes_by_axis
+    hidden_grad = LM_BATCH // 4 * LM_LENGTH * 128 * 4  # one device's (tokens, hidden) float32 gradient
+    assert on_cpu["data"] == on_tpu["data"]
+    assert on_cpu["model"] - on_tpu["model"] == 3 * wire_bytes("all-reduce", hidden_grad, 2)
 
 
 def test_a_data_parallel_v5e_16x16_mesh_feeds_each_host_one_block_and_compiles():

@@ -217,9 +217,8 @@ def auto_rules(
         if optimizer is None:
             optimizer = getattr(model, "optimizer", None)
         proposal = ledger.proposal()
-        table = cost_units(
-            model, proposal, trace, mesh_axis_sizes(mesh), optimizer, chosen_policy.replicate_below
-        )
+        below, compiler = chosen_policy.replicate_below, _peak.compiler_of(mesh)
+        table = cost_units(model, proposal, trace, mesh_axis_sizes(mesh), optimizer, below, compiler)
     step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis, _peak.compiler_of(mesh))
     table, chosen, peak = _search_within_peak(table, budget, step)
     _apply(ledger, table, chosen)

@@ -29,6 +29,10 @@ per-device state and the bytes each device sends per training step:
   divide the model axis, split on its head_dim and gathered over the model
   axis once per step.
 
+On a mesh with a TPU target (`compiler="tpu"`) the formulas follow XLA:TPU where it was
+measured to send differently: column-parallel projections that read one activation alone
+share one all-reduce of its gradient (`Bytes.merged_input_grads`); elsewhere they are XLA:CPU's.
+
 Bytes on the wire are counted with the ring formulas of the communication
 report (`report._collectives.wire_bytes`, what `kml.comm_report` reads off the
 compiled HLO), from the shapes the traced projections see on one batch.
@@ -80,14 +84,18 @@ def cost_units(
     axis_sizes: Mapping[str, int],
     optimizer: str | keras.optimizers.Optimizer | None,
     replicate_below: int = 0,
+    compiler: str = "cpu",
 ) -> CostTable:
     """Every unit of `proposal` with its candidate layouts, costed on `trace`'s batch.
 
     A weight matrix with fewer than `replicate_below` elements gets no layout
-    but replicated: the policy keeps it whole when the rules run.
+    but replicated: the policy keeps it whole when the rules run. `compiler`
+    (`"tpu"` on a TPU target, `_peak.compiler_of`) picks the formulas that differ
+    between XLA:CPU and XLA:TPU (`Bytes.merged_input_grads`).
     """
     coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
     coster.replicate_below = replicate_below
+    coster.compiler = compiler
     whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
     return CostTable(tuple(coster.units()), coster.activation_reserve(), whole_after)
 
@@ -232,9 +240,19 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         gives every projection by that path (counted twice, SmolLM3's 'model'
         axis was predicted 1.162× the compiled step).
         """
-        for kernel in {kernel.path: kernel for kernel in kernels}.values():
+        kernels = list({kernel.path: kernel for kernel in kernels}.values())
+        columns = [
+            use
+            for kernel in kernels
+            if self.side(kernel.path, self.tp_axes[kernel.path]) == "column"
+            for use in self.uses.get(kernel.path, ())
+            if use.kind == "matmul" and not use.from_input
+        ]
+        merged = self.merged_input_grads(columns)  # XLA:TPU: one all-reduce for some shared inputs
+        for kernel in kernels:
             side = self.side(kernel.path, self.tp_axes[kernel.path])
-            for inputs, output, from_input, dtype in self.calls(kernel.path):
+            for use in (use for use in self.uses.get(kernel.path, ()) if use.kind == "matmul"):
+                inputs, output, from_input, dtype = use.inputs, use.output, use.from_input, use.dtype
                 if final:
                     # The loss reduces split logits: four float32 all-reduces of one value per position
                     # (measured with sparse categorical cross-entropy on XLA:CPU).
@@ -249,7 +267,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                         # maximum all-reduced forward, one float32 per position (measured on XLA:CPU).
                         per_position = math.prod(output[:-1]) / self.d * 4
                         add_wire(wire, self.model_axis, wire_bytes("all-reduce", per_position, self.m))
-                elif side == "column" and not from_input:
+                elif side == "column" and not from_input and use.node not in merged:
                     add_wire(
                         wire, self.model_axis, wire_bytes("all-reduce", self._summed(inputs, dtype), self.m)
                     )
@@ -290,6 +308,8 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         """
         axis = self.proposal.expert_axis or self.model_axis
         size = self.axis_sizes[axis]
+        uses = [use for v in variables for use in self.uses.get(v.path, ()) if use.kind == "matmul"]
+        merged = self.merged_input_grads([use for use in uses if 0 not in use.batch and not use.from_input])
         for variable in variables:
             for use in self.uses.get(variable.path, ()):
                 if use.kind != "matmul":
@@ -299,7 +319,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                     add_wire(wire, axis, wire_bytes("all-reduce", summed, size))
                     for choices in self._routing_choices(self.trace.nodes[use.node].outputs[0]):
                         add_wire(wire, axis, wire_bytes("all-reduce", choices, size))
-                elif not use.from_input:
+                elif not use.from_input and use.node not in merged:
                     summed = self._summed(use.inputs, use.dtype)
                     add_wire(wire, axis, wire_bytes("all-reduce", summed, size))
 
