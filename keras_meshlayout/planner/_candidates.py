@@ -141,8 +141,10 @@ class Bytes:
         #: Per weight path, the weights laid out as it (int8 scales, LoRA adapters) and how.
         self.followers = followers(model)
         self.following = frozenset(f.path for items in self.followers.values() for f, _ in items)
-        #: The label `kml.comm_report` gives a collective over both axes (`"data×model"`).
-        self.both = "×".join(a for a in axis_sizes if a in (self.batch_axis, self.model_axis))
+        #: The label `kml.comm_report` gives a collective over both axes (`"data×model"`): the
+        #: axes its devices differ along, so on `model=1` just the batch axis.
+        pair = [a for a in axis_sizes if a in (self.batch_axis, self.model_axis)]
+        self.both = "×".join([a for a in pair if axis_sizes[a] > 1] or pair)
 
     #: Weight matrices with fewer elements are kept whole by the policy when the rules run.
     replicate_below: int = 0

@@ -328,7 +328,8 @@ def _option(step: _Step, sizes: dict[str, int], target: Target | None, budget: i
         return MeshOption(sizes, {}, err.smallest_bytes, None, None, None, excluded=why)
     cost = rules.cost
     peak = cost.peak_bytes if cost.peak_bytes is not None else cost.memory_bytes
-    by_axis = {axis: float(cost.wire_bytes_by_axis.get(axis, 0.0)) for axis in sizes}
+    # Every axis, and the groups over several (a table over both axes sends on "data×model").
+    by_axis = {axis: 0.0 for axis in sizes} | {a: float(b) for a, b in cost.wire_bytes_by_axis.items()}
     flops = device_flops(step.flops, step.trace, _layouts(step.model, rules, sizes), sizes, step.axes[0])
     compute = comm = None
     if target is not None:
