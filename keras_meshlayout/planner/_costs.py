@@ -279,26 +279,10 @@ class _Coster(ConvCosts, KeyValueCosts):
     def _lora_traffic(
         self, unit: Mapping[str, keras.Variable], axes: Mapping[str, Axes], wire: Mapping[str, float]
     ) -> dict[str, float]:
-        """`wire` plus the all-reduces of the unit's LoRA adapters' own gradients under `axes`.
-
-        Measured on XLA:CPU (keras-hub Llama with `enable_lora(4)` and a functional Dense pair, 2×4):
-        an adapter whole on the model axis beside its kernel split over it (`b` beside a kernel
-        split on its heads, `a` beside one split on its input) gets its gradient from the device's
-        shard of the kernel's, and one all-reduce of the adapter's shard over the model axis sums
-        the shards' parts; an adapter split over the batch axis (its kernel's 2-D layout) has its
-        shard's gradient all-reduced over the batch axis too.
-        """
+        """`wire` plus the all-reduces of the unit's LoRA adapters' gradients under `axes` (`lora_wire`)."""
         out = dict(wire)
-        for path, adapter_axes in axes.items():
-            base = self.lora_base.get(path)
-            if base is None or base not in axes:
-                continue
-            shard = nbytes(unit[path]) / self._shards(adapter_axes)
-            names = axis_names(adapter_axes)
-            if self.model_axis in axis_names(axes[base]) and self.model_axis not in names:
-                add_wire(out, self.model_axis, wire_bytes("all-reduce", shard, self.m))
-            if self.batch_axis in names:
-                add_wire(out, self.batch_axis, wire_bytes("all-reduce", shard, self.d))
+        for axis, amount in self.lora_wire({path: axes[path] for path in unit if path in axes}).items():
+            add_wire(out, axis, amount)
         return out
 
     def _expert_shards(self, axes: Axes) -> int:
@@ -408,7 +392,9 @@ class _Coster(ConvCosts, KeyValueCosts):
         Their gradients are summed over the devices whose query heads share a
         key/value head, and gathered back to all heads: per projection one
         all-reduce of one head's activations over those devices, and (with
-        more than one key/value head) one all-gather of all of them.
+        more than one key/value head) one all-gather of all of them. None for a frozen projection
+        (no LoRA adapters training) whose input needs no gradient (measured on XLA:CPU, keras-hub
+        Llama with `enable_lora(4)`: its first block's key projection).
         """
         extra: list[float] = []
         if not layers:
@@ -427,7 +413,11 @@ class _Coster(ConvCosts, KeyValueCosts):
             if count == 0 or self.m % count:
                 continue
             group = self.m // count
-            for _, output, _, dtype in self.calls(layer.kernel.path):
+            adapters = self.lora_pairs.get(layer.kernel.path)
+            trains = layer.kernel.trainable or (adapters is not None and adapters[0].trainable)
+            for _, output, from_input, dtype in self.calls(layer.kernel.path):
+                if from_input and not trains:
+                    continue  # a frozen projection of an input needing no gradient: none to sum
                 all_heads = self._summed(output, dtype)
                 extra.append(wire_bytes("all-reduce", all_heads / count, group))
                 if count > 1:
@@ -472,8 +462,3 @@ class _Coster(ConvCosts, KeyValueCosts):
                 if node.primitive == "reshape" and len(shape) == len(use.output) + 1:
                     return int(shape[-2])
         return None
-
-
-def axis_names(axes: Axes) -> set[str]:
-    """The mesh axes a layout names, in any entry (`("data", "model")` included)."""
-    return {n for entry in axes if entry for n in ((entry,) if isinstance(entry, str) else entry)}
