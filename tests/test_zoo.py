@@ -96,8 +96,6 @@ MISSES: dict[tuple[str, str], str] = {
     ("ViTBackbone", "no_budget"): "1.556: the patch-embedding conv (15% of the parameters) is not split",
     # smallest budget plan ÷ fully sharded floor
     ("ViTBackbone", "smallest"): "2.159: the patch-embedding conv is never split (no strategy for it)",
-    ("LoRA-Llama", "smallest"): "1.530: the search fits the peak, not state: the smallest-state plan "
-    "(1.196: value LoRA a whole beside a head_dim-split kernel) peaks higher (317,120 B compiled vs 310,720)",
     # predicted ÷ compiled bytes per step, by axis
     ("AlbertBackbone", "compiled"): "'data' 0.780 (157,100 compiled): cause not yet found",
     ("DebertaV3Backbone", "compiled"): "'data' 0.898 (158,636 compiled): cause not yet found",
