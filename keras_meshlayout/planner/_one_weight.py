@@ -301,8 +301,6 @@ class OneWeightCosts(Bytes):
         ):
             (use,) = uses
             add_wire(both, self.both, wire_bytes("all-gather", size, d * m))
-            if not use.from_input:
-                self._sharded_input_gradient(use, both)
             when = "before its projection"
             if d >= m:
                 add_wire(wire, self.batch_axis, wire_bytes("all-gather", size, d))
@@ -332,19 +330,6 @@ class OneWeightCosts(Bytes):
         if len(candidates) == 1:
             return None
         return UnitCosts(variable.path, tuple(candidates), frozen(notes))
-
-    def _sharded_input_gradient(self, use, wire: dict[str, float]) -> None:
-        """A kernel split on its input over both axes, whose input needs a gradient: what that moves.
-
-        Measured on XLA:CPU (2×4, a head after a pooling with trainable LoRA layers before it; exact
-        once they are frozen): XLA computes the input gradient with the device's shard of the kernel,
-        so it all-gathers the output gradient over the batch axis and the input gradient's feature
-        shards over both axes.
-        """
-        output = math.prod(use.output) * max(np.dtype(use.dtype).itemsize, 4)
-        inputs = math.prod(use.inputs) * max(np.dtype(use.dtype).itemsize, 4)
-        add_wire(wire, self.batch_axis, wire_bytes("all-gather", output, self.d))
-        add_wire(wire, self.both, wire_bytes("all-gather", inputs, self.d * self.m))
 
     def _permuted_kernel(self, size: float, use) -> dict[str, float]:
         """The traffic of a kernel split over a batch axis smaller than the model axis (see above)."""
