@@ -121,8 +121,8 @@ class KeyValueCosts(OneWeightCosts):
         if adapters is None or self.d <= 1 or not adapters[0].trainable:
             return ()
         a, b = adapters
-        if a.shape[0] % self.d or a.shape[-1] % self.m:
-            return ()
+        if a.shape[0] % self.d or a.shape[-1] % self.m or self._kept_whole(a):
+            return ()  # it does not divide, or the policy keeps it whole (`replicate_below`)
         size = nbytes(a)
         a_axes = (self.batch_axis, *(None,) * (len(a.shape) - 2), self.model_axis)
         b_axes = (None, split.axes[variable.path][-1])
