@@ -114,6 +114,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             unit = self.proposal.units.get(variable.path)
             if unit is not None:
                 by_unit.setdefault(unit, []).append(variable)
+        self._adapters_with_kernel(by_unit)
         in_units = {id(v) for variables in by_unit.values() for v in variables}
         units = [self._tensor_parallel_unit(name, variables, owners) for name, variables in by_unit.items()]
         fixed_state = self.memory.scalar_bytes
@@ -150,6 +151,20 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         units.append(UnitCosts("(everything else)", (candidate("replicated", {}, fixed_state, fixed_wire),)))
         return units
 
+    def _adapters_with_kernel(self, by_unit: dict[str, list[keras.Variable]]) -> None:
+        """Adds to each unit the LoRA adapters of its kernels that no unit holds (those whole beside it).
+
+        `b` of a kernel split on its input, `a` of one split on its output: whole under tensor
+        parallelism, but split with the kernel in its 2-D layout (`_two_d`), so they move with it.
+        """
+        held = {v.path for variables in by_unit.values() for v in variables}
+        for variables in by_unit.values():
+            for variable in list(variables):
+                for follower, _ in self.followers.get(variable.path, ()):
+                    if follower.path in self.lora_base and follower.path not in held:
+                        variables.append(follower)
+                        held.add(follower.path)
+
     def _one_weight_unit(self, owner, variable: keras.Variable, trainable: bool) -> UnitCosts | None:
         """A weight outside every unit as a unit of its own (a table, an unread or a head_dim-split weight).
 
@@ -180,17 +195,18 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         tp_state = two_d_state = 0
         gathers = 0.0
         kernels: list[keras.Variable] = []
+        by_path = {v.path: v for v in variables}
         for variable in variables:
             axes = self.tp_axes[variable.path]
             shards = self.m if self.model_axis in axes else self._expert_shards(axes)
             tp_axes[variable.path] = axes
             tp_state += self._state(variable, shards, variable.trainable)
             add_wire(tp_wire, self.batch_axis, self._grad_sync(variable, shards))
-            spread = second_axis(axes, variable.shape, self.batch_axis, self.d)
+            spread = self._two_d(variable, axes, by_path)
             owner = owners.get(id(variable))
             gathered = nbytes(variable) / shards
             count = 0
-            if spread != axes:
+            if spread != axes and variable.path not in self.lora_base:  # an adapter's: `_lora_traffic`
                 count = self._gathers_per_step(owner, variable, gathered, axes)
             elif self._splits_further(variable, axes):
                 # A column bias beside its 2-D kernel: its model-axis shards split again over the
@@ -206,7 +222,6 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                 two_d_state += self._state(variable, shards, variable.trainable)
             if self.side(variable.path, axes):
                 kernels.append(variable)
-        self._lora_traffic(variables, tp_wire)
         if name in self.proposal.expert_units:
             self._expert_traffic(variables, tp_wire)
         elif name in self.proposal.input_convs:
@@ -222,9 +237,10 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         self._traced_kv(name, tp_wire)
         replicated = self.unit_batch_norm_traffic(variables, replicated, tp_wire)
         layout = "expert-parallel" if name in self.proposal.expert_units else "tensor-parallel"
-        options = [replicated, candidate(layout, tp_axes, tp_state, tp_wire)]
+        tp_total = self._lora_traffic(by_path, tp_axes, tp_wire)
+        options = [replicated, candidate(layout, tp_axes, tp_state, tp_total)]
         if self.d > 1 and two_d_axes != tp_axes:
-            two_d_wire = plus_wire(tp_wire, self.batch_axis, gathers)
+            two_d_wire = self._lora_traffic(by_path, two_d_axes, plus_wire(tp_wire, self.batch_axis, gathers))
             options.append(candidate("2-D", two_d_axes, two_d_state, two_d_wire))
         notes = {path: self.proposal.notes[path] for path in tp_axes}
         return UnitCosts(name, tuple(options), frozen(notes), proposed=1)
@@ -272,20 +288,27 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                         wire, self.model_axis, wire_bytes("all-reduce", self._summed(inputs, dtype), self.m)
                     )
 
-    def _lora_traffic(self, variables: list[keras.Variable], wire: dict[str, float]) -> None:
-        """A LoRA adapter left whole beside its split kernel: its gradient summed over the model axis.
+    def _two_d(self, variable: keras.Variable, axes: Axes, unit: Mapping[str, keras.Variable]) -> Axes:
+        """A weight's 2-D axes: its largest whole dimension also over the batch axis (`second_axis`).
 
-        Measured on XLA:CPU (keras-hub Llama with `enable_lora(4)`, 2×4): `b`
-        beside a kernel split on its heads gets its gradient from the
-        device's shard of the kernel's gradient, one all-reduce of `b` over
-        the model axis sums the shards' parts.
+        A LoRA adapter whose kernel is in the unit follows the kernel's 2-D axes instead (`lora_axes`),
+        so that `a @ b` still adds in place: spread on its own, `b`'s rank went over the batch axis.
         """
-        split = {v.path for v in variables if self.model_axis in self.tp_axes.get(v.path, ())}
-        for adapter in self.model.trainable_weights:
-            if self.lora_base.get(adapter.path) in split and self.model_axis not in self.tp_axes.get(
-                adapter.path, ()
-            ):
-                add_wire(wire, self.model_axis, wire_bytes("all-reduce", nbytes(adapter), self.m))
+        base = unit.get(self.lora_base.get(variable.path, ""))
+        if base is None:
+            return second_axis(axes, variable.shape, self.batch_axis, self.d)
+        base_axes = second_axis(self.tp_axes[base.path], base.shape, self.batch_axis, self.d)
+        follow = next(f for follower, f in self.followers[base.path] if follower.path == variable.path)
+        return follow(base_axes)
+
+    def _lora_traffic(
+        self, unit: Mapping[str, keras.Variable], axes: Mapping[str, Axes], wire: Mapping[str, float]
+    ) -> dict[str, float]:
+        """`wire` plus the all-reduces of the unit's LoRA adapters' gradients under `axes` (`lora_wire`)."""
+        out = dict(wire)
+        for axis, amount in self.lora_wire({path: axes[path] for path in unit if path in axes}).items():
+            add_wire(out, axis, amount)
+        return out
 
     def _expert_shards(self, axes: Axes) -> int:
         """How many ways an expert bank's weight split over the mesh's expert axis is sharded (else 1)."""
@@ -396,7 +419,9 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         Their gradients are summed over the devices whose query heads share a
         key/value head, and gathered back to all heads: per projection one
         all-reduce of one head's activations over those devices, and (with
-        more than one key/value head) one all-gather of all of them.
+        more than one key/value head) one all-gather of all of them. None for a frozen projection
+        (no LoRA adapters training) whose input needs no gradient (measured on XLA:CPU, keras-hub
+        Llama with `enable_lora(4)`: its first block's key projection).
         """
         extra: list[float] = []
         if not layers:
@@ -415,7 +440,11 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             if count == 0 or self.m % count:
                 continue
             group = self.m // count
-            for _, output, _, dtype in self.calls(layer.kernel.path):
+            adapters = self.lora_pairs.get(layer.kernel.path)
+            trains = layer.kernel.trainable or (adapters is not None and adapters[0].trainable)
+            for _, output, from_input, dtype in self.calls(layer.kernel.path):
+                if from_input and not trains:
+                    continue  # a frozen projection of an input needing no gradient: none to sum
                 all_heads = self._summed(output, dtype)
                 extra.append(wire_bytes("all-reduce", all_heads / count, group))
                 if count > 1:

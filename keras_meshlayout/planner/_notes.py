@@ -207,6 +207,15 @@ def lora(layer: str, which: str, axes: tuple) -> str:
     )
 
 
+def lora_sharded(batch_axis: str, model_axis: str, shards: int) -> str:
+    """A LoRA adapter `a` split further than its head_dim-split kernel, gathered where used."""
+    return (
+        f"LoRA adapter a split {shards} ways, its input dimension over {batch_axis!r} and its rank over "
+        f"{model_axis!r}: gathered for a @ b (over {model_axis!r} forward and backward, over "
+        f"{batch_axis!r} forward), its gradient reduced over {model_axis!r}"
+    )
+
+
 # -- int8 weights' scales ------------------------------------------------------------------
 
 

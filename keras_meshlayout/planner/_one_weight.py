@@ -217,11 +217,9 @@ class OneWeightCosts(Bytes):
         for use in self.uses[variable.path]:
             ids = math.prod(use.inputs) * 4
             rows = math.prod(use.output) * max(np.dtype(use.dtype).itemsize, 4)
-            add_wire(
-                wire,
-                self.batch_axis,
-                wire_bytes("all-gather", ids, self.d) + wire_bytes("all-gather", rows, self.d),
-            )
+            # The rows' gradient is gathered only for a table that trains (a LoRA model's frozen one: not).
+            grad = wire_bytes("all-gather", rows, self.d) if variable.trainable else 0.0
+            add_wire(wire, self.batch_axis, wire_bytes("all-gather", ids, self.d) + grad)
             add_wire(wire, self.both, wire_bytes("all-reduce", rows, self.d * self.m))
         note = {
             variable.path: f"embedding: vocabulary split {self.d * self.m} ways over {self.model_axis!r} and "
