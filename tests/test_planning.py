@@ -361,6 +361,7 @@ PLANNER_ORDER = [
     "_table_costs",
     "_costs",
     "_propagate",
+    "_tpu_memory",
     "_peak",
     "_search",
     "_auto",

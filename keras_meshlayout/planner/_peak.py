@@ -32,7 +32,9 @@ held to the end nor summed into a second copy, and partial sums are all-reduced 
 place; a result read only by a transpose is written once, in the transposed layout;
 an element-wise result takes the buffer of an operand that dies there; an element-wise
 result read only by matmuls is computed inside them, and a cheap one is recomputed in
-each of its readers (`_fused_on_tpu`).
+each of its readers (`_fused_on_tpu`). A transient peak small enough to stay in the chip's
+vector memory is not counted in HBM, and the parameters, slots and batch take XLA:TPU's tiled
+layouts (`_tpu_memory`).
 """
 
 from __future__ import annotations
@@ -289,14 +291,11 @@ def transient_peak(
     for when, extra in ((w, e) for scratch in extras for w, e in scratch.items()):
         starts[when] = starts.get(when, 0) + extra
         frees[when] = frees.get(when, 0) + extra
-    on_chip = None
-    if not held:  # XLA:TPU keeps small buffers in on-chip memory, not in HBM
-        spans = [(written[v], last.get(v, written[v]), sizes[v]) for v in buffers]
-        spans += [(first, final, specs.bytes(v)) for v, (first, final) in specs.gathered.items()]
-        spans += [(when, when, extra) for when, extra in specs.scratch.items()]
-        on_chip = _tpu_memory.on_chip(spans, end)
     batch = sum(sizes[value] if held else _tiled(trace, specs, value) for value in trace.inputs)
-    return _sweep(starts, frees, end, on_chip), batch
+    peak = _sweep(starts, frees, end)
+    if not held:  # XLA:TPU keeps a step whose temporaries are small in on-chip memory, not HBM
+        peak = _tpu_memory.in_hbm(peak)
+    return peak, batch
 
 
 def _tiled(trace: Trace, specs: Specs, value: int) -> int:
@@ -307,14 +306,12 @@ def _tiled(trace: Trace, specs: Specs, value: int) -> int:
     return _tpu_memory.tiled_bytes(shard, itemsize(trace.dtypes[value]))
 
 
-def _sweep(
-    starts: Mapping[int, int], frees: Mapping[int, int], end: int, on_chip: Sequence[int] | None
-) -> int:
-    """The largest sum of live bytes over the program, less what XLA:TPU holds on chip (`_on_chip`)."""
+def _sweep(starts: Mapping[int, int], frees: Mapping[int, int], end: int) -> int:
+    """The largest sum of live bytes over the program."""
     live = peak = 0
     for when in range(end + 1):
         live += starts.get(when, 0)
-        peak = max(peak, live - (on_chip[when] if on_chip is not None else 0))
+        peak = max(peak, live)
         live -= frees.get(when, 0)
     return peak
 
