@@ -359,6 +359,7 @@ PLANNER_ORDER = [
     "_conv_costs",
     "_one_weight",
     "_table_costs",
+    "_kv_costs",
     "_costs",
     "_propagate",
     "_tpu_memory",
