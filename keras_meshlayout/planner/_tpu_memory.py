@@ -40,7 +40,8 @@ def in_hbm(transient: int) -> int:
     of `tests/test_targets.py` report 0 B. On a Llama-3-style block (hidden 1024, 8 × 1024
     tokens, data=2, model=4), whose 304 MiB include a 128 MiB logits buffer, it kept its
     smaller activations (4-16 MiB) in HBM too (292 MiB of temporaries): above the threshold,
-    the walk counts the whole peak in HBM, an upper bound where part of it stays on chip.
+    the walk counts the whole peak in HBM, an upper bound where part of it stays on chip (a
+    decoder whose walk holds 75 MiB, its 64 MiB logits among them, compiled to 6 MiB).
     """
     return 0 if transient <= ON_CHIP_BYTES else transient
 
