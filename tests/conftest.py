@@ -89,7 +89,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_targets.py": (  # XLA:TPU compiles (the toy steps' shared with the traffic test)
         "test_the_step_compiles_for_tpu_v5e_and_its_traffic_is_predicted",
-        "test_the_peak_of_toy_steps_on_tpu_is_above_the_compiled_one_by_what_stays_on_chip",
+        "test_the_peak_of_toy_steps_on_tpu_is_within_ten_percent_of_the_compiled_one",
         "test_the_peak_follows_xla_tpu_where_its_temporaries_are_in_hbm",
         "test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent",  # one XLA:TPU compile each, 5-15 s
     ),

@@ -362,6 +362,7 @@ PLANNER_ORDER = [
     "_kv_costs",
     "_table_costs",
     "_costs",
+    "_tpu_memory",
     "_peak",
     "_search",
     "_auto",

@@ -317,17 +317,38 @@ def test_a_data_parallel_v5e_16x16_mesh_feeds_each_host_one_block_and_compiles()
 
 # -- the predicted peak on XLA:TPU ---------------------------------------------------------------
 
-#: Predicted ÷ XLA:TPU's compiled peak of the auto plans above (libtpu 0.0.42.1, jax 0.10.2). XLA:TPU
-#: reports no temporaries (0 B) for these toy steps, whose activations it keeps in on-chip memory;
-#: the walk counts them in HBM, so it is above the compiled peak by their share. Measured, not a goal.
-TOY_PEAK = {"convnet": 1.36, "decoder": 1.84, "moe": 1.02}
-
 
 @pytest.mark.parametrize("name", sorted(BUILDS), ids=sorted(BUILDS))
-def test_the_peak_of_toy_steps_on_tpu_is_above_the_compiled_one_by_what_stays_on_chip(name):
+def test_the_peak_of_toy_steps_on_tpu_is_within_ten_percent_of_the_compiled_one(name):
+    """XLA:TPU keeps these toy steps' activations in on-chip memory (0 B of temporaries) and pads
+    the state to its tiles: before the walk followed both, predicted ÷ compiled was 1.84 (decoder),
+    1.36 (convnet) and 1.02 (Mixtral); now 0.995, 0.994 and 0.996 (libtpu 0.0.42.1)."""
     rules, step = compiled(name)
     assert step.temp_bytes == 0
-    assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(TOY_PEAK[name], abs=0.02)
+    assert 0.9 <= rules.cost.peak_bytes / step.peak_bytes <= 1.1, (rules.cost.peak_bytes, step.peak_bytes)
+
+
+#: (shape, float32 bytes) of buffers in XLA:TPU's buffer assignment of the toy steps above (v5e,
+#: libtpu 0.0.42.1): parameters, slots and the batch, padded to 8 x 128 tiles over the two
+#: dimensions XLA picks, 512 B at least.
+TILED = [
+    ((), 512),
+    ((64,), 512),
+    ((32, 32), 16384),
+    ((64, 10), 8192),
+    ((64, 2, 4), 4096),
+    ((128, 1, 32), 16384),
+    ((3, 3, 3, 32), 18432),
+    ((3, 3, 32, 64), 147456),
+    ((8, 8, 8, 3), 98304),
+]
+
+
+@pytest.mark.parametrize(("shape", "expected"), TILED, ids=[str(s) for s, _ in TILED])
+def test_tpu_buffers_are_padded_to_the_tiles_xla_tpu_assigns(shape, expected):
+    from keras_meshlayout.planner._tpu_memory import tiled_bytes
+
+    assert tiled_bytes(shape, 4) == expected
 
 
 def _wide_mlp() -> keras.Model:

@@ -22,7 +22,9 @@
    formulas of `kml.comm_report`, `report._collectives`), in a `CostTable`.
    `_peak`: the per-device peak of one training step (`trace_step`, forward
    and backward, walked under the candidates' layouts: activations,
-   temporaries, gradients written so far), what the budget is compared with.
+   temporaries, gradients written so far), what the budget is compared with;
+   on a TPU target, less what XLA:TPU keeps on chip and plus its tiles' padding
+   (`_tpu_memory`).
 4. `search` (`_search`): per unit, the index of the candidate at the least
    traffic within the memory budget (the proposal's own without one), and
    `plan_cost`, the public `kml.PlanCost`; `_auto` runs it again with a larger

@@ -32,7 +32,9 @@ held to the end nor summed into a second copy, and partial sums are all-reduced 
 place; a result read only by a transpose is written once, in the transposed layout;
 an element-wise result takes the buffer of an operand that dies there; an element-wise
 result read only by matmuls is computed inside them, and a cheap one is recomputed in
-each of its readers (`_fused_on_tpu`).
+each of its readers (`_fused_on_tpu`). A transient peak small enough to stay in the chip's
+vector memory is not counted in HBM, and the parameters, slots and batch take XLA:TPU's tiled
+layouts (`_tpu_memory`).
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ import numpy as np
 
 from .. import _compat
 from ..core._axes import Axes, entry_axes
+from . import _tpu_memory
 from ._convs import CONV_LAYERS
-from ._propagate import REDUCTIONS, Specs
+from ._propagate import REDUCTIONS, Specs, itemsize
 from ._trace import Trace, trace_step
 
 __all__ = ["PeakMemory", "PeakWalk", "compiler_of", "peak_memory", "plan_peak", "transient_peak"]
@@ -87,6 +90,8 @@ class PeakMemory:
             activations, temporaries and the gradients written so far.
         held: Whether every gradient is held until the update (XLA:CPU); on XLA:TPU each is
             applied as it is written, so the peak may hold fewer than all of them.
+        tiles: What XLA:TPU's tiled layouts add to the parameters and slots (`_tpu_memory`); 0
+            on XLA:CPU.
     """
 
     state: int
@@ -94,6 +99,7 @@ class PeakMemory:
     batch: int
     transient: int
     held: bool = True
+    tiles: int = 0
 
     @property
     def non_state(self) -> int:
@@ -104,7 +110,7 @@ class PeakMemory:
     def peak(self) -> int:
         """State without gradients, the batch, and the transient peak (gradients included)."""
         transient = max(self.transient, self.gradients) if self.held else self.transient
-        return self.state - self.gradients + self.batch + transient
+        return self.state - self.gradients + self.tiles + self.batch + transient
 
 
 class PeakWalk:
@@ -123,6 +129,7 @@ class PeakWalk:
         self.batch_axis = batch_axis
         self.compiler = compiler
         self.trainable = {v.path: v for v in model.trainable_variables}
+        self.variables = tuple(model.variables)
 
     @classmethod
     def of(
@@ -160,6 +167,7 @@ class PeakWalk:
             gradients=gradients,
             compiler=self.compiler,
             whole_after=getattr(table, "whole_after", frozenset()),
+            tiles=_tiles(self.compiler, self.variables, layouts, self.axis_sizes),
         )
 
 
@@ -186,7 +194,15 @@ def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None, compile
         gradients=memory.gradients,
         compiler=compiler,
         whole_after=_whole_conv_outputs(model, plan, batch_axis),
+        tiles=_tiles(compiler, model.variables, layouts, plan.axis_sizes),
     )
+
+
+def _tiles(
+    compiler: str, variables: Any, layouts: Mapping[str, Axes], axis_sizes: Mapping[str, int]
+) -> float:
+    """The state's padding factor on `compiler`: XLA:TPU's tiles (`_tpu_memory.tiled_state`), else 1."""
+    return _tpu_memory.tiled_state(variables, layouts, axis_sizes) if compiler == "tpu" else 1.0
 
 
 def _whole_conv_outputs(model: Any, plan: Any, batch_axis: str | None) -> frozenset[str]:
@@ -214,16 +230,19 @@ def peak_memory(
     gradients: int,
     compiler: str = "cpu",
     whole_after: frozenset[str] = frozenset(),
+    tiles: float = 1.0,
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
     `state` and `gradients` are the per-device training-state bytes and their gradients' share
     (`core._memory`: a plan's `memory()`, or the planner's candidates); `whole_after` the kernels
-    whose convolution's layer output a rule keeps whole (`_propagate.Specs`).
+    whose convolution's layer output a rule keeps whole (`_propagate.Specs`); `tiles` the
+    factor by which the parameters and slots are padded in the compiler's layouts.
     """
     transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler, whole_after)
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
-        return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient, held=False)
+        padding = round((state - gradients) * (tiles - 1))
+        return PeakMemory(state, gradients, batch, transient, held=False, tiles=padding)
     return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient)
 
 
@@ -272,13 +291,29 @@ def transient_peak(
     for when, extra in ((w, e) for scratch in extras for w, e in scratch.items()):
         starts[when] = starts.get(when, 0) + extra
         frees[when] = frees.get(when, 0) + extra
+    batch = sum(sizes[value] if held else _tiled(trace, specs, value) for value in trace.inputs)
+    peak = _sweep(starts, frees, end)
+    if not held:  # XLA:TPU keeps a step whose temporaries are small in on-chip memory, not HBM
+        peak = _tpu_memory.in_hbm(peak)
+    return peak, batch
+
+
+def _tiled(trace: Trace, specs: Specs, value: int) -> int:
+    """The bytes of `value`'s shard in XLA:TPU's tiled layout (`_tpu_memory.tiled_bytes`)."""
+    shard = list(trace.shapes[value])
+    for dim, entry in enumerate(specs.spec.get(value, ())[: len(shard)]):
+        shard[dim] = -(-shard[dim] // math.prod(specs.sizes[a] for a in entry))
+    return _tpu_memory.tiled_bytes(shard, itemsize(trace.dtypes[value]))
+
+
+def _sweep(starts: Mapping[int, int], frees: Mapping[int, int], end: int) -> int:
+    """The largest sum of live bytes over the program."""
     live = peak = 0
     for when in range(end + 1):
         live += starts.get(when, 0)
         peak = max(peak, live)
         live -= frees.get(when, 0)
-    batch = sum(sizes[value] for value in trace.inputs)
-    return peak, batch
+    return peak
 
 
 def _live_code(trace: Trace) -> Trace:
