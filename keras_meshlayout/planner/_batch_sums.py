@@ -120,7 +120,9 @@ def batch_sums(trace: Trace) -> BatchSums:
     if trace.auxiliary is not None:
         more, reduced = _auxiliary(trace.auxiliary)
         routed += more
-    return BatchSums(MappingProxyType(counts), tuple(meetings), tuple(gathered), tuple(routed), tuple(reduced))
+    return BatchSums(
+        MappingProxyType(counts), tuple(meetings), tuple(gathered), tuple(routed), tuple(reduced)
+    )
 
 
 def _routed(trace: Trace, live: list[bool], batch: Mapping[int, int]) -> list[float]:
