@@ -94,9 +94,6 @@ MISSES: dict[tuple[str, str], str] = {
     # predicted ÷ compiled bytes per step, by axis
     ("XLNetBackbone", "compiled"): "'model' 0.965 (165,504 compiled), 'data' 1.013: cause not yet found",
     ("ResNet50", "compiled"): "'model' 1.171 (4,393,728 compiled), 'data' 1.002: cause not yet found",
-    ("Qwen3MoeBackbone", "compiled"): "'data' 0.976 (90,396 compiled): the router's load-balancing loss "
-    "(2 × 1,080 bytes: its logits gathered over 'data', four small all-reduces) is not costed; 0.985 "
-    "while the token table was vocab-parallel",
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "
     f"the table over both axes since): {_HAND_2D}",
