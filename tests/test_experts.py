@@ -122,9 +122,9 @@ class RoutedExperts(keras.layers.Layer):
     `"einsum"` contracts the experts in one `eth,te->th` einsum.
     """
 
-    def __init__(self, combine: str, experts: int = 4, hidden: int = 32, k: int = 2, **kwargs):
+    def __init__(self, combine: str, recompute: bool = True, experts: int = 4, k: int = 2, **kwargs):
         super().__init__(**kwargs)
-        self.combine, self.experts, self.hidden, self.k = combine, experts, hidden, k
+        self.combine, self.recompute, self.experts, self.hidden, self.k = combine, recompute, experts, 32, k
 
     def build(self, shape):
         self.router = self.add_weight((shape[-1], self.experts), name="router")
@@ -145,33 +145,52 @@ class RoutedExperts(keras.layers.Layer):
         else:
             mixed = ops.sum(out * ops.transpose(weights)[:, :, None], axis=0)
         if training:
-            self.add_loss(0.01 * self._balance(logits))
+            self.add_loss(0.01 * self._balance(logits, None if self.recompute else (probs, chosen)))
         return ops.reshape(mixed, ops.shape(x))
 
-    def _balance(self, logits):
+    def _balance(self, logits, routed=None):
         """The load-balancing loss from the router's logits: each expert's share of the tokens times
-        its mean probability, both means over the tokens (the routing recomputed, as keras-hub does)."""
-        probs = keras.ops.softmax(logits)
-        chosen = keras.ops.one_hot(keras.ops.top_k(probs, self.k)[1], self.experts)
+        its mean probability, both means over the tokens (the routing recomputed, as keras-hub does,
+        unless the layer's own `(probabilities, choices)` are given)."""
+        if routed is None:
+            probs = keras.ops.softmax(logits)
+            chosen = keras.ops.one_hot(keras.ops.top_k(probs, self.k)[1], self.experts)
+        else:
+            probs, chosen = routed
         share = keras.ops.mean(keras.ops.sum(chosen, axis=1), axis=0)
         return self.experts * keras.ops.sum(share * keras.ops.mean(probs, axis=0))
 
 
-def routed_model(combine: str) -> keras.Model:
+def routed_model(combine: str, recompute: bool = True) -> keras.Model:
     inputs = keras.Input((8, 64))
-    hidden = RoutedExperts(combine, name="moe")(keras.layers.Dense(64, name="proj")(inputs))
+    hidden = RoutedExperts(combine, recompute, name="moe")(keras.layers.Dense(64, name="proj")(inputs))
     return keras.Model(inputs, hidden, name="routed")  # logits over 64 classes at each position
 
 
-@pytest.mark.parametrize(
-    "combine",
-    ["weighted sum", "einsum"],
-    ids=["weighted-sum", "einsum"],
+#: Measured 2026-12-02 (XLA:CPU, 2×4): a loss that reuses the layer's probabilities and choices.
+_SHARED_MISS = (
+    "'model' 0.872 (24,960 predicted, 28,614 compiled), 'data' 1.023 (33,804): XLA splits the router's "
+    "output over 'model' when the loss reads the layer's own probabilities (the router kernel's gradient "
+    "gathered over 'model' three times in the update, 3 × 768 bytes; the loss's means all-reduced over "
+    "it, over 'data' in quarters); the planner keeps the router whole and does not follow that split"
 )
-def test_a_user_written_router_and_its_aux_loss_are_predicted_as_compiled(combine):
+ROUTERS = [
+    pytest.param("weighted sum", True, id="weighted-sum"),
+    pytest.param("einsum", True, id="einsum"),
+    pytest.param(
+        "weighted sum",
+        False,
+        id="loss-on-its-probabilities",
+        marks=pytest.mark.xfail(strict=True, reason=_SHARED_MISS),
+    ),
+]
+
+
+@pytest.mark.parametrize(("combine", "recompute"), ROUTERS)
+def test_a_user_written_router_and_its_aux_loss_are_predicted_as_compiled(combine, recompute):
     """A custom layer's router (`top_k` of batch-split tokens: its probabilities gathered over `data`)
     and its `add_loss` load-balancing loss (its means over the tokens all-reduced over `data`)."""
-    mesh, build = kml.Mesh(data=2, model=4), functools.partial(routed_model, combine)
+    mesh, build = kml.Mesh(data=2, model=4), functools.partial(routed_model, combine, recompute)
     x, y = np.zeros((8, 8, 64), "float32"), np.zeros((8, 8), "int32")
     with kml.dry_build(build) as model:
         rules = kml.auto_rules(model, mesh, replicate_below=0, batch=x, optimizer="adam")
@@ -180,7 +199,7 @@ def test_a_user_written_router_and_its_aux_loss_are_predicted_as_compiled(combin
     report, state = compiled_step(build, kml.ModelParallel(mesh, rules), x, y)
     router = [t for t in report.transfers if t.kind == "all-gather" and t.axes == ("data",)]
     # The router's probabilities, 64 tokens × 4 experts, for the layer's top_k and for its loss's.
-    assert [t.shape for t in router] == [(64, 4)] * 2, router
+    assert [t.shape for t in router] == [(64, 4)] * (2 if recompute else 1), router
     assert rules.cost.wire_bytes_by_axis == pytest.approx(report.wire_bytes_by_axis, rel=0.02)
     assert rules.cost.wire_bytes_by_axis["data"] == report.wire_bytes_by_axis["data"]
     assert rules.cost.state_bytes == state
