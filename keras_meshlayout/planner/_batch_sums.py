@@ -24,7 +24,18 @@ partial sums before their all-reduce:
   predicted per bias where 256 are sent: not yet followed);
 - a fast Fourier transform of a batch-split value (FNet's token mixing) is
   computed on the whole batch: its operand is all-gathered over the batch axis
-  forward and again backward.
+  forward and again backward;
+- a `top_k` of a batch-split value (a mixture-of-experts router choosing each
+  token's experts) is computed on the whole batch too: its operand (the router's
+  `(tokens, experts)` probabilities) is all-gathered over the batch axis forward,
+  once per `top_k`, and nothing is sent for it backward;
+- an auxiliary loss that reduces over the batch (`add_loss` of a router's
+  load-balancing loss: the fraction of tokens sent to each expert, the mean
+  router probability, a padding mask's count) has each reduction's partial sums
+  all-reduced over the batch axis forward; its own `top_k` gathers as above.
+  Keras adds these losses only when training, so they are read off a second,
+  training-mode trace (`Trace.auxiliary`), from the operations only the losses
+  need (measured on keras-hub Mixtral, QwenMoe, Qwen3Moe and GPT-OSS, 2×4).
 
 The batch's dimension starts at the first dimension of every input and follows
 the dataflow (element-wise operations, broadcasts, reshapes, transposes, dot
@@ -69,11 +80,17 @@ class BatchSums:
             meets the batch, in float32 at least.
         gathered: Bytes of each value XLA all-gathers over the batch axis, whole (the
             operands of Fourier transforms), once forward and once backward.
+        routed: Bytes of each value all-gathered over the batch axis, whole, forward only
+            (the operands of `top_k`s of batch-split values: a router's choices).
+        reduced: Bytes of each auxiliary loss's reduction over the batch, all-reduced over
+            the batch axis forward.
     """
 
     reads: Mapping[str, float]
     meetings: tuple[float, ...]
     gathered: tuple[float, ...]
+    routed: tuple[float, ...] = ()
+    reduced: tuple[float, ...] = ()
 
 
 def batch_sums(trace: Trace) -> BatchSums:
@@ -98,7 +115,44 @@ def batch_sums(trace: Trace) -> BatchSums:
     # Variables sharing a path (two layers of one name) share its count.
     shared = collections.Counter(trace.variables.values())
     counts = {path: count / shared[path] for path, count in reads.items()}
-    return BatchSums(MappingProxyType(counts), tuple(meetings), tuple(gathered))
+    routed = _routed(trace, live, batch)
+    reduced: list[float] = []
+    if trace.auxiliary is not None:
+        more, reduced = _auxiliary(trace.auxiliary)
+        routed += more
+    return BatchSums(
+        MappingProxyType(counts), tuple(meetings), tuple(gathered), tuple(routed), tuple(reduced)
+    )
+
+
+def _routed(trace: Trace, live: list[bool], batch: Mapping[int, int]) -> list[float]:
+    """Bytes of the operand of each live `top_k` of a batch-split value: gathered over the batch axis."""
+    return [
+        float(_size(trace, node.inputs[0]) * np.dtype(trace.dtypes[node.inputs[0]]).itemsize)
+        for node in trace.nodes
+        if live[node.index] and node.primitive == "top_k" and node.inputs[0] in batch
+    ]
+
+
+def _auxiliary(trace: Trace) -> tuple[list[float], list[float]]:
+    """The `top_k` gathers and the reductions over the batch that only the auxiliary losses need.
+
+    What the model's outputs need too is the inference trace's, counted there.
+    """
+    for_losses = _live(dataclasses.replace(trace, outputs=trace.losses))
+    model_outputs = tuple(v for v in trace.outputs if v not in set(trace.losses))
+    for_outputs = _live(dataclasses.replace(trace, outputs=model_outputs))
+    only = [a and not b for a, b in zip(for_losses, for_outputs, strict=True)]
+    batch = _batch_dims(trace)
+    reduced = []
+    for node in trace.nodes:
+        value = node.inputs[0] if node.inputs else -1
+        if not only[node.index] or not node.primitive.startswith("reduce_") or value not in batch:
+            continue
+        if batch[value] in tuple(node.params.get("axes", ())):
+            out = node.outputs[0]
+            reduced.append(float(max(_size(trace, out), 1) * np.dtype(trace.dtypes[out]).itemsize))
+    return _routed(trace, only, batch), reduced
 
 
 def _reads(trace: Trace, live: list[bool], batch: Mapping[int, int]) -> tuple[dict[str, float], set[int]]:

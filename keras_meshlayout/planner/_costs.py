@@ -147,6 +147,12 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             add_wire(fixed_wire, self.batch_axis, wire_bytes("all-reduce", meeting, self.d))
         for gathered in self.sums.gathered:
             add_wire(fixed_wire, self.batch_axis, 2 * wire_bytes("all-gather", gathered, self.d))
+        # A router's `top_k` gathers its operand over the batch axis; an auxiliary loss all-reduces
+        # its reductions over the batch (`_batch_sums`).
+        for routed in self.sums.routed:
+            add_wire(fixed_wire, self.batch_axis, wire_bytes("all-gather", routed, self.d))
+        for reduced in self.sums.reduced:
+            add_wire(fixed_wire, self.batch_axis, wire_bytes("all-reduce", reduced, self.d))
         add_wire(fixed_wire, self.batch_axis, self.batch_norm_traffic())
         units.append(UnitCosts("(everything else)", (candidate("replicated", {}, fixed_state, fixed_wire),)))
         return units

@@ -80,6 +80,11 @@ class Trace:
         read: Per trainable variable path the outputs depend on, the fraction read.
         trained: Value ids computed from a trainable weight (or a LoRA kernel): the
             values a gradient flows back to.
+        losses: Value ids of the auxiliary losses (`add_loss`) among `outputs`, in a trace
+            taken in training mode (`auxiliary`); empty otherwise.
+        auxiliary: The forward pass traced again in training mode with its auxiliary losses
+            as outputs after the model's, when it routes tokens (a `top_k`, as a
+            mixture-of-experts router): what those losses add to the step (`_batch_sums`).
     """
 
     nodes: tuple[Node, ...]
@@ -93,6 +98,8 @@ class Trace:
     uses: Mapping[str, tuple[Use, ...]]
     read: Mapping[str, float]
     trained: frozenset[int] = frozenset()
+    losses: tuple[int, ...] = ()
+    auxiliary: Trace | None = None
 
     def unread(self, path: str) -> bool:
         """Whether no operation of the traced step reads the variable at `path` (trainable or frozen)."""
@@ -196,7 +203,37 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
     used = {path: f for path, f in zip([v.path for v in trainable], read, strict=False) if f > 0}
     for base, a, b in lora:  # the adapters are read whole; XLA sums the gradient of the merged kernel
         used.update({base.path: 1.0, a.path: 1.0, b.path: 1.0})
-    return dataclasses.replace(trace, read=MappingProxyType(used))
+    auxiliary = None
+    if kwargs and any(node.primitive == "top_k" for node in trace.nodes):
+        try:
+            auxiliary = _trace_losses(model, batch, trainable, non_trainable)
+        except Exception:  # a model that cannot run in training mode here: plan without its losses
+            auxiliary = None
+    return dataclasses.replace(trace, read=MappingProxyType(used), auxiliary=auxiliary)
+
+
+def _trace_losses(model: keras.Model, batch: Any, trainable: list, non_trainable: list) -> Trace | None:
+    """The forward pass in training mode, its auxiliary losses (`add_loss`) as outputs after the model's.
+
+    Keras adds them to the loss only when training (a router's load-balancing loss), so the
+    inference trace never sees them; `None` when there are none.
+    """
+    import jax
+
+    def forward(train: Any, state: Any, x: Any) -> Any:
+        outputs, _, losses = model.stateless_call(train, state, x, training=True, return_losses=True)
+        return keras.tree.flatten(outputs), list(losses)
+
+    with _compat.lora_off(model):
+        closed, (outs, losses) = jax.make_jaxpr(forward, return_shape=True)(
+            [_abstract(v) for v in trainable],
+            [_abstract(v) for v in non_trainable],
+            keras.tree.map_structure(_abstract, batch),
+        )
+    if not losses:
+        return None
+    trace = _flat(closed.jaxpr, [v.path for v in trainable + non_trainable], keep_uses=False)
+    return dataclasses.replace(trace, losses=trace.outputs[len(outs) :])
 
 
 def trace_step(model: keras.Model, batch: Any) -> Trace:
