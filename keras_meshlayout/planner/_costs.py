@@ -14,7 +14,7 @@ per-device state and the bytes each device sends per training step:
 - `2-D`: tensor-parallel, with each split kernel's largest other dimension
   also split over the batch axis; XLA all-gathers those kernels over the batch
   axis before use, once per step (twice for large kernels, see
-  `_gathers_per_step`); a bias split over the model axis is split over both
+  `_one_weight.OneWeightCosts.gathers_per_step`); a bias split over the model axis is split over both
   (`(("model", "data"),)`) when it divides, and gathered over the batch axis
   where read;
 - `vocab-parallel` (embeddings): the vocabulary split over the model axis,
@@ -132,7 +132,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                 claimed.update(path for c in one.candidates for path in c.axes)
                 continue
             if id(variable) in trainable and variable.path in self.used and not self._kept_whole(variable):
-                sharded = self._fully_sharded_unit(variable)
+                sharded = self._fully_sharded_unit(variable, owner)
                 if sharded is not None:
                     units.append(sharded)
                     continue
@@ -213,7 +213,8 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             gathered = nbytes(variable) / shards
             count = 0
             if spread != axes and variable.path not in self.lora_base:  # an adapter's: `_lora_traffic`
-                count = self._gathers_per_step(owner, variable, gathered, axes)
+                side = self.side(variable.path, self.tp_axes[variable.path])
+                count = self.gathers_per_step(owner, variable, gathered, side) if side else 1
             elif self._splits_further(variable, axes):
                 # A column bias beside its 2-D kernel: its model-axis shards split again over the
                 # batch axis, gathered over it where read (measured on XLA:CPU, 2×4 and 4×2).
@@ -389,35 +390,6 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             and shape[0] % (self.m * self.d) == 0
             and not self.uses.get(variable.path)
         )
-
-    def _gathers_per_step(
-        self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, axes: Axes
-    ) -> int:
-        """How often XLA all-gathers a 2-D kernel over the batch axis in one step.
-
-        Measured on XLA:CPU (jaxlib 0.10) on MLPs and on the Llama, Gemma,
-        Mistral, Falcon, Qwen, SmolLM3, GPT-2, BERT and T5 backbones of the
-        tests: the kernel gathered for the forward pass is kept for the
-        backward one, except over a batch axis of 4 or more devices when it is
-        larger than both the projection's input and output on one device (at
-        least as large, for a `Dense` kernel); then it is gathered again,
-        unless the projection reads the model's input (no input gradient, so
-        the backward pass needs no kernel).
-        `tests/test_budget.py` holds this against the compiled HLO.
-        """
-        side = self.side(kernel.path, self.tp_axes[kernel.path])
-        if not side or self.d < 4:
-            return 1
-        largest = 0.0
-        for inputs, output, from_input, dtype in self.calls(kernel.path):
-            if from_input:
-                return 1
-            local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
-            local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
-            largest = max(largest, local_in, local_out)
-        if isinstance(layer, keras.layers.EinsumDense):
-            return 2 if gathered > largest else 1
-        return 2 if gathered >= largest else 1  # a Dense layer, or a custom layer's matmul
 
     def _grouped_kv(self, unit: str, layers: Mapping[int, keras.layers.Layer]) -> list[float]:
         """The traffic of key/value projections kept whole beside split query heads.

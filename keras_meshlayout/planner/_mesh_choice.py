@@ -25,7 +25,7 @@ from ..core._errors import InvalidOptionError, MemoryBudgetError
 from ..core._format import Displayed, format_bytes, to_text
 from ..core._memory import parse_bytes
 from ..core._targets import Target, parse_target
-from ._auto import auto_rules
+from ._auto import plan_rules
 from ._experts import EXPERT_AXIS, expert_counts
 from ._flops import device_flops, step_flops
 from ._trace import trace_model, trace_step
@@ -55,6 +55,10 @@ class MeshOption:
         comm_seconds: Each axis's bytes over the interconnect bandwidth, summed (`None` without a target).
         excluded: Why the mesh cannot be used (its predicted peak exceeds the budget, the batch
             does not divide), or `None`.
+        fsdp: Whether the row is the mesh's fully sharded plan (ZeRO-3: every unit at its layout
+            of least state, its weights, gradients and slots split over the batch axis too and
+            gathered for each layer's compute) rather than its least-traffic plan within the budget.
+        layouts: How many units took each layout (`PlanCost.layouts`: `{"2-D": 2, "fully sharded": 3}`).
     """
 
     axis_sizes: dict[str, int]
@@ -64,6 +68,8 @@ class MeshOption:
     compute_seconds: float | None
     comm_seconds: float | None
     excluded: str | None = None
+    fsdp: bool = False
+    layouts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def spec(self) -> str:
@@ -86,6 +92,7 @@ class MeshOption:
         """The option as JSON-ready data."""
         return {
             "mesh": self.spec,
+            "fsdp": self.fsdp,
             "axis_sizes": dict(self.axis_sizes),
             "wire_bytes_per_device": self.wire_bytes,
             "wire_bytes_by_axis": dict(self.wire_bytes_by_axis),
@@ -95,6 +102,7 @@ class MeshOption:
             "comm_seconds": self.comm_seconds,
             "step_seconds": self.step_seconds,
             "excluded": self.excluded,
+            "layouts": dict(self.layouts),
         }
 
 
@@ -128,6 +136,7 @@ class MeshChoice(Displayed):
         """`{"mesh": ..., "alternatives": [...], ...}` as `plan --json` prints it."""
         return {
             "mesh": self.best.spec,
+            "fsdp": self.best.fsdp,
             "target": None if self.target is None else self.target.spec,
             "flops_per_step": self.flops,
             "budget": self.budget,
@@ -141,6 +150,7 @@ class MeshChoice(Displayed):
         table = Table(title=f"Meshes for {self.target or f'{self.mesh.size} devices'}, by {ranked}")
         for column in (
             "mesh",
+            "plan",
             "step",
             "compute",
             "comm",
@@ -149,11 +159,12 @@ class MeshChoice(Displayed):
             "peak/device",
             "note",
         ):
-            table.add_column(column, justify="left" if column in ("mesh", "note") else "right")
+            table.add_column(column, justify="left" if column in ("mesh", "plan", "note") else "right")
         for index, option in enumerate(self.alternatives):
             note = option.excluded or ("chosen" if index == 0 else "")
             table.add_row(
                 option.spec,
+                "fully sharded" if option.fsdp else "least traffic",
                 _seconds(option.step_seconds),
                 _seconds(option.compute_seconds),
                 _seconds(option.comm_seconds),
@@ -252,7 +263,7 @@ def choose_mesh(
         step = _Step(model, batch, step_flops(model, batch), trace_step(model, batch), optimizer, axes)
         experts = expert_counts(model, trace_model(model, batch)) if EXPERT_AXIS not in axes else set()
         sizes_list = _factorizations(count, axes, math.gcd(*experts) if experts else 1)
-        options = [_option(step, sizes, target, budget) for sizes in sizes_list]
+        options = [option for sizes in sizes_list for option in _options(step, sizes, target, budget)]
     ranked = sorted((o for o in options if o.excluded is None), key=_rank)
     if not ranked:
         peaks = [o.peak_bytes for o in options if o.peak_bytes is not None]
@@ -261,7 +272,7 @@ def choose_mesh(
         )
     mesh = _mesh(ranked[0].axis_sizes, target)
     with _dry(build) as model:
-        rules = _plan(model, mesh, batch, optimizer, budget, axes)
+        rules = _plan(model, mesh, batch, optimizer, budget, axes, fully_sharded=ranked[0].fsdp)
     alternatives = (*ranked, *(o for o in options if o.excluded is not None))
     return MeshChoice(mesh, rules, alternatives, target, step.flops, budget)
 
@@ -313,19 +324,39 @@ class _Step:
     axes: tuple[str, str]
 
 
-def _option(step: _Step, sizes: dict[str, int], target: Target | None, budget: int | None) -> MeshOption:
-    """One factorization planned within the budget: bytes per axis, peak, FLOPs and times, or why not."""
+def _options(
+    step: _Step, sizes: dict[str, int], target: Target | None, budget: int | None
+) -> list[MeshOption]:
+    """One factorization's rows: its least-traffic plan within the budget and, with a batch axis of 2
+    or more, its fully sharded plan where that differs (one row marked `fsdp` where the budget left
+    the search only the fully sharded plan); or one row saying why the mesh cannot be used."""
     rows = _rows(step.batch)
     data = sizes[step.axes[0]]
     if rows % data:
         why = f"the batch of {rows} rows does not split over {step.axes[0]}={data}"
-        return MeshOption(sizes, {}, None, None, None, None, excluded=why)
+        return [MeshOption(sizes, {}, None, None, None, None, excluded=why)]
+    # Over the target's devices, so that the predicted peak follows its compiler (`_peak`).
+    mesh = _mesh(sizes, target)
     try:
-        # Over the target's devices, so that the predicted peak follows its compiler (`_peak`).
-        rules = _plan(step.model, _mesh(sizes, target), step.batch, step.optimizer, budget, step.axes)
-    except MemoryBudgetError as err:
-        why = f"no layout fits the budget (needs {format_bytes(err.smallest_bytes or 0)})"
-        return MeshOption(sizes, {}, err.smallest_bytes, None, None, None, excluded=why)
+        least = _plan(step.model, mesh, step.batch, step.optimizer, budget, step.axes)
+    except MemoryBudgetError as err:  # the fully sharded plan is the smallest: it does not fit either
+        why = f"no layout fits the budget (fully sharded, needs {format_bytes(err.smallest_bytes or 0)})"
+        return [MeshOption(sizes, {}, err.smallest_bytes, None, None, None, excluded=why)]
+    if data < 2:
+        return [_costed(step, sizes, target, least, fsdp=False)]
+    sharded = _plan(step.model, mesh, step.batch, step.optimizer, budget, step.axes, fully_sharded=True)
+    if _same_layouts(least, sharded):
+        return [_costed(step, sizes, target, least, fsdp=True)]
+    return [_costed(step, sizes, target, least, fsdp=False), _costed(step, sizes, target, sharded, fsdp=True)]
+
+
+def _same_layouts(one: Any, other: Any) -> bool:
+    """Whether two plans of one mesh lay out every variable alike."""
+    return [(r.pattern, r.axes) for r in one.rules] == [(r.pattern, r.axes) for r in other.rules]
+
+
+def _costed(step: _Step, sizes: dict[str, int], target: Target | None, rules: Any, fsdp: bool) -> MeshOption:
+    """A planned factorization's row: bytes per axis, peak, FLOPs and times."""
     cost = rules.cost
     peak = cost.peak_bytes if cost.peak_bytes is not None else cost.memory_bytes
     # Every axis, and the groups over several (a table over both axes sends on "data×model").
@@ -335,7 +366,7 @@ def _option(step: _Step, sizes: dict[str, int], target: Target | None, budget: i
     if target is not None:
         compute = flops / target.peak_flops
         comm = sum(by_axis.values()) / target.ici_bytes_per_s
-    return MeshOption(sizes, by_axis, peak, flops, compute, comm)
+    return MeshOption(sizes, by_axis, peak, flops, compute, comm, fsdp=fsdp, layouts=cost.layouts())
 
 
 def _layouts(model: Any, rules: Any, sizes: dict[str, int]) -> dict[str, Any]:
@@ -349,19 +380,28 @@ def _layouts(model: Any, rules: Any, sizes: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _rank(option: MeshOption) -> tuple[float, float, int]:
-    """Step time, then bytes, then the larger data axis; without a target the FLOPs per device
-    (to 0.1%) come first, then the bytes sent."""
+def _rank(option: MeshOption) -> tuple[float, float, int, bool]:
+    """Step time, then bytes, then the larger data axis, then the least-traffic plan before the fully
+    sharded one; without a target the FLOPs per device (to 0.1%) come first, then the bytes sent."""
+    data = -next(iter(option.axis_sizes.values()))
     if option.step_seconds is not None:
-        return (option.step_seconds, option.wire_bytes, -next(iter(option.axis_sizes.values())))
+        return (option.step_seconds, option.wire_bytes, data, option.fsdp)
     flops = float(f"{option.flops_per_device or 0.0:.3g}")
-    return (flops, option.wire_bytes, -next(iter(option.axis_sizes.values())))
+    return (flops, option.wire_bytes, data, option.fsdp)
 
 
-def _plan(model: Any, mesh: Any, batch: Any, optimizer: Any, budget: int | None, axes: Sequence[str]) -> Any:
-    return auto_rules(
+def _plan(
+    model: Any,
+    mesh: Any,
+    batch: Any,
+    optimizer: Any,
+    budget: int | None,
+    axes: Sequence[str],
+    fully_sharded: bool = False,
+) -> Any:
+    return plan_rules(
         model, mesh, model_axis=axes[1], batch_axis=axes[0], batch=batch, optimizer=optimizer,
-        memory_budget=budget,
+        memory_budget=budget, fully_sharded=fully_sharded,
     )  # fmt: skip
 
 

@@ -246,7 +246,9 @@ class OneWeightCosts(Bytes):
             variable.path, (self._replicated([variable]), split), frozen(note), proposed=proposed
         )
 
-    def _fully_sharded_unit(self, variable: keras.Variable) -> UnitCosts | None:
+    def _fully_sharded_unit(
+        self, variable: keras.Variable, owner: keras.layers.Layer | None = None
+    ) -> UnitCosts | None:
         """A weight outside every unit, split over the batch axis and gathered when used (ZeRO-3).
 
         Two kinds of weight get the candidate, each with what XLA:CPU's
@@ -259,7 +261,8 @@ class OneWeightCosts(Bytes):
           all-reduced as if replicated;
         - a projection kernel `x @ w` read once, split on its input features:
           with a batch axis at least as large as the model axis, all-gathered
-          over the batch axis forward, its gradient all-reduced whole. With a
+          over the batch axis forward (its input gradient's traffic in `_input_gradient`), its
+          gradient all-reduced whole. With a
           smaller batch axis XLA moves each device's shard to the model-axis
           layout (a collective-permute over both axes of 1/model of the
           kernel), then either all-gathers it over the model axis or, when
@@ -304,6 +307,7 @@ class OneWeightCosts(Bytes):
             when = "before its projection"
             if d >= m:
                 add_wire(wire, self.batch_axis, wire_bytes("all-gather", size, d))
+                add_wire(wire, self.batch_axis, self._input_gradient(owner, variable, use))
             else:
                 wire = None if shape[0] % m else self._permuted_kernel(size, use)
             how = f"gathered over {self.batch_axis!r} {when}"
@@ -330,6 +334,59 @@ class OneWeightCosts(Bytes):
         if len(candidates) == 1:
             return None
         return UnitCosts(variable.path, tuple(candidates), frozen(notes))
+
+    def gathers_per_step(
+        self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
+    ) -> int:
+        """How often XLA all-gathers a kernel split over the batch axis in one step (2-D, fully sharded).
+
+        `side` is how the model axis splits it: `"row"`, `"column"` or `"whole"` (not at all).
+        Measured on XLA:CPU (jaxlib 0.10) on MLPs and on the Llama, Gemma,
+        Mistral, Falcon, Qwen, SmolLM3, GPT-2, BERT and T5 backbones of the
+        tests: the kernel gathered for the forward pass is kept for the
+        backward one unless it is large beside the projection's activations on one device; then
+        it is gathered again, unless the projection reads the model's input (no input gradient,
+        so the backward pass needs no kernel). Over a batch axis of 4 or more devices, large is
+        larger than both the projection's input and output on one device (at least as large,
+        for a `Dense` kernel); over 2 devices, larger than its output on one device (a Dense MLP
+        on `data=2` with `model=1`, 2 and 4, 8 to 512 rows per device: the input's size does not
+        decide there). `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against
+        the compiled HLO.
+        """
+        largest = largest_out = 0.0
+        for inputs, output, from_input, dtype in self.calls(kernel.path):
+            if from_input:
+                return 1
+            local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
+            local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
+            largest, largest_out = max(largest, local_in, local_out), max(largest_out, local_out)
+        if self.d < 4:
+            return 2 if gathered > largest_out else 1
+        if isinstance(layer, keras.layers.EinsumDense):
+            return 2 if gathered > largest else 1
+        return 2 if gathered >= largest else 1  # a Dense layer, or a custom layer's matmul
+
+    def _input_gradient(self, layer: keras.layers.Layer | None, kernel: keras.Variable, use) -> float:
+        """What a kernel split over the batch axis alone on its input features sends for its input gradient.
+
+        Nothing while XLA keeps the kernel gathered for the forward pass (`gathers_per_step`);
+        otherwise the output's gradient of the whole batch is gathered, and its product with the
+        kernel's shards (the input gradient of the whole batch, split on its features) is turned
+        into each device's rows by an all-to-all; over 4 devices or more, the kernel is gathered
+        again instead where that sends no more. Measured on XLA:CPU, a Dense MLP on `data=2` and
+        `data=8` with `model=1`, 2 to 512 rows per device: `data=8` gathered the output gradient at
+        2 and 8 rows, the kernel at 32 (a tie), kept it at 128; `data=2` gathered the output
+        gradient at 8, 32 and 128 rows (at 128 more than the kernel would send), kept it at 512.
+        """
+        size, d = nbytes(kernel), self.d
+        if self.gathers_per_step(layer, kernel, size, "whole") < 2:
+            return 0.0
+        again = wire_bytes("all-gather", size, d)
+        output = self._activation(use.output, use.dtype) * d
+        moved = wire_bytes("all-gather", output, d) + wire_bytes(
+            "all-to-all", self._activation(use.inputs, use.dtype), d
+        )
+        return moved if moved < again or d < 4 else again
 
     def _permuted_kernel(self, size: float, use) -> dict[str, float]:
         """The traffic of a kernel split over a batch axis smaller than the model axis (see above)."""
