@@ -215,12 +215,15 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             if spread != axes and variable.path not in self.lora_base:  # an adapter's: `_lora_traffic`
                 side = self.side(variable.path, self.tp_axes[variable.path])
                 count = self.gathers_per_step(owner, variable, gathered, side) if side else 1
+                gathered *= self.gathered_share(variable)
             elif self._splits_further(variable, axes):
                 # A column bias beside its 2-D kernel: its model-axis shards split again over the
-                # batch axis, gathered over it where read (measured on XLA:CPU, 2×4 and 4×2).
+                # batch axis, gathered over it where read (measured on XLA:CPU, 2×4 and 4×2; XLA:TPU
+                # sends none for it, measured on v5e 2×4 and 4×2).
                 count = self._elementwise_gathers(variable.path)
                 if count:
                     spread = ((self.model_axis, self.batch_axis),)
+                    count = 0 if self.compiler == "tpu" else count
             two_d_axes[variable.path] = spread
             if spread != axes:
                 gathers += count * wire_bytes("all-gather", gathered, self.d)

@@ -306,8 +306,7 @@ class OneWeightCosts(Bytes):
             add_wire(both, self.both, wire_bytes("all-gather", size, d * m))
             when = "before its projection"
             if d >= m:
-                add_wire(wire, self.batch_axis, wire_bytes("all-gather", size, d))
-                add_wire(wire, self.batch_axis, self._input_gradient(owner, variable, use))
+                add_wire(wire, self.batch_axis, self._whole_kernel_gathers(owner, variable, use))
             else:
                 wire = None if shape[0] % m else self._permuted_kernel(size, use)
             how = f"gathered over {self.batch_axis!r} {when}"
@@ -351,20 +350,36 @@ class OneWeightCosts(Bytes):
         for a `Dense` kernel); over 2 devices, larger than its output on one device (a Dense MLP
         on `data=2` with `model=1`, 2 and 4, 8 to 512 rows per device: the input's size does not
         decide there). `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against
-        the compiled HLO.
+        the compiled HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a Dense MLP, 2 to 512
+        rows per device) gathers a kernel three times whatever its size, once for a projection of
+        the model's input, in bfloat16 (`gathered_share`).
         """
+        if self.compiler == "tpu":  # XLA:TPU: three gathers, one for a projection of the input
+            return 1 if any(call[2] for call in self.calls(kernel.path)) else 3
+        return 2 if self._regathered(layer, kernel, gathered, side) else 1
+
+    def _regathered(
+        self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
+    ) -> bool:
+        """Whether XLA:CPU gathers a kernel again for its input gradient (`gathers_per_step`)."""
         largest = largest_out = 0.0
         for inputs, output, from_input, dtype in self.calls(kernel.path):
             if from_input:
-                return 1
+                return False
             local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
             local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
             largest, largest_out = max(largest, local_in, local_out), max(largest_out, local_out)
         if self.d < 4:
-            return 2 if gathered > largest_out else 1
+            return gathered > largest_out
         if isinstance(layer, keras.layers.EinsumDense):
-            return 2 if gathered > largest else 1
-        return 2 if gathered >= largest else 1  # a Dense layer, or a custom layer's matmul
+            return gathered > largest
+        return gathered >= largest  # a Dense layer, or a custom layer's matmul
+
+    def gathered_share(self, variable: keras.Variable) -> float:
+        """The share of a kernel's bytes an all-gather over the batch axis sends: on XLA:TPU a float32
+        kernel is cast to bfloat16 before it is gathered (measured on v5e, see `gathers_per_step`)."""
+        itemsize = np.dtype(variable.dtype).itemsize
+        return 2 / itemsize if self.compiler == "tpu" and itemsize > 2 else 1.0
 
     def _input_gradient(self, layer: keras.layers.Layer | None, kernel: keras.Variable, use) -> float:
         """What a kernel split over the batch axis alone on its input features sends for its input gradient.
@@ -379,7 +394,7 @@ class OneWeightCosts(Bytes):
         gradient at 8, 32 and 128 rows (at 128 more than the kernel would send), kept it at 512.
         """
         size, d = nbytes(kernel), self.d
-        if self.gathers_per_step(layer, kernel, size, "whole") < 2:
+        if not self._regathered(layer, kernel, size, "whole"):
             return 0.0
         again = wire_bytes("all-gather", size, d)
         output = self._activation(use.output, use.dtype) * d
@@ -387,6 +402,27 @@ class OneWeightCosts(Bytes):
             "all-to-all", self._activation(use.inputs, use.dtype), d
         )
         return moved if moved < again or d < 4 else again
+
+    def _whole_kernel_gathers(self, layer: keras.layers.Layer | None, kernel: keras.Variable, use) -> float:
+        """A kernel split over the batch axis alone, on its input features: its gathers and input gradient.
+
+        XLA:CPU gathers it once forward, its input gradient as `_input_gradient` says. XLA:TPU
+        gathers it in bfloat16 as often as `gathers_per_step` says, and, while XLA:CPU would gather
+        it again, also gathers the output gradient (in bfloat16) and moves the input gradient (an
+        all-to-all in float32): measured on v5e `data=8`, a Dense MLP, at 2, 8 and 32 rows per
+        device, not at 128.
+        """
+        size, d = nbytes(kernel), self.d
+        if self.compiler != "tpu":
+            return wire_bytes("all-gather", size, d) + self._input_gradient(layer, kernel, use)
+        share = self.gathered_share(kernel)
+        count = self.gathers_per_step(layer, kernel, size, "whole")
+        wire = count * wire_bytes("all-gather", size * share, d)
+        if count == 1 or not self._regathered(layer, kernel, size, "whole"):
+            return wire
+        output = self._activation(use.output, use.dtype) * d * share
+        moved = wire_bytes("all-to-all", self._summed(use.inputs, use.dtype), d)
+        return wire + wire_bytes("all-gather", output, d) + moved
 
     def _permuted_kernel(self, size: float, use) -> dict[str, float]:
         """The traffic of a kernel split over a batch axis smaller than the model axis (see above)."""
