@@ -12,6 +12,35 @@ overlap of compute and communication. A model with mixture-of-experts banks is a
 planned on every `data × expert × model` split whose expert axis divides its experts: the
 planner (`_experts`) splits the banks over the `expert` axis there, and over the model axis on
 the two-axis meshes.
+
+Fully sharded (ZeRO-3/FSDP) alternatives: the data axis is the fsdp axis. Each factorization
+with a data axis of 2 or more is planned twice, and both rows are ranked together (`fsdp` says
+which a row is, `layouts` what its units took):
+
+- its least-traffic plan within the budget (`auto_rules(memory_budget=...)`): tensor-parallel
+  units where they fit, and as the budget tightens, units moved to their 2-D or fully sharded
+  layouts one by one (the search of `_search`);
+- its fully sharded plan (`_auto.plan_rules(fully_sharded=True)`): every unit at its candidate of
+  least state, so weights, gradients and optimizer slots are split over `data` as well as over
+  `model` (a unit's 2-D layout, a weight outside every unit split over `data` or both axes, a
+  table over both axes), each gathered for the layer's compute: its all-gathers (forward, again
+  for the input gradient where XLA does so, in bfloat16 on XLA:TPU; `_one_weight`) are in the
+  row's bytes and so in its predicted step time; its FLOPs are the least-traffic plan's, since
+  a gathered weight computes as a whole one (`_flops`).
+
+When the two plans lay every variable out alike (the budget left the search only the fully sharded
+plan), the mesh has one row, marked `fsdp`. A mesh is excluded only when even its fully sharded plan
+exceeds the budget, so a budget no tensor-parallel plan fits still gets a mesh wherever sharding over
+`data` too fits it. `data=1` has no fully sharded row: there is no batch axis to split over.
+
+There is no separate `fsdp` mesh axis (the batch over `data` and `fsdp` both, weights split over
+`fsdp` only: hybrid sharding). Keras's `ModelParallel` splits the batch over one axis
+(`batch_dim_name`), and so does everything that follows it here: the batch decision in
+`core/_trainer_hooks.py`, the rows each process feeds (`core/_process_data.py`), and in the planner
+the batch axis's size (`Bytes.d`, the gradient all-reduces), the propagated activation layouts
+(`_propagate`), the peak walk and the FLOPs. A separate axis would take the batch layout as a pair of
+axes in all of these, gathers over `fsdp` apart from the all-reduces over `data × fsdp`, and costs
+measured against XLA for both; on one axis, `data=D` fully sharded is what a `data=1,fsdp=D` mesh would plan.
 """
 
 from __future__ import annotations
@@ -214,8 +243,13 @@ def choose_mesh(
     by the axes its output and contracted dimensions are split over (a layer left replicated
     on the model axis counts in full on each of its devices), the rest of the step evenly over
     all devices. Multi-slice targets are costed as ICI. Without a target, the splits rank by
-    FLOPs per device, then bytes sent. A mesh on which no layout fits the budget, or whose data
-    axis does not divide the batch, is listed as excluded.
+    FLOPs per device, then bytes sent. A mesh on which no layout fits the budget (not even the
+    fully sharded one), or whose data axis does not divide the batch, is listed as excluded.
+
+    Each split with a data axis of 2 or more is also planned fully sharded (ZeRO-3 over the
+    data axis: every unit at its layout of least state, its weights gathered for each layer's
+    compute, the gathers in its bytes sent); that plan is ranked beside the least-traffic one,
+    marked `fsdp` (see the module).
 
     A model with mixture-of-experts banks (`kml.auto_rules` splits them on their expert
     dimension) is also planned on each `data × expert × model = devices` with an expert axis of 2
@@ -234,8 +268,8 @@ def choose_mesh(
             `"expert"`, the expert axis's name, for the three-axis splits to be planned).
 
     Returns:
-        A `MeshChoice`: the best mesh (over the target's devices, or abstract), its rules, and
-        the alternatives, best first.
+        A `MeshChoice`: the best mesh (over the target's devices, or abstract), its rules (the
+        fully sharded plan where `choice.best.fsdp`), and the alternatives, best first.
 
     Raises:
         InvalidOptionError: `devices` is not a positive count or a target, or `axes` not two names.
@@ -247,8 +281,8 @@ def choose_mesh(
         ...     return keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, name="up"),
         ...                              keras.layers.Dense(64, name="down")], name="mlp")
         >>> choice = kml.choose_mesh(build, 8, batch=np.zeros((16, 64), "float32"), optimizer="adam")
-        >>> [option.spec for option in choice.alternatives]
-        ['data=1,model=8', 'data=2,model=4', 'data=4,model=2', 'data=8,model=1']
+        >>> [option.spec + (" fsdp" if option.fsdp else "") for option in choice.alternatives[:3]]
+        ['data=1,model=8', 'data=2,model=4', 'data=2,model=4 fsdp']
         >>> choice.mesh.axis_sizes, choice.best.wire_bytes < choice.alternatives[-1].wire_bytes
         ({'data': 1, 'model': 8}, True)
     """
