@@ -117,6 +117,14 @@ def test_bad_arguments_say_what_to_pass(devices, axes, message):
         kml.choose_mesh(build, devices, batch=np.zeros((16, 64), "float32"), axes=axes)
 
 
+def test_the_fully_sharded_plan_needs_a_batch():
+    with (
+        kml.dry_build(build) as model,
+        pytest.raises(kml.InvalidOptionError, match="fully sharded plan needs batch="),
+    ):
+        plan_rules(model, kml.Mesh(data=2, model=4), fully_sharded=True)
+
+
 def test_a_moe_model_is_also_planned_on_expert_axes_and_the_choice_is_no_worse_than_brute_force():
     """A tiny keras-hub Mixtral (4 experts) on 4 devices: the three data × model splits and the three
     data × expert × model ones, each as `kml.auto_rules` plans it alone on 4 emulated devices."""

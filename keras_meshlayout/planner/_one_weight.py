@@ -347,10 +347,12 @@ class OneWeightCosts(Bytes):
         it is gathered again, unless the projection reads the model's input (no input gradient,
         so the backward pass needs no kernel). Over a batch axis of 4 or more devices, large is
         larger than both the projection's input and output on one device (at least as large,
-        for a `Dense` kernel); over 2 devices, larger than its output on one device (a Dense MLP
-        on `data=2` with `model=1`, 2 and 4, 8 to 512 rows per device: the input's size does not
-        decide there). `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against
-        the compiled HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a Dense MLP, 2 to 512
+        for a `Dense` kernel); over 2 devices, a kernel split on its input features (row-parallel,
+        or over the batch axis alone) larger than its output on one device (a Dense MLP on
+        `data=2` with `model=1`, 2 and 4, 8 to 512 rows per device: the input's size does not
+        decide there), never a column-parallel one (keras-hub T5 and Qwen on 2×4).
+        `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
+        HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a Dense MLP, 2 to 512
         rows per device) gathers a kernel three times whatever its size, once for a projection of
         the model's input, in bfloat16 (`gathered_share`).
         """
@@ -369,8 +371,8 @@ class OneWeightCosts(Bytes):
             local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
             local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
             largest, largest_out = max(largest, local_in, local_out), max(largest_out, local_out)
-        if self.d < 4:
-            return gathered > largest_out
+        if self.d < 4:  # a column kernel (the query, key, value, up and gate of T5 and Qwen on 2×4): once
+            return side != "column" and gathered > largest_out
         if isinstance(layer, keras.layers.EinsumDense):
             return gathered > largest
         return gathered >= largest  # a Dense layer, or a custom layer's matmul
