@@ -14,7 +14,7 @@ per-device state and the bytes each device sends per training step:
 - `2-D`: tensor-parallel, with each split kernel's largest other dimension
   also split over the batch axis; XLA all-gathers those kernels over the batch
   axis before use, once per step (twice for large kernels, see
-  `_one_weight.OneWeightCosts.gathers_per_step`); a bias split over the model axis is split over both
+  `_candidates.Bytes.gathers_per_step`); a bias split over the model axis is split over both
   (`(("model", "data"),)`) when it divides, and gathered over the batch axis
   where read;
 - `vocab-parallel` (embeddings): the vocabulary split over the model axis,
