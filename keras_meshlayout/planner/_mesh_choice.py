@@ -25,8 +25,9 @@ which a row is, `layouts` what its units took):
   `model` (a unit's 2-D layout, a weight outside every unit split over `data` or both axes, a
   table over both axes), each gathered for the layer's compute: its all-gathers (forward, again
   for the input gradient where XLA does so, in bfloat16 on XLA:TPU;
-  `_candidates.Bytes.gathers_per_step`) are in the row's bytes and so in its predicted step time; its FLOPs are the least-traffic plan's, since
-  a gathered weight computes as a whole one (`_flops`).
+  `_candidates.Bytes.gathers_per_step`) are in the row's bytes and so in its predicted step
+  time; its FLOPs are the least-traffic plan's, since a gathered weight computes as a whole one
+  (`_flops`).
 
 When the two plans lay every variable out alike (the budget left the search only the fully sharded
 plan), the mesh has one row, marked `fsdp`. A mesh is excluded only when even its fully sharded plan
