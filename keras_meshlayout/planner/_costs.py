@@ -52,7 +52,6 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from .. import _compat
 from ..core._axes import Axes
 from ..report._collectives import wire_bytes
 from ._candidates import (
@@ -68,8 +67,8 @@ from ._candidates import (
 )
 from ._conv_costs import ConvCosts
 from ._kv_costs import KeyValueCosts
-from ._layers import heads_dim, stored_weight
 from ._layers import owners as layer_owners
+from ._layers import stored_weight
 from ._ledger import Proposal
 from ._table_costs import TableCosts
 from ._trace import Trace
@@ -418,80 +417,3 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         if isinstance(layer, keras.layers.EinsumDense):
             return 2 if gathered > largest else 1
         return 2 if gathered >= largest else 1  # a Dense layer, or a custom layer's matmul
-
-    def _grouped_kv(self, unit: str, layers: Mapping[int, keras.layers.Layer]) -> list[float]:
-        """The traffic of key/value projections kept whole beside split query heads.
-
-        Their gradients are summed over the devices whose query heads share a
-        key/value head, and gathered back to all heads: per projection one
-        all-reduce of one head's activations over those devices, and (with
-        more than one key/value head) one all-gather of all of them. None for a frozen projection
-        (no LoRA adapters training) whose input needs no gradient (measured on XLA:CPU, keras-hub
-        Llama with `enable_lora(4)`: its first block's key projection).
-        """
-        extra: list[float] = []
-        if not layers:
-            return extra
-        for layer in _compat.sublayers(self.model):
-            path = getattr(layer, "path", None) or ""
-            if path.rpartition("/")[0] != unit or id(layer) in layers:
-                continue  # only the key/value projections of this very attention block
-            heads = heads_dim(layer)
-            if layer.path in self.proposal.kv_heads:  # a Dense key/value projection
-                count = self.proposal.kv_heads[layer.path]
-            elif heads is not None and heads[1] == "in" and layer.path in self.proposal.whole_outputs:
-                count = layer.kernel.shape[heads[0]]
-            else:
-                continue
-            if count == 0 or self.m % count:
-                continue
-            group = self.m // count
-            adapters = self.lora_pairs.get(layer.kernel.path)
-            trains = layer.kernel.trainable or (adapters is not None and adapters[0].trainable)
-            for _, output, from_input, dtype in self.calls(layer.kernel.path):
-                if from_input and not trains:
-                    continue  # a frozen projection of an input needing no gradient: none to sum
-                all_heads = self._summed(output, dtype)
-                extra.append(wire_bytes("all-reduce", all_heads / count, group))
-                if count > 1:
-                    extra.append(wire_bytes("all-gather", all_heads, count))
-        return extra
-
-    def _traced_kv(self, unit: str, wire: dict[str, float]) -> None:
-        """Key/value weights of a custom layer kept whole beside this unit's split query heads.
-
-        No layer output can be kept whole there (the projections are
-        `ops.matmul` calls inside a layer), so, measured on XLA:CPU, each
-        weight's gradient is summed only over the devices sharing a
-        key/value head (group = model axis ÷ key/value heads), and every step
-        the weight and its optimizer slots are all-gathered over that group;
-        the activations cost as for `_grouped_kv`.
-        """
-        for path, owner in self.proposal.whole_kv.items():
-            if owner != unit:
-                continue
-            count = self._kv_heads(path)
-            if count is None or self.m % count:
-                continue
-            group = self.m // count
-            variable = next(v for v in self.model.weights if v.path == path)
-            size = nbytes(variable)
-            add_wire(wire, self.batch_axis, self._grad_sync(variable, group) - self._grad_sync(variable, 1))
-            gathered = (1 + self.memory.like_parameter) * wire_bytes("all-gather", size, group)
-            add_wire(wire, self.model_axis, gathered)
-            for _, output, _, dtype in self.calls(path):
-                all_heads = self._summed(output, dtype)
-                add_wire(wire, self.model_axis, wire_bytes("all-reduce", all_heads / count, group))
-                if count > 1:
-                    add_wire(wire, self.model_axis, wire_bytes("all-gather", all_heads, count))
-
-    def _kv_heads(self, path: str) -> int | None:
-        """The key/value heads a projection's output is reshaped into (`(..., heads, head_dim)`)."""
-        for use in self.uses.get(path, ()):
-            output = self.trace.nodes[use.node].outputs[0]
-            for index in self.trace.consumers.get(output, ()):
-                node = self.trace.nodes[index]
-                shape = self.trace.shapes[node.outputs[0]]
-                if node.primitive == "reshape" and len(shape) == len(use.output) + 1:
-                    return int(shape[-2])
-        return None
