@@ -275,14 +275,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             for use in (use for use in self.uses.get(kernel.path, ()) if use.kind == "matmul"):
                 inputs, output, from_input, dtype = use.inputs, use.output, use.from_input, use.dtype
                 if final:
-                    # The loss reduces split logits: float32 all-reduces of one value per position, four
-                    # on XLA:CPU, three on XLA:TPU (sparse categorical cross-entropy: two forward, one
-                    # backward; measured on a Dense head and keras-hub Llama's tied table, v5e 2×4, 4×2).
-                    per_position = math.prod(output[:-1]) / self.d * 4
-                    reductions = 3 if self.compiler == "tpu" else 4
-                    add_wire(
-                        wire, self.model_axis, reductions * wire_bytes("all-reduce", per_position, self.m)
-                    )
+                    add_wire(wire, self.model_axis, self._loss_reductions(output, dtype))
                 if side == "row":
                     add_wire(
                         wire, self.model_axis, wire_bytes("all-reduce", self._summed(output, dtype), self.m)
@@ -296,6 +289,20 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                     add_wire(
                         wire, self.model_axis, wire_bytes("all-reduce", self._summed(inputs, dtype), self.m)
                     )
+
+    def _loss_reductions(self, logits: tuple[int, ...], dtype: str) -> float:
+        """The loss's all-reduces of one value per position over a final layer's split logits.
+
+        Sparse categorical cross-entropy, measured on XLA:CPU: four, in float32. XLA:TPU sends
+        three, two forward and one backward, the first (the logits' maximum) in the layer's
+        dtype (measured on a Dense head and keras-hub Llama's tied table, v5e 2×4 and 4×2,
+        float32, `bfloat16` and `mixed_bfloat16`).
+        """
+        positions = math.prod(logits[:-1]) / self.d
+        if self.compiler != "tpu":
+            return 4 * wire_bytes("all-reduce", positions * 4, self.m)
+        first = positions * np.dtype(dtype).itemsize
+        return wire_bytes("all-reduce", first, self.m) + 2 * wire_bytes("all-reduce", positions * 4, self.m)
 
     def _two_d(self, variable: keras.Variable, axes: Axes, unit: Mapping[str, keras.Variable]) -> Axes:
         """A weight's 2-D axes: its largest whole dimension also over the batch axis (`second_axis`).
