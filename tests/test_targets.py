@@ -233,10 +233,10 @@ def test_the_step_compiles_for_tpu_v5e_and_its_traffic_is_predicted(name):
 LM_BATCH, LM_LENGTH = 8, 64
 
 
-def _hub_lm(cls: str, hidden: int, intermediate: int, **extra) -> keras.Model:
+def _hub_lm(cls: str, hidden: int, intermediate: int, dtype: str = "float32", **extra) -> keras.Model:
     """A one-layer keras-hub decoder under its output table (`reverse=True`), as a causal LM runs it."""
     config = dict(vocabulary_size=1024, num_layers=1, hidden_dim=hidden, intermediate_dim=intermediate)
-    config.update(num_query_heads=8, num_key_value_heads=2, dropout=0.0, dtype="float32", **extra)
+    config.update(num_query_heads=8, num_key_value_heads=2, dropout=0.0, dtype=dtype, **extra)
     backbone = getattr(keras_hub.models, cls)(**config)
     inputs = {n: keras.Input((LM_LENGTH,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
     return keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True), name="lm")
@@ -292,6 +292,32 @@ def test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent(name, split):
     assert set(predicted) == set(measured) == {"data", "model"}
     for axis in measured:
         assert predicted[axis] / measured[axis] == pytest.approx(1.0, abs=0.02), (axis, predicted, measured)
+
+
+#: Predicted ÷ XLA:TPU on `data` for the Llama 3 above under `mixed_bfloat16`, `data=2, model=4`:
+#: XLA:TPU all-reduces the projections' weight gradients in bfloat16, before their cast to the
+#: float32 variables; the costs count them in the variables' float32 (not modelled).
+MIXED_DATA_AXIS = 1.509
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "mixed_bfloat16"])
+def test_under_bfloat16_xla_tpu_moves_activations_in_bfloat16(dtype):
+    """Partial sums in the layer's dtype (XLA:CPU: float32), a float32 look-up cast before its all-reduce,
+    the logits' maximum in bfloat16, the norm's one cast read by gate and up merged (issue 21).
+
+    Before the costs followed XLA:TPU, predicted ÷ compiled on `model` was 2.22 for both dtypes.
+    """
+    build = functools.partial(_hub_lm, "Llama3Backbone", 128, 256, dtype=dtype)
+    mesh = kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")
+    rules = _lm_rules(build, mesh)
+    x = {n: jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32") for n in ("token_ids", "padding_mask")}
+    y = jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = kml.compile_step(build, kml.ModelParallel(mesh, rules, replicate_below=0), x, y, loss=loss)
+    predicted, measured = rules.cost.wire_bytes_by_axis, step.comm.wire_bytes_by_axis
+    assert predicted["model"] / measured["model"] == pytest.approx(1.0, abs=0.02)
+    data = 1.0 if dtype == "bfloat16" else MIXED_DATA_AXIS
+    assert predicted["data"] / measured["data"] == pytest.approx(data, abs=0.005)
 
 
 def test_on_xla_cpu_each_projection_all_reduces_its_input_gradient():
