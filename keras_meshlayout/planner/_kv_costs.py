@@ -1,8 +1,11 @@
-"""Costs of a grouped-query key/value kernel with too few heads to split over the model axis.
+"""Costs of grouped-query key/value projections with too few heads to split over the model axis.
 
-Split on its head_dim (or a `Dense` one on its output features), gathered where
-used, against replicated and fully sharded; measured on XLA:CPU against the
-compiled HLO (`tests/test_grouped_kv.py`, `tests/test_budget.py`).
+A kernel split on its head_dim (or a `Dense` one on its output features), gathered where
+used, against replicated and fully sharded; and the traffic of such projections kept whole
+beside split query heads (their heads' gradients summed and gathered). Measured on XLA:CPU
+against the compiled HLO (`tests/test_grouped_kv.py`, `tests/test_budget.py`) and, where a
+TPU target's compiler sends differently (bfloat16 gathers in each pass), on XLA:TPU
+(`tests/test_targets.py`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ class KeyValueCosts(OneWeightCosts):
         keep whole. Split over the model axis, each device holds `1/model` of it; measured on XLA:CPU
         (keras-hub Llama and SmolLM3, 2 key/value heads on 2×4, exact both), the kernel is all-gathered
         over the model axis once per step (the forward gather serves the backward pass too) and its
-        gradient is all-reduced over the batch axis in model-axis shards. The activations move as
+        gradient is all-reduced over the batch axis in model-axis shards. XLA:TPU gathers it in
+        bfloat16 in each pass (`_kernel_gathers`): as many bytes for a float32 kernel, and as many
+        per step as replicated there too (keras-hub Llama 3, v5e 2×4, both compiled). The activations move as
         when it is replicated (`_grouped_kv`). With a batch axis of 2 that sends as many bytes as
         replicated, at `1/model` of the state (less over a larger one), so the rule writer takes it
         there (`_by_layers.kv_head_dim`), and the plan without a budget with it.
