@@ -32,7 +32,8 @@ per-device state and the bytes each device sends per training step:
 On a mesh with a TPU target (`compiler="tpu"`) the formulas follow XLA:TPU where it was
 measured to send differently: column-parallel projections that read one activation alone
 share one all-reduce of its gradient (`Bytes.merged_input_grads`); partial sums move in the
-layer's dtype (`Bytes._summed`); the loss sums three values per position over split logits
+layer's dtype (`Bytes._summed`), and so do narrower matmuls' weight gradients
+(`Bytes._gradient_width`); the loss sums three values per position over split logits
 (`_loss_reductions`); head_dim-split key/value kernels are gathered in bfloat16 in each pass
 (`_kv_costs`); elsewhere they are XLA:CPU's.
 
