@@ -207,26 +207,33 @@ class KeyValueCosts(OneWeightCosts):
             for use in self.uses.get(layer.kernel.path, ()):
                 if use.kind != "matmul" or (use.from_input and not trains):
                     continue  # a frozen projection of an input needing no gradient: none to sum
-                extra.extend(self._head_gradient_moves(use, count, group))
+                extra.extend(
+                    self._head_gradient_moves(
+                        use, count, group, biased=getattr(layer, "bias", None) is not None
+                    )
+                )
         return extra
 
-    def _head_gradient_moves(self, use: Use, count: int, group: int) -> tuple[float, ...]:
+    def _head_gradient_moves(self, use: Use, count: int, group: int, biased: bool) -> tuple[float, ...]:
         """A whole key/value projection's gradient: summed over `group` devices, gathered over `count`.
 
         On XLA:CPU both move the gradient as the layer computes it (float32 at least). XLA:TPU moves
         what its dots read, bfloat16 for float32 operands (its default precision rounds them):
-        the gather, before the projection's own backward dots, always; the sum where the
-        projection's output reaches the attention's dot through reshapes and broadcasts alone
-        (a value), not through a rotary embedding's arithmetic (a key: its gradient is summed
-        in float32). Measured on keras-hub Llama (1 layer, hidden 128) and Mixtral (the hub row),
-        2 key/value heads on v5e 2×4 (`data=2, model=4`), exact.
+        the gather, before the projection's own backward dots, unless a bias's gradient reads it
+        too; the sum where the projection's output reaches the attention's dot through reshapes
+        and broadcasts alone (a value), not through a rotary embedding's arithmetic or a bias (a
+        key: its gradient is summed in float32). Measured on keras-hub Llama (1 layer, hidden
+        128), Mixtral (the hub row) and Qwen (biased), 2 key/value heads on v5e 2×4 (`data=2,
+        model=4`), exact.
         """
         all_heads = self._summed(use.output, use.dtype)
         if self.compiler != "tpu":
             summed = gathered = all_heads
         else:
-            gathered = self._dot_operand(use.output, use.dtype)
-            summed = gathered if self._reaches_dot_reshaped(use) else all_heads
+            gathered = all_heads if biased else self._dot_operand(use.output, use.dtype)
+            summed = (
+                self._dot_operand(use.output, use.dtype) if self._reaches_dot_reshaped(use) else all_heads
+            )
         moves = (wire_bytes("all-reduce", summed / count, group),)
         return (*moves, wire_bytes("all-gather", gathered, count)) if count > 1 else moves
 
