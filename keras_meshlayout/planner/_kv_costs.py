@@ -45,11 +45,12 @@ class KeyValueCosts(OneWeightCosts):
         (keras-hub Llama and SmolLM3, 2 key/value heads on 2×4, exact both), the kernel is all-gathered
         over the model axis once per step (the forward gather serves the backward pass too) and its
         gradient is all-reduced over the batch axis in model-axis shards. XLA:TPU gathers it in
-        bfloat16 in each pass (`_kernel_gathers`): as many bytes for a float32 kernel, and as many
-        per step as replicated there too (keras-hub Llama 3, v5e 2×4, both compiled). The activations move as
-        when it is replicated (`_grouped_kv`). With a batch axis of 2 that sends as many bytes as
-        replicated, at `1/model` of the state (less over a larger one), so the rule writer takes it
-        there (`_by_layers.kv_head_dim`), and the plan without a budget with it.
+        bfloat16 in each pass (`_kernel_gathers`): as many bytes for a float32 kernel, and as
+        many per step as replicated there too (keras-hub Llama 3, v5e 2×4, both compiled). The
+        activations move as when it is replicated (`_grouped_kv`). With a batch axis of 2 that
+        sends as many bytes as replicated, at `1/model` of the state (less over a larger one), so
+        the rule writer takes it there (`_by_layers.kv_head_dim`), and the plan without a budget
+        with it.
 
         Split on its hidden dimension instead, XLA splits the block's norm
         and gathers the query projection's input (337,468 bytes per step
@@ -223,8 +224,8 @@ class KeyValueCosts(OneWeightCosts):
         too; the sum where the projection's output reaches the attention's dot through reshapes
         and broadcasts alone (a value), not through a rotary embedding's arithmetic or a bias (a
         key: its gradient is summed in float32). Measured on keras-hub Llama (1 layer, hidden
-        128), Mixtral (the hub row) and Qwen (biased), 2 key/value heads on v5e 2×4 (`data=2,
-        model=4`), exact.
+        128; float32, `bfloat16`, `mixed_bfloat16`) and Mixtral (the hub row), exact, and Qwen
+        (biased, 1.001), 2 key/value heads on v5e 2×4 (`data=2, model=4`).
         """
         all_heads = self._summed(use.output, use.dtype)
         if self.compiler != "tpu":
