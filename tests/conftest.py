@@ -92,6 +92,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_the_peak_of_toy_steps_on_tpu_is_within_ten_percent_of_the_compiled_one",
         "test_the_peak_follows_xla_tpu_where_its_temporaries_are_in_hbm",
         "test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent",  # one XLA:TPU compile each, 5-15 s
+        "test_under_bfloat16_xla_tpu_moves_activations_in_bfloat16",
     ),
     "test_mesh_choice.py": (
         "test_on_a_256_chip_v5e_the_choice_is_no_worse_than_brute_force",

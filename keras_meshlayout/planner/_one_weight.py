@@ -67,7 +67,7 @@ class OneWeightCosts(Bytes):
         """A vocab-parallel look-up's forward all-reduce over the model axis; an int8 table's rows as int8,
         its looked-up scales beside (measured on XLA:CPU, 2×4, keras-hub Llama and a functional model)."""
         int8 = str(variable.dtype) == "int8"
-        rows = lookup.output, lookup.dtype
+        rows = lookup.output, self.cast_dtype(lookup)
         looked = self._activation(*rows) if int8 else self._summed(*rows)
         add_wire(wire, self.model_axis, wire_bytes("all-reduce", looked, self.m))
         for follower, _ in self.followers.get(variable.path, ()) if int8 else ():
