@@ -51,6 +51,12 @@ SHAPES = {
 BATCH, SEQUENCE = 4, 2048
 
 
+def shards(axes: tuple, axis_sizes: dict[str, int]) -> int:
+    """How many pieces a layout splits a weight into; an entry names no axis, one, or several."""
+    named = [a for entry in axes for a in (entry if isinstance(entry, tuple) else (entry,)) if a]
+    return math.prod(axis_sizes[a] for a in named)
+
+
 def measure(name: str) -> dict:
     """Runs in a fresh process: the no-budget and the smallest plans of one shape."""
     import keras_meshlayout as kml
@@ -79,8 +85,7 @@ def measure(name: str) -> dict:
         for variable in probe.weights:
             rule = free.match(variable.path)
             axes = rule.expand(len(variable.shape)) if rule is not None else None
-            shards = math.prod(mesh.axis_sizes[a] for a in (axes or ()) if a is not None)
-            per_device += math.prod(variable.shape) // shards
+            per_device += math.prod(variable.shape) // shards(axes or (), mesh.axis_sizes)
     floor = 4 * parameters * 4 / 8  # float32 parameters, gradients and Adam's two moments, over 8 devices
     return {
         "model": name,
