@@ -5,7 +5,8 @@ allocated) and planned by `kml.auto_rules` on a data=2 × model=4 mesh with
 Adam, for one step of 4 sequences of 2048 tokens. For each it prints:
 
 - the no-budget plan's parameters per device ÷ the tensor-parallel ideal
-  (every parameter split over `model`: parameters ÷ 4);
+  (every parameter split over `model`: parameters ÷ 4), planned with the
+  batch (so a look-up table goes over both axes where that sends no more);
 - the smallest memory-budget plan's state per device (parameters, gradients,
   Adam's two moments) ÷ the fully sharded floor (total state ÷ 8), and its
   predicted traffic per step;
@@ -73,7 +74,7 @@ def measure(name: str) -> dict:
     }
     start = time.perf_counter()
     with kml.dry_build(lambda: getattr(keras_hub.models, cls)(**config, dtype="float32")) as probe:
-        free = kml.auto_rules(probe, mesh)
+        free = kml.auto_rules(probe, mesh, batch=batch, optimizer="adam")
         no_budget = time.perf_counter() - start
         try:
             kml.auto_rules(probe, mesh, memory_budget=1, batch=batch, optimizer="adam")
