@@ -28,6 +28,10 @@ from ._tables_2d import no_budget_choice
 
 __all__ = ["OneWeightCosts"]
 
+#: What leads a weight read element-wise on to its reader, changing only its shape or type.
+_PASSED_ON = ("broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "slice", "dynamic_slice")
+_ADDS = ("add", "add_any", "sub")
+
 
 class OneWeightCosts(Bytes):
     """The candidates of units of one weight, over the byte counts of `Bytes`."""
@@ -385,26 +389,25 @@ class OneWeightCosts(Bytes):
         """How often a weight read only element-wise is gathered per step: 2 if it multiplies, else 1.
 
         0 when something other than a broadcast, reshape or cast leads it to
-        anything but an add, subtract, multiply or divide.
+        anything but an add, subtract, multiply or divide. An add whose result has
+        the weight's own shape (Gemma's `x * (1 + scale)`, not a broadcast added to
+        activations) is followed to what it leads to: there the scale multiplies,
+        and XLA:CPU gathers it forward and backward.
         """
         values = [v for v, name in self.trace.variables.items() if name == path]
+        own = {self.trace.shapes[v] for v in values}  # an add to the weight alone keeps its shape
         multiplies = False
         while values:
             value = values.pop()
             for index in self.trace.consumers.get(value, ()):
                 node = self.trace.nodes[index]
-                if node.primitive in (
-                    "broadcast_in_dim",
-                    "reshape",
-                    "convert_element_type",
-                    "squeeze",
-                    "slice",
-                    "dynamic_slice",
+                if node.primitive in _PASSED_ON or (
+                    node.primitive in _ADDS and self.trace.shapes[node.outputs[0]] in own
                 ):
                     values.extend(node.outputs)
                 elif node.primitive in ("mul", "div"):
                     multiplies = True
-                elif node.primitive not in ("add", "add_any", "sub"):
+                elif node.primitive not in _ADDS:
                     return 0
         return 2 if multiplies else 1
 
