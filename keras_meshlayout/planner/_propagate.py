@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..core._axes import Axes, entry_axes
+from ._grower import ELEMENTWISE
 from ._trace import Node, Trace
-from ._units import ELEMENTWISE
 
 __all__ = ["REDUCTIONS", "Specs", "itemsize"]
 
