@@ -4,7 +4,8 @@ A unit starts at a projection (a `dot_general` reading a weight) whose output
 features are split over the model axis. The split is followed forward through
 every operation that keeps it whole on each device (element-wise operations,
 broadcasts, reshapes and transposes that keep the split dimension's blocks,
-reductions over other dimensions, einsums over it as a batch dimension) until
+reductions over other dimensions, einsums over it as a batch dimension, loops
+whose carried state keeps it: `_grower`, `_scan`) until
 every path ends in a projection that sums over the split dimension: the
 row-parallel end, whose output is all-reduced. Operands met on the way must be
 split the same way: a bias is split with it, a second projection (the gate of
