@@ -157,7 +157,8 @@ class Specs:
         A sequence's slice is laid out as the sequence without its scanned dimension, and a
         stacked output as its slice, the scanned dimension whole. A carried value enters as its
         initial value, then as one step leaves it (a state built from zeros is split as the
-        step splits it), until it no longer changes.
+        step splits it), until it no longer changes; a dimension the body leaves whole takes the axes
+        of an operand's dimension of the same size, as any other operation's (`_like`).
         """
         body = trace_body(node.params["jaxpr"])
         consts, carry = node.params["num_consts"], node.params["num_carry"]
@@ -171,6 +172,11 @@ class Specs:
             if after == carried:
                 break
             carried = after
+        shapes = [self.trace.shapes[v] if v >= 0 else () for v in node.inputs]
+        guesses = [_like(self.trace.shapes[v], ins, shapes) for v in node.outputs[:carry]]
+        carried = [
+            tuple(a or b for a, b in zip(c, g, strict=False)) for c, g in zip(carried, guesses, strict=True)
+        ]
         return [*carried, *(((), *spec) for spec in outs[carry:])]
 
     def _dot(self, node: Node, ins: list[Spec], out: tuple[int, ...]) -> Spec:
@@ -319,16 +325,11 @@ def _aligned(out: tuple[int, ...], spec: Spec, shape: tuple[int, ...]) -> Spec:
 
 
 def _reshape(spec: Spec, shape: tuple[int, ...], out: tuple[int, ...]) -> Spec:
-    """Axes carried to the output dimension that starts where the input dimension starts.
-
-    Not to a dimension of size 1 starting there (`(b, h, n, 1)` → `(b, 1, h, n)`: the heads'
-    axes go to `h`, the next dimension to start at the same place).
-    """
+    """Axes carried to the output dimension that starts where the input dimension starts."""
     starts_out: dict[int, int] = {}
     position = 1
     for d, size in enumerate(out):
-        if size != 1:
-            starts_out.setdefault(position, d)
+        starts_out.setdefault(position, d)
         position *= size
     result = list(_none(out))
     position = 1
