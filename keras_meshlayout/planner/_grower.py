@@ -274,11 +274,14 @@ class _Grower:
             raise _Fail("an einsum sums over or keeps a split free dimension")
         position = tuple(mine_b).index(dim)
         saved = copy.deepcopy(self.state)
+        edges = None if self.boundary is None else (dict(self.boundary.entries), dict(self.boundary.exits))
         try:
             self.require(other, other_b[position])
         except _Fail:
             # Grouped-query key/value heads that do not divide: read whole beside split heads.
             self.state = saved
+            if edges is not None:  # a loop body's edges as they were, too
+                self.boundary.entries, self.boundary.exits = edges
             self.state.whole.extend(self._projections_into(other))
             self.state.visited.add(node.index)
         self.state.heads_dots += 1
