@@ -184,6 +184,9 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_emulate_devices_after_jax_started",
         "test_other_keras_backend_is_a_clear_error",
     ),
+    "test_recurrence.py": (  # a compile and a fit each, 5 s
+        "test_the_split_recurrence_sends_what_the_compiled_step_sends_and_trains_like_one_device",
+    ),
     "test_recipes.py": ("*",),  # every recipe and the demo, end to end in a fresh process
     "test_resume.py": ("*",),  # training interrupted and resumed, a killed process among them
     "test_styles.py": (  # every model style, fit

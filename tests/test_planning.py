@@ -341,6 +341,8 @@ def test_transformer_preset_norms_and_routers(path, note):
 PLANNER_ORDER = [
     "_trace",
     "_batch_sums",
+    "_scan",
+    "_grower",
     "_units",
     "_propagate",  # reads the trace alone: the strategies (`_by_trace.beside_split`) read it too
     "_layers",

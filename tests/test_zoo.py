@@ -88,10 +88,6 @@ _HAND_2D = (
 )
 MISSES: dict[tuple[str, str], str] = {
     # no budget ÷ tensor-parallel ideal
-    ("RWKV7Backbone", "no_budget"): "1.328 (1.475 before its table went over both axes): the time-mix "
-    "receptance/key/value/output kernels stay whole: the unit grower cannot carry a head split through "
-    "the recurrence's `scan` (receptance, key), the per-head `reduce_sum` of r·k·r_k scaling the value, "
-    "nor the `gather` before the output projection",
     # smallest budget plan ÷ fully sharded floor
     ("LoRA-Llama", "smallest"): "1.400: the search fits the peak, not state: the smallest-state plan "
     "(1.066 since its value LoRA a splits 8 ways, was 1.196) peaks no lower (296,836 B predicted for both; "

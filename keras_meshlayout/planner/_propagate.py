@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..core._axes import Axes, entry_axes
-from ._trace import Node, Trace
-from ._units import ELEMENTWISE
+from ._grower import ELEMENTWISE
+from ._trace import Node, Trace, trace_body
 
 __all__ = ["REDUCTIONS", "Specs", "itemsize"]
 
@@ -48,6 +48,7 @@ class Specs:
         axis_sizes: Mapping[str, int],
         batch_axis: str | None,
         whole_after: frozenset[str] = frozenset(),
+        inputs: Sequence[Spec] | None = None,
     ) -> None:
         self.trace = trace
         self.whole_after = whole_after
@@ -74,7 +75,10 @@ class Specs:
         for value in trace.inputs:
             shape = trace.shapes[value]
             first = (batch_axis,) if batch_axis and shape else ()
-            self.spec[value] = self._valid((first, *_none(shape)[1:]) if shape else (), shape)
+            spec = (first, *_none(shape)[1:]) if shape else ()
+            if inputs is not None:  # a loop's body (`_scan`): its inputs, in order, laid out as given
+                spec = inputs[value] if len(inputs[value]) == len(shape) else _none(shape)
+            self.spec[value] = self._valid(spec, shape)
         for node in trace.nodes:
             self._propagate(node)
         # The step's outputs are the gradients, in the trainable variables' order: each is laid
@@ -123,6 +127,8 @@ class Specs:
             result = [tuple(ins[0][p] for p in node.params["permutation"])]
         elif name == "reshape":
             result = [_reshape(ins[0], in_shapes[0], outs[0])]
+        elif name == "scan":
+            result = self._scan(node, ins)
         elif name in REDUCTIONS or name.startswith("reduce_") or name in ("argmax", "argmin"):
             dropped = set(node.params.get("axes", ()))
             kept = tuple(entry for i, entry in enumerate(ins[0]) if i not in dropped)
@@ -144,6 +150,34 @@ class Specs:
             self.partial_sums[node.index] = self.partial_sums.get(node.index, 0) + self.bytes(node.outputs[0])
         elif name == "conv_general_dilated":
             self.scratch[node.index] = self.scratch.get(node.index, 0) + self._conv_copies(node)
+
+    def _scan(self, node: Node, ins: list[Spec]) -> list[Spec]:
+        """A loop's results, from its body propagated on its operands' layouts (see `_scan`).
+
+        A sequence's slice is laid out as the sequence without its scanned dimension, and a
+        stacked output as its slice, the scanned dimension whole. A carried value enters as its
+        initial value, then as one step leaves it (a state built from zeros is split as the
+        step splits it), until it no longer changes; a dimension the body leaves whole takes the axes
+        of an operand's dimension of the same size, as any other operation's (`_like`).
+        """
+        body = trace_body(node.params["jaxpr"])
+        consts, carry = node.params["num_consts"], node.params["num_carry"]
+        carried = list(ins[consts : consts + carry])
+        sequences = [spec[1:] for spec in ins[consts + carry :]]
+        for _ in range(carry + 1):
+            inner = Specs(body, {}, self.sizes, self.batch_axis, inputs=[*ins[:consts], *carried, *sequences])
+            outs = [inner.spec.get(v, _none(body.shapes[v])) if v >= 0 else () for v in body.outputs]
+            steps = zip(carried, outs[:carry], strict=True)
+            after = [tuple(a or b for a, b in zip(c, o, strict=False)) for c, o in steps]
+            if after == carried:
+                break
+            carried = after
+        shapes = [self.trace.shapes[v] if v >= 0 else () for v in node.inputs]
+        guesses = [_like(self.trace.shapes[v], ins, shapes) for v in node.outputs[:carry]]
+        carried = [
+            tuple(a or b for a, b in zip(c, g, strict=False)) for c, g in zip(carried, guesses, strict=True)
+        ]
+        return [*carried, *(((), *spec) for spec in outs[carry:])]
 
     def _dot(self, node: Node, ins: list[Spec], out: tuple[int, ...]) -> Spec:
         (lc, rc), (lb, rb) = node.params["dimension_numbers"]
