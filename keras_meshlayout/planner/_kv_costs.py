@@ -74,6 +74,8 @@ class KeyValueCosts(OneWeightCosts):
         size = nbytes(variable)
         wire: dict[str, float] = {}
         biased = owner.bias is not None
+        if not biased:  # gathered whole where read, the forward copy kept for the backward pass
+            self.gathered_kernels().add(variable.path)
         add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
         if not (biased and all(use.from_input for use in uses)):
             add_wire(wire, self.model_axis, wire_bytes("all-gather", size, self.m))
@@ -143,4 +145,11 @@ class KeyValueCosts(OneWeightCosts):
             }
         return self._keras_attention
 
+    def gathered_kernels(self) -> set[str]:
+        """The kernels offered a head_dim split that XLA all-gathers whole where they are read (no bias)."""
+        if self._gathered is None:
+            self._gathered = set()
+        return self._gathered
+
     _keras_attention: set[int] | None = None
+    _gathered: set[str] | None = None

@@ -32,13 +32,15 @@ def transient_peak(
     batch_axis: str | None,
     compiler: str = "cpu",
     whole_after: frozenset[str] = frozenset(),
+    gathered: frozenset[str] = frozenset(),
 ) -> tuple[int, int]:
     """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
 
-    `layouts` gives each variable path its axes (missing: replicated).
+    `layouts` gives each variable path its axes (missing: replicated); `whole_after` and
+    `gathered` are `_propagate.Specs`'.
     """
     held = compiler != "tpu"
-    specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after)
+    specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after, gathered)
     sizes = {value: specs.bytes(value) for value in trace.shapes}
     not_written = fused(trace) | (laid_out(trace) | fused_on_tpu(trace) if not held else set())
     last = _last_reads(trace, not_written)

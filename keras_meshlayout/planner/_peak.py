@@ -48,7 +48,7 @@ import numpy as np
 
 from .. import _compat
 from ..core._axes import Axes, entry_axes
-from . import _tpu_memory
+from . import _notes, _tpu_memory
 from ._convs import CONV_LAYERS
 from ._liveness import live_code, transient_peak
 from ._trace import Trace, trace_step
@@ -145,6 +145,7 @@ class PeakWalk:
             gradients=gradients,
             compiler=self.compiler,
             whole_after=getattr(table, "whole_after", frozenset()),
+            gathered=getattr(table, "gathered", frozenset()),
             tiles=_tiles(self.compiler, self.variables, layouts, self.axis_sizes),
         )
 
@@ -172,6 +173,7 @@ def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None, compile
         gradients=memory.gradients,
         compiler=compiler,
         whole_after=_whole_conv_outputs(model, plan, batch_axis),
+        gathered=_gathered_kernels(model, plan),
         tiles=_tiles(compiler, model.variables, layouts, plan.axis_sizes),
     )
 
@@ -198,6 +200,23 @@ def _whole_conv_outputs(model: Any, plan: Any, batch_axis: str | None) -> frozen
     )
 
 
+def _gathered_kernels(model: Any, plan: Any) -> frozenset[str]:
+    """The key/value kernels whose rule splits them on head_dim, gathered once per step (no bias).
+
+    As `CostTable.gathered`, read off the plan: the rule's note says so (`_notes.KV_GATHERED`).
+    """
+    unbiased = {
+        layer.kernel.path
+        for layer in _compat.sublayers(model)
+        if getattr(layer, "bias", None) is None and getattr(layer, "kernel", None) is not None
+    }
+    return frozenset(
+        entry.path
+        for entry in plan.entries
+        if entry.path in unbiased and entry.rule is not None and _notes.KV_GATHERED in entry.rule.note
+    )
+
+
 def peak_memory(
     trace: Trace,
     layouts: Mapping[str, Axes],
@@ -209,15 +228,17 @@ def peak_memory(
     compiler: str = "cpu",
     whole_after: frozenset[str] = frozenset(),
     tiles: float = 1.0,
+    gathered: frozenset[str] = frozenset(),
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
     `state` and `gradients` are the per-device training-state bytes and their gradients' share
     (`core._memory`: a plan's `memory()`, or the planner's candidates); `whole_after` the kernels
-    whose convolution's layer output a rule keeps whole (`_propagate.Specs`); `tiles` the
-    factor by which the parameters and slots are padded in the compiler's layouts.
+    whose convolution's layer output a rule keeps whole and `gathered` the kernels XLA gathers whole
+    where they are read (`_propagate.Specs`); `tiles` the factor by which the parameters and slots
+    are padded in the compiler's layouts.
     """
-    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler, whole_after)
+    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered)
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
         padding = round((state - gradients) * (tiles - 1))
         return PeakMemory(state, gradients, batch, transient, held=False, tiles=padding)
