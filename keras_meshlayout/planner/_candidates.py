@@ -85,8 +85,8 @@ class CostTable:
         whole_after: Kernels of input convolutions whose layer output a rule keeps whole over
             the model axis (the peak walk gathers it there).
         gathered: Key/value kernels that, split on head_dim, XLA all-gathers whole once per step
-            where they are read (`_kv_costs.KeyValueCosts._head_dim_unit`; the peak walk holds the
-            gathered copy from the forward read to the backward one).
+            where they are read (`_kv_costs.KeyValueCosts.gathered_kernels`; the peak walk holds
+            the gathered copy from the forward read to the backward one).
     """
 
     units: tuple[UnitCosts, ...]

@@ -74,7 +74,7 @@ class KeyValueCosts(OneWeightCosts):
         size = nbytes(variable)
         wire: dict[str, float] = {}
         biased = owner.bias is not None
-        if not biased:  # gathered whole where read, the forward copy kept for the backward pass
+        if not biased and variable.trainable:  # gathered where read, the forward copy kept for the backward
             self.gathered_kernels().add(variable.path)
         add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
         if not (biased and all(use.from_input for use in uses)):
@@ -146,7 +146,12 @@ class KeyValueCosts(OneWeightCosts):
         return self._keras_attention
 
     def gathered_kernels(self) -> set[str]:
-        """The kernels offered a head_dim split that XLA all-gathers whole where they are read (no bias)."""
+        """The kernels offered a head_dim split whose gathered copy XLA holds for the backward pass.
+
+        Trainable and without a bias: a biased one is gathered only backward (above), and counting
+        a frozen one's copy (a LoRA base kernel) put LoRA-Llama's smallest plan at a compiled peak
+        of 318,660 bytes (predicted 0.950×) where it was 301,904 without (0.983×), 2×4.
+        """
         if self._gathered is None:
             self._gathered = set()
         return self._gathered

@@ -201,14 +201,15 @@ def _whole_conv_outputs(model: Any, plan: Any, batch_axis: str | None) -> frozen
 
 
 def _gathered_kernels(model: Any, plan: Any) -> frozenset[str]:
-    """The key/value kernels whose rule splits them on head_dim, gathered once per step (no bias).
+    """The trainable key/value kernels whose rule splits them on head_dim, gathered once per step (no bias).
 
     As `CostTable.gathered`, read off the plan: the rule's note says so (`_notes.KV_GATHERED`).
     """
     unbiased = {
         layer.kernel.path
         for layer in _compat.sublayers(model)
-        if getattr(layer, "bias", None) is None and getattr(layer, "kernel", None) is not None
+        if getattr(layer, "bias", None) is None
+        and getattr(getattr(layer, "kernel", None), "trainable", False)
     }
     return frozenset(
         entry.path
