@@ -365,6 +365,8 @@ PLANNER_ORDER = [
     "_table_costs",
     "_costs",
     "_tpu_memory",
+    "_fusion",
+    "_liveness",
     "_peak",
     "_search",
     "_auto",

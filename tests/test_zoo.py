@@ -98,10 +98,6 @@ MISSES: dict[tuple[str, str], str] = {
     f"the table over both axes since): {_HAND_2D}",
     ("QwenBackbone", "hand_memory"): "1.819× the hand map's state (542,376 vs 298,152; the table over both "
     f"axes since): {_HAND_2D}",
-    # the hand map's compiled peak ÷ (1 - PEAK_HEADROOM) as memory_budget
-    ("GemmaBackbone", "hand_budget"): "compiled peak 475,908 = 1.047× the map's 454,516 (within the budget, "
-    "478,438; state the map's, 294,056, bytes 0.94×): the peak walk predicts Gemma's budget plans at about "
-    "0.90× their compiled peak, so the search does not see the excess",
 }
 
 

@@ -22,8 +22,9 @@
    `core._memory.SlotModel`) and its bytes on the wire per step (the ring
    formulas of `kml.comm_report`, `report._collectives`), in a `CostTable`.
    `_peak`: the per-device peak of one training step (`trace_step`, forward
-   and backward, walked under the candidates' layouts: activations,
-   temporaries, gradients written so far), what the budget is compared with;
+   and backward, walked under the candidates' layouts: what XLA fuses,
+   `_fusion`; liveness, `_liveness`: activations, temporaries, gradients
+   written so far), what the budget is compared with;
    on a TPU target, less what XLA:TPU keeps on chip and plus its tiles' padding
    (`_tpu_memory`).
 4. `search` (`_search`): per unit, the index of the candidate at the least

@@ -85,11 +85,15 @@ class CostTable:
         reserve: The activation reserve per device, in bytes.
         whole_after: Kernels of input convolutions whose layer output a rule keeps whole over
             the model axis (the peak walk gathers it there).
+        gathered: Key/value kernels that, split on head_dim, XLA all-gathers whole once per step
+            where they are read (`_kv_costs.KeyValueCosts.gathered_kernels`; the peak walk holds
+            the gathered copy from the forward read to the backward one).
     """
 
     units: tuple[UnitCosts, ...]
     reserve: int
     whole_after: frozenset[str] = frozenset()
+    gathered: frozenset[str] = frozenset()
 
 
 def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -12,7 +12,10 @@ one operation runs (partial sums before their all-reduce, convolution operands
 copied into XLA's layout) are `scratch`. The output of a convolution whose kernel is
 in `whole_after` (an input convolution, `_convs.input_convs`, whose layer output a
 rule keeps whole) is split over the batch axis only, as is the element-wise chain
-after it (its bias, its activation): the layer's output, all-gathered there.
+after it (its bias, its activation): the layer's output, all-gathered there. A kernel in
+`gathered` (a key/value kernel split on head_dim, `_kv_costs`) is all-gathered whole where it is
+read, as XLA does once per step: its gathered copy is a temporary from its first read to its last,
+and the projections read it whole.
 """
 
 from __future__ import annotations
@@ -49,9 +52,12 @@ class Specs:
         batch_axis: str | None,
         whole_after: frozenset[str] = frozenset(),
         inputs: Sequence[Spec] | None = None,
+        gathered: frozenset[str] = frozenset(),
     ) -> None:
         self.trace = trace
         self.whole_after = whole_after
+        #: Variables read whole, gathered over every axis they are split over.
+        self._read_whole = {value for value, path in trace.variables.items() if path in gathered}
         #: Values a layer-output rule keeps whole over every axis but the batch's.
         self._whole: set[int] = set()
         self.sizes = dict(axis_sizes)
@@ -70,7 +76,9 @@ class Specs:
             shape = trace.shapes[value]
             spec = _none(shape) if axes is None else tuple(entry_axes(a) for a in axes)
             self.spec[value] = self._valid(spec if len(spec) == len(shape) else _none(shape), shape)
-            if batch_axis is not None and any(batch_axis in entry for entry in self.spec[value]):
+            if value in self._read_whole and any(self.spec[value]):
+                weights[value] = self.spec[value]
+            elif batch_axis is not None and any(batch_axis in entry for entry in self.spec[value]):
                 weights[value] = self.spec[value]
         for value in trace.inputs:
             shape = trace.shapes[value]
@@ -259,7 +267,8 @@ class Specs:
             synthetic = -(len(self.gathered) + 2)
             shape = self.trace.shapes[value]
             whole = math.prod(shape) * itemsize(self.trace.dtypes[value])
-            pieces = math.prod(self.sizes[a] for entry in self._input(value) for a in entry)
+            spec = _none(shape) if value in self._read_whole else self._input(value)
+            pieces = math.prod(self.sizes[a] for entry in spec for a in entry)
             self._gathered_bytes[synthetic] = whole // max(pieces, 1)
             self.gathered[synthetic] = (min(reads), max(reads))
 
