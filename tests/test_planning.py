@@ -357,6 +357,7 @@ PLANNER_ORDER = [
     "_convs",
     "_lora",
     "_quantized",
+    "_batch_gathers",
     "_candidates",
     "_tables_2d",
     "_conv_costs",

@@ -14,7 +14,7 @@
    (`_convs`), LoRA adapters (`_lora`), int8 scales (`_quantized`); every note text is in
    `_notes`. The ledger's decisions, frozen, are the `Proposal`: per variable
    its tensor-parallel axes, note and unit.
-3. `cost_units` (`_costs`, over `_candidates`, `_one_weight`, `_kv_costs`,
+3. `cost_units` (`_costs`, over `_candidates` (with `_batch_gathers`), `_one_weight`, `_kv_costs`,
    `_table_costs` and `_conv_costs`, with `_batch_sums`: how often XLA sums each
    gradient over the batch axis, read off the trace): per unit,
    its candidate layouts (replicated, tensor-parallel, 2-D, vocab-parallel,
