@@ -270,4 +270,4 @@ def test_on_a_v5e_2x4_a_budget_no_tensor_parallel_plan_fits_is_met_by_splitting_
         with kml.dry_build(build) as model:
             rules = plan_rules(model, mesh, batch=batch, optimizer="adam", fully_sharded=True)
         step = kml.compile_step(build, kml.ModelParallel(mesh, rules), batch, batch, optimizer="adam")
-        assert option.wire_bytes == pytest.approx(step.comm.wire_bytes, rel=0.02), option.spec  # 0.993-0.997
+        assert option.wire_bytes == pytest.approx(step.comm.wire_bytes, rel=0.02), option.spec  # 0.992-0.997

@@ -52,12 +52,14 @@ class BatchGathers:
         at 8 and 32 rows per device, once at 128 (predicted 0.862 and 0.872 of the compiled bytes
         on 2×4, 0.860–0.876 on 2×2: not yet predicted).
         `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
-        HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a Dense MLP, 2 to 512
-        rows per device) gathers a kernel three times whatever its size, once for a projection of
-        the model's input, in bfloat16 (`gathered_share`).
+        HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a two-layer Dense MLP, 2 to 512
+        rows per device) gathers a kernel once whatever its size, in bfloat16 (`gathered_share`),
+        and keeps it for the backward pass: one all-gather (one `channel_id`) per kernel in the
+        HLO, which prints it in each fusion of the asynchronous collective (the three counted
+        before `parse_collectives` skipped those copies).
         """
-        if self.compiler == "tpu":  # XLA:TPU: three gathers, one for a projection of the input
-            return 1 if any(call[2] for call in self.calls(kernel.path)) else 3
+        if self.compiler == "tpu":  # XLA:TPU: gathered once, kept for the backward pass
+            return 1
         return 2 if self._regathered(layer, kernel, gathered, side) else 1
 
     def _regathered(
@@ -109,10 +111,10 @@ class BatchGathers:
         """A kernel split over the batch axis alone, on its input features: its gathers and input gradient.
 
         XLA:CPU gathers it once forward, its input gradient as `_input_gradient` says. XLA:TPU
-        gathers it in bfloat16 as often as `gathers_per_step` says, and, while XLA:CPU would gather
-        it again, also gathers the output gradient (in bfloat16) and moves the input gradient (an
-        all-to-all in float32): measured on v5e `data=8`, a Dense MLP, at 2, 8 and 32 rows per
-        device, not at 128.
+        gathers it once in bfloat16 (`gathers_per_step`), and, while XLA:CPU would gather it again,
+        also gathers the output gradient (in bfloat16) and moves the input gradient (an all-to-all
+        in float32): measured on v5e `data=8`, a Dense MLP, at 2, 8 and 32 rows per device, not at
+        128 or 512 (predicted 0.996–0.997 of the compiled bytes).
         """
         size, d = nbytes(kernel), self.d
         if self.compiler != "tpu":
@@ -120,7 +122,7 @@ class BatchGathers:
         share = self.gathered_share(kernel)
         count = self.gathers_per_step(layer, kernel, size, "whole")
         wire = count * wire_bytes("all-gather", size * share, d)
-        if count == 1 or not self._regathered(layer, kernel, size, "whole"):
+        if not self._regathered(layer, kernel, size, "whole"):
             return wire
         output = self._activation(use.output, use.dtype) * d * share
         moved = wire_bytes("all-to-all", self._summed(use.inputs, use.dtype), d)
