@@ -92,10 +92,6 @@ MISSES: dict[tuple[str, str], str] = {
     "receptance/key/value/output kernels stay whole: the unit grower cannot carry a head split through "
     "the recurrence's `scan` (receptance, key), the per-head `reduce_sum` of r·k·r_k scaling the value, "
     "nor the `gather` before the output projection",
-    # smallest budget plan ÷ fully sharded floor
-    ("LoRA-Llama", "smallest"): "1.400: the search fits the peak, not state: the smallest-state plan "
-    "(1.066 since its value LoRA a splits 8 ways, was 1.196) peaks no lower (296,836 B predicted for both; "
-    "compiled 308,304 vs 301,904), so the smallest budget takes the one sending fewer bytes",
     # predicted ÷ compiled bytes per step, by axis
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "

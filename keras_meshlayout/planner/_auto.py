@@ -117,10 +117,12 @@ def auto_rules(
             split over `batch_axis`), for embeddings vocab-parallel, and for
             weights outside every unit (norms, biases, a small head) fully
             sharded (split over `batch_axis`, gathered when used); the note
-            of each rule says what it saves and costs. `None` keeps the
-            planner's tensor-parallel layout (with `batch`, a look-up table
-            goes over both axes where that sends no more bytes and holds
-            less than vocab-parallel).
+            of each rule says what it saves and costs. At the smallest plan's
+            own budget (`MemoryBudgetError.smallest_bytes`) or under it, that
+            plan (the least state) unless another predicted to peak lower fits.
+            `None` keeps the planner's tensor-parallel layout (with `batch`, a
+            look-up table goes over both axes where that sends no more bytes
+            and holds less than vocab-parallel).
         batch: One global batch of inputs (arrays, or anything with `shape`
             and `dtype`). Needed with `memory_budget`; with it, the returned
             rules carry `rules.cost`, a `kml.PlanCost` predicting the bytes
