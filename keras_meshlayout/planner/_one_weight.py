@@ -301,11 +301,13 @@ class OneWeightCosts(Bytes):
         ):
             (use,) = uses
             add_wire(both, self.both, wire_bytes("all-gather", size, d * m))
-            for axis, amount in self._input_gradient_gathers(variable, use).items():
+            for axis, amount in self._input_gradient_moves(variable, use, both=True).items():
                 add_wire(both, axis, amount)
             when = "before its projection"
             if d >= m:
                 add_wire(wire, self.batch_axis, wire_bytes("all-gather", size, d))
+                for axis, amount in self._input_gradient_moves(variable, use, both=False).items():
+                    add_wire(wire, axis, amount)
             else:
                 wire = None if shape[0] % m else self._permuted_kernel(size, use)
             how = f"gathered over {self.batch_axis!r} {when}"
@@ -333,25 +335,27 @@ class OneWeightCosts(Bytes):
             return None
         return UnitCosts(variable.path, tuple(candidates), frozen(notes))
 
-    def _input_gradient_gathers(self, variable: keras.Variable, use) -> dict[str, float]:
-        """What the input gradient of a kernel split over both axes on its input features adds.
+    def _input_gradient_moves(self, variable: keras.Variable, use, *, both: bool) -> dict[str, float]:
+        """The input gradient's traffic beside a kernel split on its input features (`both` axes or one).
 
-        Measured on XLA:CPU (2×4, batch 8: a functional LoRA Dense pair and keras-hub Llama
-        under a pooled head, with or without LoRA, a norm before or after the pooling): when the
-        output gradient `dy` holds fewer elements than the kernel, XLA computes `dy @ wᵀ` on the
-        kernel's shards instead of the kernel gathered forward. It all-gathers `dy` over the
-        batch axis, and the input gradient that comes out, split on its features over both
-        axes, is gathered whole over both (a full rematerialisation) to return to batch shards.
-        With `dy` as large as the kernel or larger (the pair at batch 32 and 64, tests/styles.py's
-        block) the kernel's gathered copy is used and nothing more is sent.
+        Measured on XLA:CPU (batch 8: a functional LoRA Dense pair and keras-hub Llama under a
+        pooled head on 2×4, with or without LoRA, a norm before or after the pooling; a pooled
+        table on 2×4 and 4×2): when the output gradient `dy` holds fewer elements than the
+        kernel, XLA computes `dy @ wᵀ` on the kernel's shards instead of the kernel gathered
+        forward. It all-gathers `dy` over the batch axis, and the input gradient that comes out
+        split on its features goes back to batch shards: split over both axes, gathered whole
+        over both (a full rematerialisation); over the batch axis only (4×2), an all-to-all over
+        it. With `dy` as large as the kernel or larger (the pair at batch 32 and 64,
+        tests/styles.py's block) the kernel's gathered copy is used and nothing more is sent.
         """
         if use.from_input or math.prod(use.output) >= math.prod(variable.shape):
             return {}
         item = np.dtype(use.dtype).itemsize
-        return {
-            self.batch_axis: wire_bytes("all-gather", math.prod(use.output) * item, self.d),
-            self.both: wire_bytes("all-gather", math.prod(use.inputs) * item, self.d * self.m),
-        }
+        dy = wire_bytes("all-gather", math.prod(use.output) * item, self.d)
+        dx = math.prod(use.inputs) * item
+        if both:
+            return {self.batch_axis: dy, self.both: wire_bytes("all-gather", dx, self.d * self.m)}
+        return {self.batch_axis: dy + wire_bytes("all-to-all", dx / self.d, self.d)}
 
     def _permuted_kernel(self, size: float, use) -> dict[str, float]:
         """The traffic of a kernel split over a batch axis smaller than the model axis (see above)."""
