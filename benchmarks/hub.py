@@ -4,7 +4,8 @@ For a small Gemma-like decoder (one key/value head, heads-first kernels) and
 a small Llama-like one (grouped-query attention: 2 key/value heads for 8 query
 heads), each with a pooled classification head, on 2×4 and 4×2 meshes of 8
 emulated devices, this compiles Keras's own train step (Adam) under each
-layout and reads the partitioned HLO with `kml.comm_report`:
+layout from a dry build, its state donated as `fit` does (`kml.compile_step`),
+and reads the partitioned HLO:
 
 - `keras-hub map`: the backbone's own `get_layout_map(mesh)` (2-D: every
   kernel over both axes), through `kml.rules_from_layout_map` and our
@@ -16,17 +17,20 @@ layout and reads the partitioned HLO with `kml.comm_report`:
 - `planner, no budget`: `kml.auto_rules(model, mesh)`, tensor-parallel;
 - `planner, least traffic`: `auto_rules(..., memory_budget="1TB")`;
 - `planner at keras-hub memory`: `auto_rules(..., memory_budget=M)` with M the
-  keras-hub map's per-device state plus the planner's activation reserve.
+  keras-hub map's compiled peak ÷ 0.95 (the budget bounds the planner's
+  predicted peak with 5% kept free for the prediction's error); where no plan
+  fits M, the smallest plan instead (`MemoryBudgetError.smallest_bytes`).
 
 `wire` is the bytes each device sends per step (ring formulas), `state` the
 per-device bytes of parameters, gradients and Adam's slots from the plan,
-`predicted` the planner's own figure for its plan (`rules.cost`), and
+`peak` the compiled step's per-device peak (XLA's `memory_analysis`),
+`predicted` the planner's own bytes sent for its plan (`rules.cost`), and
 `pred/HLO` their ratio. Every distribution uses `replicate_below=0`: the
 models are tiny.
 
 Run:
 
-    python benchmarks/hub.py                  # both models, both meshes (about a minute and a half)
+    python benchmarks/hub.py                  # both models, both meshes (about 8 min on 2 loaded cores)
     python benchmarks/hub.py --quick          # the Llama-like model on 2×4 only
     python benchmarks/hub.py --json out.json  # also write the numbers
 """
@@ -34,7 +38,9 @@ Run:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import warnings
 
 import keras_meshlayout as kml
@@ -48,6 +54,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 BATCH, LENGTH, CLASSES, VOCAB = 16, 32, 10, 512
+HEADROOM = 0.05  # the share of a memory budget `kml.auto_rules` leaves free (see its `memory_budget`)
 
 
 def gemma() -> keras.Model:
@@ -88,17 +95,16 @@ def batch() -> dict[str, np.ndarray]:
     }
 
 
-def measure(backbone_fn, dist: kml.ModelParallel) -> tuple[float, int]:
-    """Wire bytes per device per step and per-device training state, under `dist`."""
-    keras.distribution.set_distribution(dist)
-    try:
-        model = classifier(backbone_fn)
-        report = kml.comm_report(model, batch(), np.zeros(BATCH, "int32"))
-        model.optimizer.build(model.trainable_variables)
-        memory = dist.plan(model).memory()
-    finally:
-        keras.distribution.set_distribution(None)
-    return report.wire_bytes, memory.parameters + memory.gradients + memory.optimizer
+def measure(backbone_fn, dist: kml.ModelParallel) -> tuple[float, int, int]:
+    """Wire bytes per device per step, per-device training state and compiled peak, under `dist`.
+
+    The step is Keras's own, compiled from a dry build with its state donated as `fit` does
+    (`kml.compile_step`), so its peak is what one device holds while `fit` runs it.
+    """
+    build = functools.partial(classifier, backbone_fn)
+    step = kml.compile_step(build, dist, batch(), np.zeros(BATCH, "int32"))
+    memory = kml.dry_plan(build, dist).memory()
+    return step.comm.wire_bytes, memory.parameters + memory.gradients + memory.optimizer, step.peak_bytes
 
 
 def plain_keras(backbone_cls, backbone_fn, mesh: kml.Mesh) -> str:
@@ -122,8 +128,9 @@ def run(name: str, mesh_shape: tuple[int, int]) -> list[dict]:
     reference = classifier(backbone_fn)
     rows = []
 
-    def add(layout: str, dist: kml.ModelParallel, predicted: float | None = None, note: str = "") -> int:
-        wire, state = measure(backbone_fn, dist)
+    def add(layout: str, dist: kml.ModelParallel, rules=None, note: str = "") -> int:
+        wire, state, peak = measure(backbone_fn, dist)
+        cost = None if rules is None else rules.cost
         rows.append(
             {
                 "model": name,
@@ -131,33 +138,33 @@ def run(name: str, mesh_shape: tuple[int, int]) -> list[dict]:
                 "layout": layout,
                 "wire_bytes": wire,
                 "state_bytes": state,
-                "predicted_wire_bytes": predicted,
+                "peak_bytes": peak,
+                "predicted_wire_bytes": None if cost is None else cost.wire_bytes,
+                "predicted_peak_bytes": None if cost is None else cost.peak_bytes,
                 "note": note,
             }
         )
-        return state
+        return peak
 
     hub_rules = kml.rules_from_layout_map(backbone_cls.get_layout_map(mesh, data_parallel_dim_name="data"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", kml.IndivisibleShapeWarning)
-        hub_state = add("keras-hub map", kml.ModelParallel(mesh, hub_rules, replicate_below=0),
-                        note=f"plain Keras: {plain_keras(backbone_cls, backbone_fn, mesh)}")  # fmt: skip
+        hub_peak = add("keras-hub map", kml.ModelParallel(mesh, hub_rules, replicate_below=0),
+                       note=f"plain Keras: {plain_keras(backbone_cls, backbone_fn, mesh)}")  # fmt: skip
     add("data-parallel (8×1)", kml.ModelParallel(kml.Mesh(data=8)))
     add("preset", kml.ModelParallel(mesh, kml.transformer_rules(), replicate_below=0))
 
     def planner(layout: str, budget) -> None:
         rules = kml.auto_rules(reference, mesh, replicate_below=0, memory_budget=budget, batch=batch())
         layouts = ", ".join(f"{n} {kind}" for kind, n in sorted(rules.cost.layouts().items()))
-        add(layout, kml.ModelParallel(mesh, rules, replicate_below=0), rules.cost.wire_bytes, layouts)
-        return rules
+        add(layout, kml.ModelParallel(mesh, rules, replicate_below=0), rules, layouts)
 
     planner("planner, no budget", None)
     planner("planner, least traffic", "1TB")
-    reserve = kml.auto_rules(reference, mesh, replicate_below=0, batch=batch()).cost.activation_bytes
-    try:
-        planner("planner at keras-hub memory", hub_state + reserve)
+    try:  # the budget bounds the predicted peak, less the headroom kept for the prediction's error
+        planner("planner at keras-hub memory", math.ceil(hub_peak / (1 - HEADROOM)))
     except kml.MemoryBudgetError as error:
-        # The hub map splits what the planner cannot predict (see README): show its smallest plan.
+        # No plan is predicted to peak within the map's compiled peak: show the smallest plan.
         planner("planner, smallest plan", error.smallest_bytes)
         rows[-1]["note"] = f"keras-hub memory out of reach; {rows[-1]['note']}"
     return rows
@@ -165,10 +172,9 @@ def run(name: str, mesh_shape: tuple[int, int]) -> list[dict]:
 
 def table(rows: list[dict]) -> Table:
     out = Table(title="keras-hub backbones: bytes sent per device per step, and per-device state (Adam)")
-    for column in ("model", "mesh", "layout", "wire", "state", "predicted", "pred/HLO", "note"):
-        out.add_column(
-            column, justify="right" if column in ("wire", "state", "predicted", "pred/HLO") else "left"
-        )
+    numbers = ("wire", "state", "peak", "predicted", "pred/HLO")
+    for column in ("model", "mesh", "layout", *numbers, "note"):
+        out.add_column(column, justify="right" if column in numbers else "left")
     for row in rows:
         wire, state, predicted = row["wire_bytes"], row["state_bytes"], row["predicted_wire_bytes"]
         out.add_row(
@@ -177,6 +183,7 @@ def table(rows: list[dict]) -> Table:
             row["layout"],
             "—" if wire is None else f"{wire / 2**20:.2f} MiB",
             "—" if state is None else f"{state / 2**20:.2f} MiB",
+            f"{row['peak_bytes'] / 2**20:.2f} MiB",
             "" if predicted is None else f"{predicted / 2**20:.2f} MiB",
             "" if predicted is None else f"{predicted / wire:.3f}",
             row["note"],

@@ -5,7 +5,8 @@ allocated) and planned by `kml.auto_rules` on a data=2 × model=4 mesh with
 Adam, for one step of 4 sequences of 2048 tokens. For each it prints:
 
 - the no-budget plan's parameters per device ÷ the tensor-parallel ideal
-  (every parameter split over `model`: parameters ÷ 4);
+  (every parameter split over `model`: parameters ÷ 4), planned with the
+  batch (so a look-up table goes over both axes where that sends no more);
 - the smallest memory-budget plan's state per device (parameters, gradients,
   Adam's two moments) ÷ the fully sharded floor (total state ÷ 8), and its
   predicted traffic per step;
@@ -51,6 +52,12 @@ SHAPES = {
 BATCH, SEQUENCE = 4, 2048
 
 
+def shards(axes: tuple, axis_sizes: dict[str, int]) -> int:
+    """How many pieces a layout splits a weight into; an entry names no axis, one, or several."""
+    named = [a for entry in axes for a in (entry if isinstance(entry, tuple) else (entry,)) if a]
+    return math.prod(axis_sizes[a] for a in named)
+
+
 def measure(name: str) -> dict:
     """Runs in a fresh process: the no-budget and the smallest plans of one shape."""
     import keras_meshlayout as kml
@@ -67,7 +74,7 @@ def measure(name: str) -> dict:
     }
     start = time.perf_counter()
     with kml.dry_build(lambda: getattr(keras_hub.models, cls)(**config, dtype="float32")) as probe:
-        free = kml.auto_rules(probe, mesh)
+        free = kml.auto_rules(probe, mesh, batch=batch, optimizer="adam")
         no_budget = time.perf_counter() - start
         try:
             kml.auto_rules(probe, mesh, memory_budget=1, batch=batch, optimizer="adam")
@@ -79,8 +86,7 @@ def measure(name: str) -> dict:
         for variable in probe.weights:
             rule = free.match(variable.path)
             axes = rule.expand(len(variable.shape)) if rule is not None else None
-            shards = math.prod(mesh.axis_sizes[a] for a in (axes or ()) if a is not None)
-            per_device += math.prod(variable.shape) // shards
+            per_device += math.prod(variable.shape) // shards(axes or (), mesh.axis_sizes)
     floor = 4 * parameters * 4 / 8  # float32 parameters, gradients and Adam's two moments, over 8 devices
     return {
         "model": name,

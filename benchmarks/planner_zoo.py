@@ -25,12 +25,18 @@ import sys
 VOCAB = 1024
 
 
+def shards(axes: tuple, axis_sizes: dict[str, int]) -> int:
+    """How many pieces a layout splits a weight into; an entry names no axis, one, or several."""
+    named = [a for entry in axes for a in (entry if isinstance(entry, tuple) else (entry,)) if a]
+    return math.prod(axis_sizes[a] for a in named)
+
+
 def measure(row, kml, hub_models, replicate_below: int | None = None) -> dict:
     config = {k: (VOCAB if k in ("vocabulary_size", "vocab_size") else v) for k, v in row.config.items()}
     model = row.cls(**config, name="backbone")
     mesh = kml.Mesh(data=2, model=4)
     batch = hub_models.inputs_for(model)
-    free = kml.auto_rules(model, mesh, replicate_below=replicate_below)
+    free = kml.auto_rules(model, mesh, replicate_below=replicate_below, batch=batch)
     parameters = sum(math.prod(v.shape) for v in model.weights)
     per_device = 0
     for variable in model.weights:
@@ -39,7 +45,7 @@ def measure(row, kml, hub_models, replicate_below: int | None = None) -> dict:
         kept_whole = len(variable.shape) >= 2 and not variable.path.endswith("/bias")
         if kept_whole and math.prod(variable.shape) < free.policy.replicate_below:
             axes = None  # what kml.ModelParallel does with a small weight matrix
-        per_device += math.prod(variable.shape) // math.prod(mesh.axis_sizes[a] for a in (axes or ()) if a)
+        per_device += math.prod(variable.shape) // shards(axes or (), mesh.axis_sizes)
     budgeted = dict(batch=batch, optimizer="adam", replicate_below=replicate_below)
     try:
         kml.auto_rules(model, mesh, memory_budget=1, **budgeted)

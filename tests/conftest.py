@@ -93,12 +93,17 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_the_peak_of_toy_steps_on_tpu_is_within_ten_percent_of_the_compiled_one",
         "test_the_peak_follows_xla_tpu_where_its_temporaries_are_in_hbm",
         "test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent",  # one XLA:TPU compile each, 5-15 s
+        "test_under_bfloat16_xla_tpu_moves_activations_in_bfloat16",
     ),
     "test_mesh_choice.py": (
         "test_on_a_256_chip_v5e_the_choice_is_no_worse_than_brute_force",
         "test_a_moe_model_is_also_planned_on_expert_axes_and_the_choice_is_no_worse_than_brute_force",
-    ),  # XLA:TPU compiles two 256-chip steps, plans nine splits over the target (3 s loaded); a tiny
-    # Mixtral planned on six 4-device splits twice, by choose_mesh and alone (8.5 s loaded)
+        "test_each_split_over_the_batch_axis_also_has_a_fully_sharded_plan_sending_what_xla_compiles",
+        "test_on_a_v5e_2x4_a_budget_no_tensor_parallel_plan_fits_is_met_by_splitting_over_the_batch_axis_too",
+    ),  # XLA:TPU compiles three 256-chip steps, plans nine splits over the target, each twice (7 s
+    # loaded); a tiny Mixtral planned on six 4-device splits and three fully sharded, by choose_mesh
+    # and alone (24 s loaded); three fully sharded steps compiled on 8 CPU devices (9 s); four on v5e
+    # 2x4 (6.5 s)
     "test_embeddings.py": (  # the tied table's plan and compile (one, shared), and its fit against one device
         "test_a_tied_table_is_vocab_parallel_without_a_budget",
         "test_a_tied_table_prediction_matches_the_compiled_step",

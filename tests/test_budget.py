@@ -488,14 +488,38 @@ def build_lone() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(10, name="head")(hidden), name="lone")
 
 
+class OffsetNorm(keras.layers.Layer):
+    """An RMS norm as Gemma's, `x * (1 + scale)`: its scale is added to before it multiplies."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="zeros", name="scale")
+
+    def call(self, x):
+        x = x * keras.ops.rsqrt(keras.ops.mean(keras.ops.square(x), axis=-1, keepdims=True) + 1e-6)
+        return x * (1 + self.scale)
+
+
+def build_offset() -> keras.Model:
+    """Regression: the scale of `x * (1 + scale)` was costed as gathered once; XLA gathers it twice."""
+    inputs = keras.Input((32,))
+    hidden = OffsetNorm(name="norm")(keras.layers.Dense(64, name="lone")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(hidden), name="offset")
+
+
 def _styles_builder(name: str):
     import styles
 
-    return {"lone": build_lone, "block": styles.block_functional, "mlp": styles.mlp_sequential}[name]
+    builders = {"lone": build_lone, "offset": build_offset, "block": styles.block_functional}
+    return {**builders, "mlp": styles.mlp_sequential}[name]
+
+
+ALONE = ("lone", "offset")  # models with no unit at all: every weight fully sharded
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
-@pytest.mark.parametrize("name", ["lone", "block", "mlp"], ids=["alone", "mixed-block", "mixed-mlp"])
+@pytest.mark.parametrize(
+    "name", ["lone", "offset", "block", "mlp"], ids=["alone", "alone-offset-norm", "mixed-block", "mixed-mlp"]
+)
 def test_fully_sharded_predicted_bytes_match_the_compiled_step(name, mesh_name):
     import styles
 
@@ -505,15 +529,15 @@ def test_fully_sharded_predicted_bytes_match_the_compiled_step(name, mesh_name):
     if name == "block":
         x = rng.integers(0, styles.VOCAB, (64, styles.LENGTH)).astype("int32")
     else:
-        x = rng.normal(size=(64, 32 if name == "lone" else styles.FEATURES)).astype("float32")
+        x = rng.normal(size=(64, 32 if name in ALONE else styles.FEATURES)).astype("float32")
     with pytest.raises(kml.MemoryBudgetError) as error:
         kml.auto_rules(build_model(), mesh, replicate_below=0, memory_budget=1, batch=x, optimizer="adam")
     budget = error.value.smallest_bytes
     probe = build_model()
     rules = kml.auto_rules(probe, mesh, replicate_below=0, memory_budget=budget, batch=x, optimizer="adam")
     layouts = set(rules.cost.layouts())
-    expected = {"fully sharded"} if name == "lone" else {"fully sharded", "2-D"}
-    assert layouts == expected if name == "lone" else expected <= layouts
+    expected = {"fully sharded"} if name in ALONE else {"fully sharded", "2-D"}
+    assert layouts == expected if name in ALONE else expected <= layouts
     # The head's kernel divides by 2 x 4 = 8 on its input features: split over both axes at once.
     head = rules.match("head/kernel")
     assert head.axes == (("data", "model"), None), head
@@ -529,6 +553,8 @@ def test_fully_sharded_predicted_bytes_match_the_compiled_step(name, mesh_name):
     assert set(report.wire_bytes_by_axis) == set(rules.cost.wire_bytes_by_axis)
     for axis, measured in report.wire_bytes_by_axis.items():
         assert rules.cost.wire_bytes_by_axis[axis] == pytest.approx(measured, rel=0.02), axis
+    if name == "offset":  # exact: its scale gathered over both axes forward and backward (was once)
+        assert rules.cost.wire_bytes_by_axis == report.wire_bytes_by_axis
 
 
 def build_pooled_head(width: int = 32) -> keras.Model:

@@ -638,7 +638,8 @@ def test_plan_for_a_tpu_target_compiles_the_step_and_reports_it_as_json(workdir)
 
 
 def test_plan_mesh_auto_on_a_v5e_16x16_lists_the_alternatives_and_plans_the_best(workdir):
-    """Issue 21: `--mesh auto` ranks the 9 splits of 256 chips and plans the first; bad input is one line."""
+    """Issue 21: `--mesh auto` ranks the 9 splits of 256 chips, each with data ≥ 2 also fully sharded
+    (`"fsdp": true`), and plans the first; bad input is one line."""
     result = cli(
         *("plan", "--mesh", "auto", "--target", "tpu-v5e:16x16", "--model", "models:mlp"),
         *("--optimizer", "adam", "--batch-size", "256", "--json"),
@@ -647,7 +648,14 @@ def test_plan_mesh_auto_on_a_v5e_16x16_lists_the_alternatives_and_plans_the_best
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     alternatives = data["alternatives"]
-    assert len(alternatives) == 9 and alternatives[0]["axis_sizes"] == data["mesh"]
+    assert (
+        len({option["mesh"] for option in alternatives}) == 9
+        and alternatives[0]["axis_sizes"] == data["mesh"]
+    )
+    assert {o["mesh"] for o in alternatives if o["fsdp"]} == {
+        f"data={2**k},model={256 // 2**k}" for k in range(1, 9)
+    }
+    assert data["fsdp"] is alternatives[0]["fsdp"] and "layouts" in alternatives[0]
     times = [option["step_seconds"] for option in alternatives]
     assert (
         times == sorted(times)

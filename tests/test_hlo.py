@@ -227,6 +227,49 @@ COMBINED_WANT = Want(
     op_name="jit(train_step)/(" + ":".join(COMBINED_NAMES) + ")",
 )
 
+#: One asynchronous collective as XLA:TPU prints it (libtpu 0.0.42.1, a head_dim-split key kernel
+#: gathered beside the query's matmul): a copy in the fusion that starts it, in each fusion that
+#: computes while it moves and in the one that ends it, all with its channel_id. Regression: each
+#: copy was counted, and keras-hub Mixtral's model axis read 2.3x what it sends.
+KEY = 'metadata={op_name="jit(train_step)/jvp(backbone)/key/bkm,mvh->bkvh/dot_general" stack_frame_id=492}'
+
+
+def tpu_gather(n: int, channel: int, space: str = "") -> str:
+    """One copy of an XLA:TPU all-gather of the key kernel, in memory space `space` (`"S(1)"`)."""
+    return (
+        f"  %all-gather.{n} = bf16[64,2,16]{{0,1,2:T(2,128)(2,1){space}}} all-gather(%param_0.{n}), "
+        f"channel_id={channel}, replica_groups={{{{0,1,2,3}},{{4,5,6,7}}}}, dimensions={{2}}, "
+        f"use_global_device_ids=true, {KEY}\n"
+    )
+
+
+ASYNC_FUSION = "".join(
+    [
+        "%fused_computation.730 (param_0.63: bf16[64,2,4]) -> (bf16[64,2,4], bf16[64,2,16]) {\n",
+        tpu_gather(63, 6),
+        "  ROOT %custom-call.3 = (bf16[64,2,4], bf16[64,2,16]) custom-call(%all-gather.63), "
+        'custom_call_target="AsyncCollectiveStart"\n}\n',
+        "%async_collective_fusion.585 (param_0.65: bf16[64,2,4]) -> (f32[4,8,1,16], bf16[64,2,16]) {\n",
+        tpu_gather(65, 6, "S(1)"),
+        "}\n%fused_computation.732 (param_0.67: bf16[64,2,4]) -> bf16[64,2,16] {\n",
+        tpu_gather(67, 6),
+        "  ROOT %custom-call.5 = bf16[64,2,16] custom-call(%all-gather.67), "
+        'custom_call_target="AsyncCollectiveDone"\n}\n',
+        "%fused_computation.733 (param_0.69: bf16[64,2,4]) -> (bf16[64,2,4], bf16[64,2,16]) {\n",
+        tpu_gather(69, 5),  # another collective: the value kernel's
+        "}\n",
+    ]
+)
+TPU_KEY_GATHER = Want(
+    "all-gather",
+    ROWS_2x4,
+    4,
+    (("bf16", (64, 2, 16), "jit(train_step)/jvp(backbone)/key/bkm,mvh->bkvh/dot_general"),),
+    64 * 2 * 16 * 2,
+    3 / 4 * 64 * 2 * 16 * 2,
+    "jit(train_step)/jvp(backbone)/key/bkm,mvh->bkvh/dot_general",
+)
+
 FORM_CASES = [
     (
         "all-reduce-start",  # result shaped like the all-reduce; the -done is skipped
@@ -392,6 +435,7 @@ FORM_CASES = [
         + combined_reads("(f32[], f32[12,8]{1,0}) %all-reduce-done.9"),
         [COMBINED_WANT],
     ),
+    ("tpu-async-collective-fusion", ASYNC_FUSION, [TPU_KEY_GATHER, TPU_KEY_GATHER]),  # channels 6 and 5
     (
         "not-collectives",  # operands, metadata and -done lines that mention collectives;
         # regression: a tuple-shaped op whose metadata says "all-reduce(" was read as one

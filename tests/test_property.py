@@ -319,8 +319,11 @@ def test_first_matching_rule_wins(patterns: list[str], path: str, data: st.DataO
     assert rule.pattern == patterns[expected]
     assert re.fullmatch(rule.pattern, path)
     assert rule.axes == tuple(rules[expected][1])
-    assert rule.pattern == path or not any(  # an exact key wins wherever it stands
-        re.fullmatch(pattern, path) and pattern.endswith("/output") == path.endswith("/output")
-        for pattern in patterns[:expected]
+    assert (
+        rule.pattern == path
+        or not any(  # an exact key wins wherever it stands
+            re.fullmatch(pattern, path) and pattern.endswith("/output") == path.endswith("/output")
+            for pattern in patterns[:expected]
+        )
     )
     assert tuple(layout_rules[path].axes) == rule.axes

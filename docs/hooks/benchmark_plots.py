@@ -80,24 +80,29 @@ def comm_table(data: dict) -> str:
 
 
 def hub_table(data: list) -> str:
-    """The keras-hub benchmark: wire and state per device, and the planner's prediction."""
+    """The keras-hub benchmark: wire, state and compiled peak per device, and the planner's prediction."""
+
+    def predicted(value: float | None, compiled: float) -> str:
+        return "" if value is None else f"{value / MiB:.2f} MiB ({value / compiled:.3f})"
+
     rows = []
     for r in data:
-        predicted = r["predicted_wire_bytes"]
         rows.append(
             [
                 r["model"],
                 r["mesh"],
                 r["layout"],
-                "—" if r["wire_bytes"] is None else f"{r['wire_bytes'] / MiB:.2f} MiB",
-                "—" if r["state_bytes"] is None else f"{r['state_bytes'] / MiB:.2f} MiB",
-                "" if predicted is None else f"{predicted / MiB:.2f} MiB ({predicted / r['wire_bytes']:.3f})",
+                f"{r['wire_bytes'] / MiB:.2f} MiB",
+                f"{r['state_bytes'] / MiB:.2f} MiB",
+                f"{r['peak_bytes'] / MiB:.2f} MiB",
+                predicted(r["predicted_wire_bytes"], r["wire_bytes"]),
+                predicted(r["predicted_peak_bytes"], r["peak_bytes"]),
                 r["note"],
             ]
         )
-    header = ["model", "mesh", "layout", "wire / device / step", "state / device",
-              "planner predicted (ratio to HLO)", "note"]  # fmt: skip
-    return _table(header, rows, right={3, 4, 5})
+    header = ["model", "mesh", "layout", "wire / device / step", "state / device", "compiled peak / device",
+              "planner's wire (÷ compiled)", "planner's peak (÷ compiled)", "note"]  # fmt: skip
+    return _table(header, rows, right={3, 4, 5, 6, 7})
 
 
 def dry_plan_table(data: list) -> str:

@@ -325,6 +325,7 @@ def _print_json(
     if choice is not None:
         # "mesh" (the plan's own: the chosen mesh's axis sizes) stays as every plan gives it.
         data["alternatives"] = [option.to_dict() for option in choice.alternatives]
+        data["fsdp"] = choice.best.fsdp  # whether the chosen plan is the mesh's fully sharded one
     data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
     data["memory_per_device"]["peak_bytes"] = None if peak is None else peak.peak
     data["memory_per_device"]["activation_bytes"] = None if peak is None else peak.non_state

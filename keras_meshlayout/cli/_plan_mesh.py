@@ -2,8 +2,10 @@
 
 Every data × model split (and, for a mixture-of-experts model, data × expert × model) of
 the `--target`'s chips (without a target, of the local devices, emulated with
-`--emulate-devices`) is planned with the automatic rules on `--batch-size` rows and ranked
-by predicted step time; the best is planned as `--mesh SPEC` would be.
+`--emulate-devices`) is planned with the automatic rules on `--batch-size` rows, and where its
+data axis is 2 or more also fully sharded over it (the table's `plan` column, `"fsdp"` in
+`--json`), and ranked by predicted step time; the best is planned as `--mesh SPEC` would be
+(fully sharded, if that row won).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from ._ledger import Ledger, Setting
 from ._search import explain, plan_cost, search
 from ._trace import Trace, abstract_batch, trace_model
 
-__all__ = ["STRATEGIES", "auto_rules"]
+__all__ = ["STRATEGIES", "auto_rules", "plan_rules", "smallest"]
 
 Strategy = Callable[[Ledger, Setting], None]
 
@@ -182,6 +182,33 @@ def auto_rules(
         >>> tight.cost.wire_bytes, tight.cost.peak_bytes <= 170_000, tight.cost.layouts()
         (64684.0, True, {'2-D': 1, 'replicated': 2})
     """
+    return plan_rules(
+        model, mesh, model_axis=model_axis, batch_axis=batch_axis, replicate_below=replicate_below,
+        memory_budget=memory_budget, batch=batch, optimizer=optimizer, policy=policy,
+    )  # fmt: skip
+
+
+def plan_rules(
+    model: keras.Model,
+    mesh: keras.distribution.DeviceMesh,
+    *,
+    model_axis: str = "model",
+    batch_axis: str | None = None,
+    replicate_below: int | None = None,
+    memory_budget: int | str | None = None,
+    batch: Any = None,
+    optimizer: str | keras.optimizers.Optimizer | None = None,
+    policy: LayoutPolicy | None = None,
+    fully_sharded: bool = False,
+) -> LayoutRules:
+    """`auto_rules`, or with `fully_sharded` (and a `batch`) its fully sharded plan (ZeRO-3/FSDP).
+
+    Fully sharded, every unit takes its candidate of least state whatever it sends (`smallest`):
+    a unit's 2-D layout (tensor-parallel, with its kernels' largest other dimension also split
+    over `batch_axis`, gathered there before use), a weight outside every unit split over
+    `batch_axis` (and the model axis where it divides), a table over both axes: the plan
+    `auto_rules` falls back to when nothing else fits. `memory_budget` is then only checked.
+    """
     if model_axis not in mesh.axis_names:
         raise InvalidRuleError(
             f"auto_rules: model_axis={model_axis!r} is not an axis of the mesh, which has axes "
@@ -190,7 +217,7 @@ def auto_rules(
     size = mesh_axis_sizes(mesh)[model_axis]
     if batch_axis is None:
         batch_axis = next((axis for axis in mesh.axis_names if axis != model_axis), None)
-    _check_budget_args(memory_budget, batch)
+    _check_budget_args(memory_budget, batch, fully_sharded)
     chosen_policy = resolve_policy("auto_rules()", policy, replicate_below=replicate_below)
     trace = _trace(model, batch)
     batch_size = mesh_axis_sizes(mesh).get(batch_axis, 1) if batch_axis else 1
@@ -222,7 +249,7 @@ def auto_rules(
         below, compiler = chosen_policy.replicate_below, _peak.compiler_of(mesh)
         table = cost_units(model, proposal, trace, mesh_axis_sizes(mesh), optimizer, below, compiler)
     step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis, _peak.compiler_of(mesh))
-    table, chosen, peak = _search_within_peak(table, budget, step)
+    table, chosen, peak = _search_within_peak(table, budget, step, fully_sharded)
     _apply(ledger, table, chosen)
     rules = LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)
     rules.cost = plan_cost(table, chosen, budget, peak)
@@ -230,7 +257,7 @@ def auto_rules(
 
 
 def _search_within_peak(
-    table: CostTable, budget: int | None, step: _peak.PeakWalk | None
+    table: CostTable, budget: int | None, step: _peak.PeakWalk | None, fully_sharded: bool = False
 ) -> tuple[CostTable, tuple[int, ...], _peak.PeakMemory | None]:
     """The search, with the activation reserve set to what the predicted peak needs beyond the state.
 
@@ -244,33 +271,34 @@ def _search_within_peak(
     predicted peak is lower. (Measured on keras-hub Llama with `enable_lora(4)`, 2×4: its frozen
     kernels split over `data` save state but their gathered copies live from the forward pass
     to the backward, so both plans were predicted at 296,836 bytes, compiled 308,304 and 301,904.)
+    `fully_sharded` takes the smallest-state plan at once.
     """
     if step is None:  # a step that cannot be traced: the projections' outputs as the reserve
+        if fully_sharded:
+            return table, _checked(table, smallest(table), budget), None
         return table, search(table, budget), None
     proposed = tuple(unit.proposed for unit in table.units)
-    if budget is None:
+    if budget is None and not fully_sharded:
         peak = step.peak(table, proposed)
         return dataclasses.replace(table, reserve=peak.non_state), proposed, peak
-    given, budget = budget, int(budget * (1 - PEAK_HEADROOM))
-    smallest = tuple(
-        min(range(len(u.candidates)), key=lambda i, u=u: (u.candidates[i].state, u.candidates[i].total))
-        for u in table.units
-    )
-    least = step.peak(table, smallest)
-    reserve = min(step.peak(table, proposed).non_state, least.non_state)
-    for _ in range(_ROUNDS):
-        try:
-            chosen = search(dataclasses.replace(table, reserve=reserve), budget)
-        except MemoryBudgetError:
-            break
-        peak = step.peak(table, chosen)
-        if peak.peak <= budget:
-            if given <= _needed(least) and peak.peak >= least.peak:
-                break  # the smallest plan's own budget: that plan, unless this one peaks lower
-            return dataclasses.replace(table, reserve=peak.non_state), chosen, peak
-        reserve = max(reserve + 1, peak.non_state)
-    if least.peak <= budget:
-        return dataclasses.replace(table, reserve=least.non_state), smallest, least
+    given, budget = budget, None if budget is None else int(budget * (1 - PEAK_HEADROOM))
+    least_chosen = smallest(table)
+    least = step.peak(table, least_chosen)
+    if budget is not None and not fully_sharded:
+        reserve = min(step.peak(table, proposed).non_state, least.non_state)
+        for _ in range(_ROUNDS):
+            try:
+                chosen = search(dataclasses.replace(table, reserve=reserve), budget)
+            except MemoryBudgetError:
+                break
+            peak = step.peak(table, chosen)
+            if peak.peak <= budget:
+                if given <= _needed(least) and peak.peak >= least.peak:
+                    break  # the smallest plan's own budget: that plan, unless this one peaks lower
+                return dataclasses.replace(table, reserve=peak.non_state), chosen, peak
+            reserve = max(reserve + 1, peak.non_state)
+    if budget is None or least.peak <= budget:
+        return dataclasses.replace(table, reserve=least.non_state), least_chosen, least
     needed = _needed(least)
     raise MemoryBudgetError(
         f"auto_rules: the smallest plan needs {format_bytes(least.peak)} per device at its predicted "
@@ -287,6 +315,27 @@ def _needed(least: _peak.PeakMemory) -> int:
     return math.ceil(least.peak / (1 - PEAK_HEADROOM))
 
 
+def smallest(table: CostTable) -> tuple[int, ...]:
+    """Each unit's candidate of least state (then least traffic): the fully sharded plan."""
+    return tuple(
+        min(range(len(u.candidates)), key=lambda i, u=u: (u.candidates[i].state, u.candidates[i].total))
+        for u in table.units
+    )
+
+
+def _checked(table: CostTable, chosen: tuple[int, ...], budget: int | None) -> tuple[int, ...]:
+    """`chosen`, when its state and the reserve fit `budget` (an untraced step's fully sharded plan)."""
+    state = table.reserve + sum(u.candidates[c].state for u, c in zip(table.units, chosen, strict=True))
+    if budget is not None and state > budget:
+        raise MemoryBudgetError(
+            f"auto_rules: the fully sharded plan needs {format_bytes(state)} per device, over the memory "
+            f"budget of {format_bytes(budget)}. Fix: a larger budget, a smaller batch per device, or an "
+            "optimizer with fewer slots (e.g. Adafactor).",
+            smallest_bytes=state,
+        )
+    return chosen
+
+
 #: The share of the budget the predicted peak leaves free: the prediction is within a few percent of
 #: XLA's compiled peak on dense models (docs/status.md), so a plan said to fit stays under the budget.
 PEAK_HEADROOM = 0.05
@@ -301,7 +350,12 @@ def _expert_axis(mesh: Any, model_axis: str, batch_axis: str | None) -> str | No
     return name if name in mesh.axis_names and name not in (model_axis, batch_axis) else None
 
 
-def _check_budget_args(memory_budget: int | str | None, batch: Any) -> None:
+def _check_budget_args(memory_budget: int | str | None, batch: Any, fully_sharded: bool = False) -> None:
+    if fully_sharded and batch is None:
+        raise InvalidOptionError(
+            "the fully sharded plan needs batch=: one global batch of inputs, to cost each layout "
+            "and its gathers. Fix: pass batch=x."
+        )
     if memory_budget is not None and batch is None:
         raise InvalidOptionError(
             "auto_rules(memory_budget=...) needs batch=: one global batch of inputs (arrays, or "

@@ -2,8 +2,9 @@
 
 `Bytes` holds what every cost formula reads (the axis sizes, the traced uses,
 the memory model) and counts the bytes of one variable's state, of an
-activation, of a gradient all-reduce; `_one_weight` and `_costs` build the
-candidates on top of it.
+activation, of a gradient all-reduce, of a kernel split over the batch axis
+gathered for its compute (`gathers_per_step`, on XLA:CPU and XLA:TPU);
+`_one_weight` and `_costs` build the candidates on top of it.
 """
 
 from __future__ import annotations
@@ -185,13 +186,19 @@ class Bytes:
         return merged
 
     def _readers(self, value: int) -> list[int]:
-        """The nodes reading `value`, in forward order; a cast or copy read by one node stands for it."""
+        """The nodes reading `value`, in forward order; a cast or copy stands for the nodes reading it.
+
+        Under `bfloat16` a norm computed in float32 is cast once for all its projections: the cast
+        read by two stood for neither, and XLA:TPU's one all-reduce of their summed input gradients
+        was predicted as two (keras-hub Llama, v5e 2×4: the gate and up projections').
+        """
         readers = []
         for node in sorted(self.trace.consumers.get(value, ())):
             op = self.trace.nodes[node]
-            while op.primitive in _PASS and len(self.trace.consumers.get(op.outputs[0], ())) == 1:
-                op = self.trace.nodes[self.trace.consumers[op.outputs[0]][0]]
-            readers.append(op.index)
+            if op.primitive in _PASS:
+                readers.extend(self._readers(op.outputs[0]))
+            else:
+                readers.append(op.index)
         return readers
 
     def _activation_value(self, use: Any) -> int | None:
@@ -221,8 +228,25 @@ class Bytes:
         # kernel's, which is the one summed (measured on XLA:CPU).
         if variable.path in self.lora_base or variable.path not in self.used:
             return 0.0
-        read = nbytes(variable) * self.sums.reads.get(variable.path, 0.0)
+        read = nbytes(variable) * self.sums.reads.get(variable.path, 0.0) * self._gradient_width(variable)
         return wire_bytes("all-reduce", read / shards, self.d)
+
+    def _gradient_width(self, variable: keras.Variable) -> float:
+        """The share of a weight's bytes its gradient's all-reduce moves: 1, but narrower matmuls' on XLA:TPU.
+
+        Under `mixed_bfloat16` a float32 kernel's gradient is a bfloat16 matmul's output, cast to
+        float32 after XLA:TPU's all-reduce over the batch axis (XLA:CPU casts before): per read,
+        the matmul's dtype over the weight's (a tied table: its look-up's gradient in float32, its
+        projection's in bfloat16; measured on keras-hub Llama 3, v5e 2×4).
+        """
+        uses = self.uses.get(variable.path, ())
+        if self.compiler != "tpu" or not uses:
+            return 1.0
+        own = np.dtype(variable.dtype).itemsize
+        widths = [
+            min(np.dtype(use.dtype).itemsize, own) / own if use.kind == "matmul" else 1.0 for use in uses
+        ]
+        return sum(widths) / len(widths)
 
     def lora_wire(self, axes: Mapping[str, Axes]) -> dict[str, float]:
         """The all-reduces of the LoRA adapters' gradients, for the kernels and adapters laid out in `axes`.
@@ -259,11 +283,31 @@ class Bytes:
     def _summed(self, shape: Sequence[int], dtype: str) -> float:
         """Per-device bytes of an activation a collective moves.
 
-        Partial sums travel in float32 even when the layer computes in
-        bfloat16 or float16 (measured under `mixed_bfloat16` on XLA:CPU: the
-        matmul accumulates in float32 and the all-reduce comes before the cast).
+        On XLA:CPU partial sums travel in float32 even when the layer computes in
+        bfloat16 or float16 (measured under `mixed_bfloat16`: the matmul accumulates
+        in float32 and the all-reduce comes before the cast). XLA:TPU's matmuls write
+        the layer's dtype, and that is what its all-reduces move (measured on a
+        keras-hub Llama under `bfloat16` and `mixed_bfloat16`, v5e 2×4: every
+        activation all-reduce over the model axis in bfloat16).
         """
-        return math.prod(shape) / self.d * max(np.dtype(dtype).itemsize, 4)
+        itemsize = np.dtype(dtype).itemsize
+        return math.prod(shape) / self.d * (itemsize if self.compiler == "tpu" else max(itemsize, 4))
+
+    def cast_dtype(self, use: Any) -> str:
+        """The dtype a look-up's output is cast to before anything reads it, on XLA:TPU; else its own.
+
+        Under `mixed_bfloat16` a table is looked up in float32 and cast to bfloat16: XLA:TPU
+        casts before the vocab-parallel all-reduce (exact: one device holds each row), so it
+        moves bfloat16 (measured on keras-hub Llama, v5e 2×4); XLA:CPU moves float32.
+        """
+        if self.compiler != "tpu":
+            return use.dtype
+        output = self.trace.nodes[use.node].outputs[0]
+        readers = [self.trace.nodes[n] for n in self.trace.consumers.get(output, ())]
+        casts = {self.trace.dtypes[r.outputs[0]] for r in readers if r.primitive == "convert_element_type"}
+        if readers and len(casts) == 1 and all(r.primitive == "convert_element_type" for r in readers):
+            return casts.pop()
+        return use.dtype
 
     def calls(self, path: str) -> list[tuple[tuple, tuple, bool, str]]:
         """`(activation shape, output shape, reads a model input, dtype)` of each projection by `path`."""
@@ -319,6 +363,103 @@ class Bytes:
             changed = dict(axes=frozen(axes), state=int(state), notes=frozen(notes), wire=frozen(wire))
             candidates.append(dataclasses.replace(option, **changed))
         return dataclasses.replace(unit, candidates=tuple(candidates))
+
+    # -- kernels split over the batch axis, gathered --------------------------------------------
+
+    def gathers_per_step(
+        self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
+    ) -> int:
+        """How often XLA all-gathers a kernel split over the batch axis in one step (2-D, fully sharded).
+
+        `side` is how the model axis splits it: `"row"`, `"column"` or `"whole"` (not at all).
+        Measured on XLA:CPU (jaxlib 0.10) on MLPs and on the Llama, Gemma,
+        Mistral, Falcon, Qwen, SmolLM3, GPT-2, BERT and T5 backbones of the
+        tests: the kernel gathered for the forward pass is kept for the
+        backward one unless it is large beside the projection's activations on one device; then
+        it is gathered again, unless the projection reads the model's input (no input gradient,
+        so the backward pass needs no kernel). Over a batch axis of 4 or more devices, large is
+        larger than both the projection's input and output on one device (at least as large,
+        for a `Dense` kernel); over 2 devices, a kernel split over the batch axis alone larger than
+        its output on one device (a Dense MLP on `data=2,model=1`, 8 to 512 rows per device: the
+        input's size does not decide there). A 2-D kernel over 2 devices is counted once, as XLA
+        gathers the column kernels of keras-hub T5 and Qwen and the row kernel of a three-layer
+        MLP on 2×4; the row kernel of a two-layer MLP (its output the model's) it gathers twice
+        at 8 and 32 rows per device, once at 128 (predicted 0.862 and 0.872 of the compiled bytes
+        on 2×4, 0.860–0.876 on 2×2: not yet predicted).
+        `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
+        HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a Dense MLP, 2 to 512
+        rows per device) gathers a kernel three times whatever its size, once for a projection of
+        the model's input, in bfloat16 (`gathered_share`).
+        """
+        if self.compiler == "tpu":  # XLA:TPU: three gathers, one for a projection of the input
+            return 1 if any(call[2] for call in self.calls(kernel.path)) else 3
+        return 2 if self._regathered(layer, kernel, gathered, side) else 1
+
+    def _regathered(
+        self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
+    ) -> bool:
+        """Whether XLA:CPU gathers a kernel again for its input gradient (`gathers_per_step`)."""
+        largest = largest_out = 0.0
+        for inputs, output, from_input, dtype in self.calls(kernel.path):
+            if from_input:
+                return False
+            local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
+            local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
+            largest, largest_out = max(largest, local_in, local_out), max(largest_out, local_out)
+        if self.d < 4:  # split on the model axis too (T5, Qwen, an MLP on 2×4): gathered once, see above
+            return side == "whole" and gathered > largest_out
+        if isinstance(layer, keras.layers.EinsumDense):
+            return gathered > largest
+        return gathered >= largest  # a Dense layer, or a custom layer's matmul
+
+    def gathered_share(self, variable: keras.Variable) -> float:
+        """The share of a kernel's bytes an all-gather over the batch axis sends: on XLA:TPU a float32
+        kernel is cast to bfloat16 before it is gathered (measured on v5e, see `gathers_per_step`)."""
+        itemsize = np.dtype(variable.dtype).itemsize
+        return 2 / itemsize if self.compiler == "tpu" and itemsize > 2 else 1.0
+
+    def _input_gradient(self, layer: keras.layers.Layer | None, kernel: keras.Variable, use) -> float:
+        """What a kernel split over the batch axis alone on its input features sends for its input gradient.
+
+        Nothing while XLA keeps the kernel gathered for the forward pass (`gathers_per_step`);
+        otherwise the output's gradient of the whole batch is gathered, and its product with the
+        kernel's shards (the input gradient of the whole batch, split on its features) is turned
+        into each device's rows by an all-to-all; over 4 devices or more, the kernel is gathered
+        again instead where that sends no more. Measured on XLA:CPU, a Dense MLP on `data=2` and
+        `data=8` with `model=1`, 2 to 512 rows per device: `data=8` gathered the output gradient at
+        2 and 8 rows, the kernel at 32 (a tie), kept it at 128; `data=2` gathered the output
+        gradient at 8, 32 and 128 rows (at 128 more than the kernel would send), kept it at 512.
+        """
+        size, d = nbytes(kernel), self.d
+        if not self._regathered(layer, kernel, size, "whole"):
+            return 0.0
+        again = wire_bytes("all-gather", size, d)
+        output = self._activation(use.output, use.dtype) * d
+        moved = wire_bytes("all-gather", output, d) + wire_bytes(
+            "all-to-all", self._activation(use.inputs, use.dtype), d
+        )
+        return moved if moved < again or d < 4 else again
+
+    def _whole_kernel_gathers(self, layer: keras.layers.Layer | None, kernel: keras.Variable, use) -> float:
+        """A kernel split over the batch axis alone, on its input features: its gathers and input gradient.
+
+        XLA:CPU gathers it once forward, its input gradient as `_input_gradient` says. XLA:TPU
+        gathers it in bfloat16 as often as `gathers_per_step` says, and, while XLA:CPU would gather
+        it again, also gathers the output gradient (in bfloat16) and moves the input gradient (an
+        all-to-all in float32): measured on v5e `data=8`, a Dense MLP, at 2, 8 and 32 rows per
+        device, not at 128.
+        """
+        size, d = nbytes(kernel), self.d
+        if self.compiler != "tpu":
+            return wire_bytes("all-gather", size, d) + self._input_gradient(layer, kernel, use)
+        share = self.gathered_share(kernel)
+        count = self.gathers_per_step(layer, kernel, size, "whole")
+        wire = count * wire_bytes("all-gather", size * share, d)
+        if count == 1 or not self._regathered(layer, kernel, size, "whole"):
+            return wire
+        output = self._activation(use.output, use.dtype) * d * share
+        moved = wire_bytes("all-to-all", self._summed(use.inputs, use.dtype), d)
+        return wire + wire_bytes("all-gather", output, d) + moved
 
     def _replicated(self, variables: Sequence[keras.Variable]) -> Candidate:
         wire: dict[str, float] = {}

@@ -14,7 +14,7 @@ per-device state and the bytes each device sends per training step:
 - `2-D`: tensor-parallel, with each split kernel's largest other dimension
   also split over the batch axis; XLA all-gathers those kernels over the batch
   axis before use, once per step (twice for large kernels, see
-  `_gathers_per_step`); a bias split over the model axis is split over both
+  `_candidates.Bytes.gathers_per_step`); a bias split over the model axis is split over both
   (`(("model", "data"),)`) when it divides, and gathered over the batch axis
   where read;
 - `vocab-parallel` (embeddings): the vocabulary split over the model axis,
@@ -31,7 +31,11 @@ per-device state and the bytes each device sends per training step:
 
 On a mesh with a TPU target (`compiler="tpu"`) the formulas follow XLA:TPU where it was
 measured to send differently: column-parallel projections that read one activation alone
-share one all-reduce of its gradient (`Bytes.merged_input_grads`); elsewhere they are XLA:CPU's.
+share one all-reduce of its gradient (`Bytes.merged_input_grads`); partial sums move in the
+layer's dtype (`Bytes._summed`), and so do narrower matmuls' weight gradients
+(`Bytes._gradient_width`); the loss sums three values per position over split logits
+(`_loss_reductions`); head_dim-split key/value kernels are gathered in bfloat16 in each pass
+(`_kv_costs`); elsewhere they are XLA:CPU's.
 
 Bytes on the wire are counted with the ring formulas of the communication
 report (`report._collectives.wire_bytes`, what `kml.comm_report` reads off the
@@ -52,7 +56,6 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
-from .. import _compat
 from ..core._axes import Axes
 from ..report._collectives import wire_bytes
 from ._candidates import (
@@ -68,8 +71,8 @@ from ._candidates import (
 )
 from ._conv_costs import ConvCosts
 from ._kv_costs import KeyValueCosts
-from ._layers import heads_dim, stored_weight
 from ._layers import owners as layer_owners
+from ._layers import stored_weight
 from ._ledger import Proposal
 from ._table_costs import TableCosts
 from ._trace import Trace
@@ -132,7 +135,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                 claimed.update(path for c in one.candidates for path in c.axes)
                 continue
             if id(variable) in trainable and variable.path in self.used and not self._kept_whole(variable):
-                sharded = self._fully_sharded_unit(variable)
+                sharded = self._fully_sharded_unit(variable, owner)
                 if sharded is not None:
                     units.append(sharded)
                     continue
@@ -213,13 +216,17 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             gathered = nbytes(variable) / shards
             count = 0
             if spread != axes and variable.path not in self.lora_base:  # an adapter's: `_lora_traffic`
-                count = self._gathers_per_step(owner, variable, gathered, axes)
+                side = self.side(variable.path, self.tp_axes[variable.path])
+                count = self.gathers_per_step(owner, variable, gathered, side) if side else 1
+                gathered *= self.gathered_share(variable)
             elif self._splits_further(variable, axes):
                 # A column bias beside its 2-D kernel: its model-axis shards split again over the
-                # batch axis, gathered over it where read (measured on XLA:CPU, 2×4 and 4×2).
+                # batch axis, gathered over it where read (measured on XLA:CPU, 2×4 and 4×2; XLA:TPU
+                # sends none for it, measured on v5e 2×4 and 4×2).
                 count = self._elementwise_gathers(variable.path)
                 if count:
                     spread = ((self.model_axis, self.batch_axis),)
+                    count = 0 if self.compiler == "tpu" else count
             two_d_axes[variable.path] = spread
             if spread != axes:
                 gathers += count * wire_bytes("all-gather", gathered, self.d)
@@ -276,10 +283,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             for use in (use for use in self.uses.get(kernel.path, ()) if use.kind == "matmul"):
                 inputs, output, from_input, dtype = use.inputs, use.output, use.from_input, use.dtype
                 if final:
-                    # The loss reduces split logits: four float32 all-reduces of one value per position
-                    # (measured with sparse categorical cross-entropy on XLA:CPU).
-                    per_position = math.prod(output[:-1]) / self.d * 4
-                    add_wire(wire, self.model_axis, 4 * wire_bytes("all-reduce", per_position, self.m))
+                    add_wire(wire, self.model_axis, self._loss_reductions(output, dtype))
                 if side == "row":
                     add_wire(
                         wire, self.model_axis, wire_bytes("all-reduce", self._summed(output, dtype), self.m)
@@ -293,6 +297,20 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                     add_wire(
                         wire, self.model_axis, wire_bytes("all-reduce", self._summed(inputs, dtype), self.m)
                     )
+
+    def _loss_reductions(self, logits: tuple[int, ...], dtype: str) -> float:
+        """The loss's all-reduces of one value per position over a final layer's split logits.
+
+        Sparse categorical cross-entropy, measured on XLA:CPU: four, in float32. XLA:TPU sends
+        three, two forward and one backward, the first (the logits' maximum) in the layer's
+        dtype (measured on a Dense head and keras-hub Llama's tied table, v5e 2×4 and 4×2,
+        float32, `bfloat16` and `mixed_bfloat16`).
+        """
+        positions = math.prod(logits[:-1]) / self.d
+        if self.compiler != "tpu":
+            return 4 * wire_bytes("all-reduce", positions * 4, self.m)
+        first = positions * np.dtype(dtype).itemsize
+        return wire_bytes("all-reduce", first, self.m) + 2 * wire_bytes("all-reduce", positions * 4, self.m)
 
     def _two_d(self, variable: keras.Variable, axes: Axes, unit: Mapping[str, keras.Variable]) -> Axes:
         """A weight's 2-D axes: its largest whole dimension also over the batch axis (`second_axis`).
@@ -390,108 +408,3 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             and not self.uses.get(variable.path)
         )
 
-    def _gathers_per_step(
-        self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, axes: Axes
-    ) -> int:
-        """How often XLA all-gathers a 2-D kernel over the batch axis in one step.
-
-        Measured on XLA:CPU (jaxlib 0.10) on MLPs and on the Llama, Gemma,
-        Mistral, Falcon, Qwen, SmolLM3, GPT-2, BERT and T5 backbones of the
-        tests: the kernel gathered for the forward pass is kept for the
-        backward one, except over a batch axis of 4 or more devices when it is
-        larger than both the projection's input and output on one device (at
-        least as large, for a `Dense` kernel); then it is gathered again,
-        unless the projection reads the model's input (no input gradient, so
-        the backward pass needs no kernel).
-        `tests/test_budget.py` holds this against the compiled HLO.
-        """
-        side = self.side(kernel.path, self.tp_axes[kernel.path])
-        if not side or self.d < 4:
-            return 1
-        largest = 0.0
-        for inputs, output, from_input, dtype in self.calls(kernel.path):
-            if from_input:
-                return 1
-            local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
-            local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
-            largest = max(largest, local_in, local_out)
-        if isinstance(layer, keras.layers.EinsumDense):
-            return 2 if gathered > largest else 1
-        return 2 if gathered >= largest else 1  # a Dense layer, or a custom layer's matmul
-
-    def _grouped_kv(self, unit: str, layers: Mapping[int, keras.layers.Layer]) -> list[float]:
-        """The traffic of key/value projections kept whole beside split query heads.
-
-        Their gradients are summed over the devices whose query heads share a
-        key/value head, and gathered back to all heads: per projection one
-        all-reduce of one head's activations over those devices, and (with
-        more than one key/value head) one all-gather of all of them. None for a frozen projection
-        (no LoRA adapters training) whose input needs no gradient (measured on XLA:CPU, keras-hub
-        Llama with `enable_lora(4)`: its first block's key projection).
-        """
-        extra: list[float] = []
-        if not layers:
-            return extra
-        for layer in _compat.sublayers(self.model):
-            path = getattr(layer, "path", None) or ""
-            if path.rpartition("/")[0] != unit or id(layer) in layers:
-                continue  # only the key/value projections of this very attention block
-            heads = heads_dim(layer)
-            if layer.path in self.proposal.kv_heads:  # a Dense key/value projection
-                count = self.proposal.kv_heads[layer.path]
-            elif heads is not None and heads[1] == "in" and layer.path in self.proposal.whole_outputs:
-                count = layer.kernel.shape[heads[0]]
-            else:
-                continue
-            if count == 0 or self.m % count:
-                continue
-            group = self.m // count
-            adapters = self.lora_pairs.get(layer.kernel.path)
-            trains = layer.kernel.trainable or (adapters is not None and adapters[0].trainable)
-            for _, output, from_input, dtype in self.calls(layer.kernel.path):
-                if from_input and not trains:
-                    continue  # a frozen projection of an input needing no gradient: none to sum
-                all_heads = self._summed(output, dtype)
-                extra.append(wire_bytes("all-reduce", all_heads / count, group))
-                if count > 1:
-                    extra.append(wire_bytes("all-gather", all_heads, count))
-        return extra
-
-    def _traced_kv(self, unit: str, wire: dict[str, float]) -> None:
-        """Key/value weights of a custom layer kept whole beside this unit's split query heads.
-
-        No layer output can be kept whole there (the projections are
-        `ops.matmul` calls inside a layer), so, measured on XLA:CPU, each
-        weight's gradient is summed only over the devices sharing a
-        key/value head (group = model axis ÷ key/value heads), and every step
-        the weight and its optimizer slots are all-gathered over that group;
-        the activations cost as for `_grouped_kv`.
-        """
-        for path, owner in self.proposal.whole_kv.items():
-            if owner != unit:
-                continue
-            count = self._kv_heads(path)
-            if count is None or self.m % count:
-                continue
-            group = self.m // count
-            variable = next(v for v in self.model.weights if v.path == path)
-            size = nbytes(variable)
-            add_wire(wire, self.batch_axis, self._grad_sync(variable, group) - self._grad_sync(variable, 1))
-            gathered = (1 + self.memory.like_parameter) * wire_bytes("all-gather", size, group)
-            add_wire(wire, self.model_axis, gathered)
-            for _, output, _, dtype in self.calls(path):
-                all_heads = self._summed(output, dtype)
-                add_wire(wire, self.model_axis, wire_bytes("all-reduce", all_heads / count, group))
-                if count > 1:
-                    add_wire(wire, self.model_axis, wire_bytes("all-gather", all_heads, count))
-
-    def _kv_heads(self, path: str) -> int | None:
-        """The key/value heads a projection's output is reshaped into (`(..., heads, head_dim)`)."""
-        for use in self.uses.get(path, ()):
-            output = self.trace.nodes[use.node].outputs[0]
-            for index in self.trace.consumers.get(output, ()):
-                node = self.trace.nodes[index]
-                shape = self.trace.shapes[node.outputs[0]]
-                if node.primitive == "reshape" and len(shape) == len(use.output) + 1:
-                    return int(shape[-2])
-        return None

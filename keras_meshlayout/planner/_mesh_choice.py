@@ -12,6 +12,36 @@ overlap of compute and communication. A model with mixture-of-experts banks is a
 planned on every `data × expert × model` split whose expert axis divides its experts: the
 planner (`_experts`) splits the banks over the `expert` axis there, and over the model axis on
 the two-axis meshes.
+
+Fully sharded (ZeRO-3/FSDP) alternatives: the data axis is the fsdp axis. Each factorization
+with a data axis of 2 or more is planned twice, and both rows are ranked together (`fsdp` says
+which a row is, `layouts` what its units took):
+
+- its least-traffic plan within the budget (`auto_rules(memory_budget=...)`): tensor-parallel
+  units where they fit, and as the budget tightens, units moved to their 2-D or fully sharded
+  layouts one by one (the search of `_search`);
+- its fully sharded plan (`_auto.plan_rules(fully_sharded=True)`): every unit at its candidate of
+  least state, so weights, gradients and optimizer slots are split over `data` as well as over
+  `model` (a unit's 2-D layout, a weight outside every unit split over `data` or both axes, a
+  table over both axes), each gathered for the layer's compute: its all-gathers (forward, again
+  for the input gradient where XLA does so, in bfloat16 on XLA:TPU;
+  `_candidates.Bytes.gathers_per_step`) are in the row's bytes and so in its predicted step
+  time; its FLOPs are the least-traffic plan's, since a gathered weight computes as a whole one
+  (`_flops`).
+
+When the two plans lay every variable out alike (the budget left the search only the fully sharded
+plan), the mesh has one row, marked `fsdp`. A mesh is excluded only when even its fully sharded plan
+exceeds the budget, so a budget no tensor-parallel plan fits still gets a mesh wherever sharding over
+`data` too fits it. `data=1` has no fully sharded row: there is no batch axis to split over.
+
+There is no separate `fsdp` mesh axis (the batch over `data` and `fsdp` both, weights split over
+`fsdp` only: hybrid sharding). Keras's `ModelParallel` splits the batch over one axis
+(`batch_dim_name`), and so does everything that follows it here: the batch decision in
+`core/_trainer_hooks.py`, the rows each process feeds (`core/_process_data.py`), and in the planner
+the batch axis's size (`Bytes.d`, the gradient all-reduces), the propagated activation layouts
+(`_propagate`), the peak walk and the FLOPs. A separate axis would take the batch layout as a pair of
+axes in all of these, gathers over `fsdp` apart from the all-reduces over `data × fsdp`, and costs
+measured against XLA for both; on one axis, `data=D` fully sharded is what a `data=1,fsdp=D` mesh would plan.
 """
 
 from __future__ import annotations
@@ -25,7 +55,7 @@ from ..core._errors import InvalidOptionError, MemoryBudgetError
 from ..core._format import Displayed, format_bytes, to_text
 from ..core._memory import parse_bytes
 from ..core._targets import Target, parse_target
-from ._auto import auto_rules
+from ._auto import plan_rules
 from ._experts import EXPERT_AXIS, expert_counts
 from ._flops import device_flops, step_flops
 from ._trace import trace_model, trace_step
@@ -55,6 +85,10 @@ class MeshOption:
         comm_seconds: Each axis's bytes over the interconnect bandwidth, summed (`None` without a target).
         excluded: Why the mesh cannot be used (its predicted peak exceeds the budget, the batch
             does not divide), or `None`.
+        fsdp: Whether the row is the mesh's fully sharded plan (ZeRO-3: every unit at its layout
+            of least state, its weights, gradients and slots split over the batch axis too and
+            gathered for each layer's compute) rather than its least-traffic plan within the budget.
+        layouts: How many units took each layout (`PlanCost.layouts`: `{"2-D": 2, "fully sharded": 3}`).
     """
 
     axis_sizes: dict[str, int]
@@ -64,6 +98,8 @@ class MeshOption:
     compute_seconds: float | None
     comm_seconds: float | None
     excluded: str | None = None
+    fsdp: bool = False
+    layouts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def spec(self) -> str:
@@ -86,6 +122,7 @@ class MeshOption:
         """The option as JSON-ready data."""
         return {
             "mesh": self.spec,
+            "fsdp": self.fsdp,
             "axis_sizes": dict(self.axis_sizes),
             "wire_bytes_per_device": self.wire_bytes,
             "wire_bytes_by_axis": dict(self.wire_bytes_by_axis),
@@ -95,6 +132,7 @@ class MeshOption:
             "comm_seconds": self.comm_seconds,
             "step_seconds": self.step_seconds,
             "excluded": self.excluded,
+            "layouts": dict(self.layouts),
         }
 
 
@@ -128,6 +166,7 @@ class MeshChoice(Displayed):
         """`{"mesh": ..., "alternatives": [...], ...}` as `plan --json` prints it."""
         return {
             "mesh": self.best.spec,
+            "fsdp": self.best.fsdp,
             "target": None if self.target is None else self.target.spec,
             "flops_per_step": self.flops,
             "budget": self.budget,
@@ -141,6 +180,7 @@ class MeshChoice(Displayed):
         table = Table(title=f"Meshes for {self.target or f'{self.mesh.size} devices'}, by {ranked}")
         for column in (
             "mesh",
+            "plan",
             "step",
             "compute",
             "comm",
@@ -149,11 +189,12 @@ class MeshChoice(Displayed):
             "peak/device",
             "note",
         ):
-            table.add_column(column, justify="left" if column in ("mesh", "note") else "right")
+            table.add_column(column, justify="left" if column in ("mesh", "plan", "note") else "right")
         for index, option in enumerate(self.alternatives):
             note = option.excluded or ("chosen" if index == 0 else "")
             table.add_row(
                 option.spec,
+                "fully sharded" if option.fsdp else "least traffic",
                 _seconds(option.step_seconds),
                 _seconds(option.compute_seconds),
                 _seconds(option.comm_seconds),
@@ -203,8 +244,13 @@ def choose_mesh(
     by the axes its output and contracted dimensions are split over (a layer left replicated
     on the model axis counts in full on each of its devices), the rest of the step evenly over
     all devices. Multi-slice targets are costed as ICI. Without a target, the splits rank by
-    FLOPs per device, then bytes sent. A mesh on which no layout fits the budget, or whose data
-    axis does not divide the batch, is listed as excluded.
+    FLOPs per device, then bytes sent. A mesh on which no layout fits the budget (not even the
+    fully sharded one), or whose data axis does not divide the batch, is listed as excluded.
+
+    Each split with a data axis of 2 or more is also planned fully sharded (ZeRO-3 over the
+    data axis: every unit at its layout of least state, its weights gathered for each layer's
+    compute, the gathers in its bytes sent); that plan is ranked beside the least-traffic one,
+    marked `fsdp` (see the module).
 
     A model with mixture-of-experts banks (`kml.auto_rules` splits them on their expert
     dimension) is also planned on each `data × expert × model = devices` with an expert axis of 2
@@ -223,8 +269,8 @@ def choose_mesh(
             `"expert"`, the expert axis's name, for the three-axis splits to be planned).
 
     Returns:
-        A `MeshChoice`: the best mesh (over the target's devices, or abstract), its rules, and
-        the alternatives, best first.
+        A `MeshChoice`: the best mesh (over the target's devices, or abstract), its rules (the
+        fully sharded plan where `choice.best.fsdp`), and the alternatives, best first.
 
     Raises:
         InvalidOptionError: `devices` is not a positive count or a target, or `axes` not two names.
@@ -236,8 +282,8 @@ def choose_mesh(
         ...     return keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, name="up"),
         ...                              keras.layers.Dense(64, name="down")], name="mlp")
         >>> choice = kml.choose_mesh(build, 8, batch=np.zeros((16, 64), "float32"), optimizer="adam")
-        >>> [option.spec for option in choice.alternatives]
-        ['data=1,model=8', 'data=2,model=4', 'data=4,model=2', 'data=8,model=1']
+        >>> [option.spec + (" fsdp" if option.fsdp else "") for option in choice.alternatives[:3]]
+        ['data=1,model=8', 'data=2,model=4', 'data=2,model=4 fsdp']
         >>> choice.mesh.axis_sizes, choice.best.wire_bytes < choice.alternatives[-1].wire_bytes
         ({'data': 1, 'model': 8}, True)
     """
@@ -252,7 +298,7 @@ def choose_mesh(
         step = _Step(model, batch, step_flops(model, batch), trace_step(model, batch), optimizer, axes)
         experts = expert_counts(model, trace_model(model, batch)) if EXPERT_AXIS not in axes else set()
         sizes_list = _factorizations(count, axes, math.gcd(*experts) if experts else 1)
-        options = [_option(step, sizes, target, budget) for sizes in sizes_list]
+        options = [option for sizes in sizes_list for option in _options(step, sizes, target, budget)]
     ranked = sorted((o for o in options if o.excluded is None), key=_rank)
     if not ranked:
         peaks = [o.peak_bytes for o in options if o.peak_bytes is not None]
@@ -261,7 +307,7 @@ def choose_mesh(
         )
     mesh = _mesh(ranked[0].axis_sizes, target)
     with _dry(build) as model:
-        rules = _plan(model, mesh, batch, optimizer, budget, axes)
+        rules = _plan(model, mesh, batch, optimizer, budget, axes, fully_sharded=ranked[0].fsdp)
     alternatives = (*ranked, *(o for o in options if o.excluded is not None))
     return MeshChoice(mesh, rules, alternatives, target, step.flops, budget)
 
@@ -313,19 +359,39 @@ class _Step:
     axes: tuple[str, str]
 
 
-def _option(step: _Step, sizes: dict[str, int], target: Target | None, budget: int | None) -> MeshOption:
-    """One factorization planned within the budget: bytes per axis, peak, FLOPs and times, or why not."""
+def _options(
+    step: _Step, sizes: dict[str, int], target: Target | None, budget: int | None
+) -> list[MeshOption]:
+    """One factorization's rows: its least-traffic plan within the budget and, with a batch axis of 2
+    or more, its fully sharded plan where that differs (one row marked `fsdp` where the budget left
+    the search only the fully sharded plan); or one row saying why the mesh cannot be used."""
     rows = _rows(step.batch)
     data = sizes[step.axes[0]]
     if rows % data:
         why = f"the batch of {rows} rows does not split over {step.axes[0]}={data}"
-        return MeshOption(sizes, {}, None, None, None, None, excluded=why)
+        return [MeshOption(sizes, {}, None, None, None, None, excluded=why)]
+    # Over the target's devices, so that the predicted peak follows its compiler (`_peak`).
+    mesh = _mesh(sizes, target)
     try:
-        # Over the target's devices, so that the predicted peak follows its compiler (`_peak`).
-        rules = _plan(step.model, _mesh(sizes, target), step.batch, step.optimizer, budget, step.axes)
-    except MemoryBudgetError as err:
-        why = f"no layout fits the budget (needs {format_bytes(err.smallest_bytes or 0)})"
-        return MeshOption(sizes, {}, err.smallest_bytes, None, None, None, excluded=why)
+        least = _plan(step.model, mesh, step.batch, step.optimizer, budget, step.axes)
+    except MemoryBudgetError as err:  # the fully sharded plan is the smallest: it does not fit either
+        why = f"no layout fits the budget (fully sharded, needs {format_bytes(err.smallest_bytes or 0)})"
+        return [MeshOption(sizes, {}, err.smallest_bytes, None, None, None, excluded=why)]
+    if data < 2:
+        return [_costed(step, sizes, target, least, fsdp=False)]
+    sharded = _plan(step.model, mesh, step.batch, step.optimizer, budget, step.axes, fully_sharded=True)
+    if _same_layouts(least, sharded):
+        return [_costed(step, sizes, target, least, fsdp=True)]
+    return [_costed(step, sizes, target, least, fsdp=False), _costed(step, sizes, target, sharded, fsdp=True)]
+
+
+def _same_layouts(one: Any, other: Any) -> bool:
+    """Whether two plans of one mesh lay out every variable alike."""
+    return [(r.pattern, r.axes) for r in one.rules] == [(r.pattern, r.axes) for r in other.rules]
+
+
+def _costed(step: _Step, sizes: dict[str, int], target: Target | None, rules: Any, fsdp: bool) -> MeshOption:
+    """A planned factorization's row: bytes per axis, peak, FLOPs and times."""
     cost = rules.cost
     peak = cost.peak_bytes if cost.peak_bytes is not None else cost.memory_bytes
     # Every axis, and the groups over several (a table over both axes sends on "data×model").
@@ -335,7 +401,7 @@ def _option(step: _Step, sizes: dict[str, int], target: Target | None, budget: i
     if target is not None:
         compute = flops / target.peak_flops
         comm = sum(by_axis.values()) / target.ici_bytes_per_s
-    return MeshOption(sizes, by_axis, peak, flops, compute, comm)
+    return MeshOption(sizes, by_axis, peak, flops, compute, comm, fsdp=fsdp, layouts=cost.layouts())
 
 
 def _layouts(model: Any, rules: Any, sizes: dict[str, int]) -> dict[str, Any]:
@@ -349,19 +415,28 @@ def _layouts(model: Any, rules: Any, sizes: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _rank(option: MeshOption) -> tuple[float, float, int]:
-    """Step time, then bytes, then the larger data axis; without a target the FLOPs per device
-    (to 0.1%) come first, then the bytes sent."""
+def _rank(option: MeshOption) -> tuple[float, float, int, bool]:
+    """Step time, then bytes, then the larger data axis, then the least-traffic plan before the fully
+    sharded one; without a target the FLOPs per device (to 0.1%) come first, then the bytes sent."""
+    data = -next(iter(option.axis_sizes.values()))
     if option.step_seconds is not None:
-        return (option.step_seconds, option.wire_bytes, -next(iter(option.axis_sizes.values())))
+        return (option.step_seconds, option.wire_bytes, data, option.fsdp)
     flops = float(f"{option.flops_per_device or 0.0:.3g}")
-    return (flops, option.wire_bytes, -next(iter(option.axis_sizes.values())))
+    return (flops, option.wire_bytes, data, option.fsdp)
 
 
-def _plan(model: Any, mesh: Any, batch: Any, optimizer: Any, budget: int | None, axes: Sequence[str]) -> Any:
-    return auto_rules(
+def _plan(
+    model: Any,
+    mesh: Any,
+    batch: Any,
+    optimizer: Any,
+    budget: int | None,
+    axes: Sequence[str],
+    fully_sharded: bool = False,
+) -> Any:
+    return plan_rules(
         model, mesh, model_axis=axes[1], batch_axis=axes[0], batch=batch, optimizer=optimizer,
-        memory_budget=budget,
+        memory_budget=budget, fully_sharded=fully_sharded,
     )  # fmt: skip
 
 

@@ -28,6 +28,10 @@ from ._tables_2d import no_budget_choice
 
 __all__ = ["OneWeightCosts"]
 
+#: What leads a weight read element-wise on to its reader, changing only its shape or type.
+_PASSED_ON = ("broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "slice", "dynamic_slice")
+_ADDS = ("add", "add_any", "sub")
+
 
 class OneWeightCosts(Bytes):
     """The candidates of units of one weight, over the byte counts of `Bytes`."""
@@ -67,7 +71,7 @@ class OneWeightCosts(Bytes):
         """A vocab-parallel look-up's forward all-reduce over the model axis; an int8 table's rows as int8,
         its looked-up scales beside (measured on XLA:CPU, 2×4, keras-hub Llama and a functional model)."""
         int8 = str(variable.dtype) == "int8"
-        rows = lookup.output, lookup.dtype
+        rows = lookup.output, self.cast_dtype(lookup)
         looked = self._activation(*rows) if int8 else self._summed(*rows)
         add_wire(wire, self.model_axis, wire_bytes("all-reduce", looked, self.m))
         for follower, _ in self.followers.get(variable.path, ()) if int8 else ():
@@ -246,7 +250,9 @@ class OneWeightCosts(Bytes):
             variable.path, (self._replicated([variable]), split), frozen(note), proposed=proposed
         )
 
-    def _fully_sharded_unit(self, variable: keras.Variable) -> UnitCosts | None:
+    def _fully_sharded_unit(
+        self, variable: keras.Variable, owner: keras.layers.Layer | None = None
+    ) -> UnitCosts | None:
         """A weight outside every unit, split over the batch axis and gathered when used (ZeRO-3).
 
         Two kinds of weight get the candidate, each with what XLA:CPU's
@@ -259,7 +265,8 @@ class OneWeightCosts(Bytes):
           all-reduced as if replicated;
         - a projection kernel `x @ w` read once, split on its input features:
           with a batch axis at least as large as the model axis, all-gathered
-          over the batch axis forward, its gradient all-reduced whole. With a
+          over the batch axis forward (its input gradient's traffic in `_input_gradient`), its
+          gradient all-reduced whole. With a
           smaller batch axis XLA moves each device's shard to the model-axis
           layout (a collective-permute over both axes of 1/model of the
           kernel), then either all-gathers it over the model axis or, when
@@ -301,13 +308,11 @@ class OneWeightCosts(Bytes):
         ):
             (use,) = uses
             add_wire(both, self.both, wire_bytes("all-gather", size, d * m))
-            for axis, amount in self._input_gradient_moves(variable, use, both=True).items():
+            for axis, amount in self._input_gradient_gathers(variable, use).items():
                 add_wire(both, axis, amount)
             when = "before its projection"
             if d >= m:
-                add_wire(wire, self.batch_axis, wire_bytes("all-gather", size, d))
-                for axis, amount in self._input_gradient_moves(variable, use, both=False).items():
-                    add_wire(wire, axis, amount)
+                add_wire(wire, self.batch_axis, self._whole_kernel_gathers(owner, variable, use))
             else:
                 wire = None if shape[0] % m else self._permuted_kernel(size, use)
             how = f"gathered over {self.batch_axis!r} {when}"
@@ -335,27 +340,26 @@ class OneWeightCosts(Bytes):
             return None
         return UnitCosts(variable.path, tuple(candidates), frozen(notes))
 
-    def _input_gradient_moves(self, variable: keras.Variable, use, *, both: bool) -> dict[str, float]:
-        """The input gradient's traffic beside a kernel split on its input features (`both` axes or one).
+    def _input_gradient_gathers(self, variable: keras.Variable, use) -> dict[str, float]:
+        """What a kernel split over both axes on its input features sends for its input gradient.
 
         Measured on XLA:CPU (batch 8: a functional LoRA Dense pair and keras-hub Llama under a
         pooled head on 2×4, with or without LoRA, a norm before or after the pooling; a pooled
         table on 2×4 and 4×2): when the output gradient `dy` holds fewer elements than the
         kernel, XLA computes `dy @ wᵀ` on the kernel's shards instead of the kernel gathered
-        forward. It all-gathers `dy` over the batch axis, and the input gradient that comes out
-        split on its features goes back to batch shards: split over both axes, gathered whole
-        over both (a full rematerialisation); over the batch axis only (4×2), an all-to-all over
-        it. With `dy` as large as the kernel or larger (the pair at batch 32 and 64,
-        tests/styles.py's block) the kernel's gathered copy is used and nothing more is sent.
+        forward. It all-gathers `dy` over the batch axis, and the input gradient that comes out,
+        split on its features over both axes, is gathered whole over both (a full
+        rematerialisation) to return to batch shards. With `dy` as large as the kernel or larger
+        (the pair at batch 32 and 64, tests/styles.py's block) the kernel's gathered copy is used
+        and nothing more is sent. Over the batch axis alone: `_input_gradient`.
         """
         if use.from_input or math.prod(use.output) >= math.prod(variable.shape):
             return {}
         item = np.dtype(use.dtype).itemsize
-        dy = wire_bytes("all-gather", math.prod(use.output) * item, self.d)
-        dx = math.prod(use.inputs) * item
-        if both:
-            return {self.batch_axis: dy, self.both: wire_bytes("all-gather", dx, self.d * self.m)}
-        return {self.batch_axis: dy + wire_bytes("all-to-all", dx / self.d, self.d)}
+        return {
+            self.batch_axis: wire_bytes("all-gather", math.prod(use.output) * item, self.d),
+            self.both: wire_bytes("all-gather", math.prod(use.inputs) * item, self.d * self.m),
+        }
 
     def _permuted_kernel(self, size: float, use) -> dict[str, float]:
         """The traffic of a kernel split over a batch axis smaller than the model axis (see above)."""
@@ -408,26 +412,25 @@ class OneWeightCosts(Bytes):
         """How often a weight read only element-wise is gathered per step: 2 if it multiplies, else 1.
 
         0 when something other than a broadcast, reshape or cast leads it to
-        anything but an add, subtract, multiply or divide.
+        anything but an add, subtract, multiply or divide. An add whose result has
+        the weight's own shape (Gemma's `x * (1 + scale)`, not a broadcast added to
+        activations) is followed to what it leads to: there the scale multiplies,
+        and XLA:CPU gathers it forward and backward.
         """
         values = [v for v, name in self.trace.variables.items() if name == path]
+        own = {self.trace.shapes[v] for v in values}  # an add to the weight alone keeps its shape
         multiplies = False
         while values:
             value = values.pop()
             for index in self.trace.consumers.get(value, ()):
                 node = self.trace.nodes[index]
-                if node.primitive in (
-                    "broadcast_in_dim",
-                    "reshape",
-                    "convert_element_type",
-                    "squeeze",
-                    "slice",
-                    "dynamic_slice",
+                if node.primitive in _PASSED_ON or (
+                    node.primitive in _ADDS and self.trace.shapes[node.outputs[0]] in own
                 ):
                     values.extend(node.outputs)
                 elif node.primitive in ("mul", "div"):
                     multiplies = True
-                elif node.primitive not in ("add", "add_any", "sub"):
+                elif node.primitive not in _ADDS:
                     return 0
         return 2 if multiplies else 1
 

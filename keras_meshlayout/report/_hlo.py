@@ -17,7 +17,11 @@ Three replica-group formats are understood:
   with sub-axes (`{'y':(2)2}`: the minor half of `y`).
 
 A collective inside a loop body or another computation appears once in the
-text, however often it runs.
+text, however often it runs. XLA:TPU's asynchronous collective fusions print one
+collective several times: a copy in the fusion that starts it (its root a
+`custom-call` to `AsyncCollectiveStart`), one in each fusion that computes while it
+moves, and one in the fusion that ends it (`AsyncCollectiveDone`), all with its
+`channel_id`; it counts once.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ _GTE = re.compile(
     r"\s*index=(?P<index>\d+)"
 )
 _OP_NAME = re.compile(r'op_name="(?P<op_name>[^"]*)"')
+_CHANNEL = re.compile(r"\bchannel_id=(?P<id>\d+)")
 _IOTA = re.compile(r"\[(?P<groups>\d+),(?P<size>\d+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
 #: `mesh['x'=2,'y'=4] {'x'}`, the device order optionally given between the two as
 #: an iota (`device_ids=([2,4]T(1,0))`) or a list (`device_ids=(0,4,1,5,2,6,3,7)`).
@@ -144,8 +149,10 @@ def parse_collectives(hlo_text: str, device_count: int) -> list[Collective]:
         device_count: Number of devices of the program, for `replica_groups={}`.
 
     Returns:
-        The collectives; `-done` halves of asynchronous pairs are skipped. A
-        collective inside a loop body is listed once, however often it runs.
+        The collectives; `-done` halves of asynchronous pairs are skipped, and so are
+        the copies of a collective XLA:TPU prints in each fusion of one asynchronous
+        collective (the same `channel_id`, kind, devices and arrays as an earlier
+        one). A collective inside a loop body is listed once, however often it runs.
 
     Raises:
         HloFormatError: a `replica_groups` attribute in a format not understood, or
@@ -160,7 +167,7 @@ def parse_collectives(hlo_text: str, device_count: int) -> list[Collective]:
     """
     lines = hlo_text.splitlines()
     element_names = _tuple_element_op_names(lines)
-    found = []
+    found, seen = [], set()
     for line in lines:
         match = _INSTRUCTION.match(line)
         if not match:
@@ -174,11 +181,16 @@ def parse_collectives(hlo_text: str, device_count: int) -> list[Collective]:
             Payload(dtype, shape, names.get(i, op_name)) for i, (dtype, shape) in enumerate(arrays)
         )
         if kind == "collective-permute":
-            pairs = _pairs(rest)
-            found.append(Collective(match["name"], kind, payloads, None, pairs, op_name))
+            collective = Collective(match["name"], kind, payloads, None, _pairs(rest), op_name)
         else:
             groups = _replica_groups(rest, device_count)
-            found.append(Collective(match["name"], kind, payloads, groups, (), op_name))
+            collective = Collective(match["name"], kind, payloads, groups, (), op_name)
+        channel = _CHANNEL.search(rest)
+        key = (channel and channel["id"], kind, tuple(arrays), collective.groups, collective.pairs)
+        if channel and key in seen:
+            continue  # a copy in another fusion of one asynchronous collective (XLA:TPU)
+        seen.add(key)
+        found.append(collective)
     return found
 
 
