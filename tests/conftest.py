@@ -52,6 +52,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_peak.py": (  # compile a training step per case, against the predicted peak
         "test_predicted_peak_is_within_ten_percent_of_the_compiled_one",
         "test_a_plan_said_to_fit_its_budget_stays_under_it_once_compiled",
+        "test_the_cli_peak_holds_the_gathered_key_value_kernels_as_auto_rules_does",  # two traced steps, 15 s
     ),
     "test_checkpoint.py": ("test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up",),  # kills a process
     "test_checkpoint_faults.py": (  # real signals to real processes, a tmpfs; 1-3 fits with backups each
@@ -184,6 +185,9 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_import_does_not_start_jax",
         "test_emulate_devices_after_jax_started",
         "test_other_keras_backend_is_a_clear_error",
+    ),
+    "test_recurrence.py": (  # a compile and a fit each, 5 s
+        "test_the_split_recurrence_sends_what_the_compiled_step_sends_and_trains_like_one_device",
     ),
     "test_recipes.py": ("*",),  # every recipe and the demo, end to end in a fresh process
     "test_resume.py": ("*",),  # training interrupted and resumed, a killed process among them

@@ -132,3 +132,18 @@ def test_plan_on_a_batch_reports_the_peak_and_checks_it_against_the_device(tmp_p
     # Room for the training state, not for the step's peak: the plan fails, naming the peak.
     assert main([*args, "--device-memory", str(memory["total"] + 1)]) == 1
     assert "at its predicted peak" in capsys.readouterr().err
+
+
+def test_the_cli_peak_holds_the_gathered_key_value_kernels_as_auto_rules_does():
+    """`plan_peak` (the CLI's, from the plan's rules) = `auto_rules`' peak (its cost table) on a model whose
+    key/value kernels are split on head_dim: both hold the copy XLA gathers once per step (keras-hub
+    Gemma's budget plan was predicted at 0.945x its compiled peak without it)."""
+    from keras_meshlayout.planner._notes import KV_GATHERED
+    from keras_meshlayout.planner._peak import plan_peak
+
+    build = functools.partial(hub, "LlamaBackbone")
+    mesh, rules, x = plan(build, (2, 4), None)
+    plan_ = kml.dry_plan(build, kml.ModelParallel(mesh, rules, replicate_below=0), optimizer="adam")
+    assert any(entry.rule is not None and KV_GATHERED in entry.rule.note for entry in plan_.entries)
+    with kml.dry_build(build) as model:
+        assert plan_peak(model, plan_, x, "data").peak == rules.cost.peak_bytes

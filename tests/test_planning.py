@@ -341,6 +341,8 @@ def test_transformer_preset_norms_and_routers(path, note):
 PLANNER_ORDER = [
     "_trace",
     "_batch_sums",
+    "_scan",
+    "_grower",
     "_units",
     "_propagate",  # reads the trace alone: the strategies (`_by_trace.beside_split`) read it too
     "_layers",
@@ -355,6 +357,7 @@ PLANNER_ORDER = [
     "_convs",
     "_lora",
     "_quantized",
+    "_batch_gathers",
     "_candidates",
     "_tables_2d",
     "_conv_costs",
@@ -363,6 +366,8 @@ PLANNER_ORDER = [
     "_table_costs",
     "_costs",
     "_tpu_memory",
+    "_fusion",
+    "_liveness",
     "_peak",
     "_search",
     "_auto",

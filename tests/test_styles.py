@@ -172,7 +172,7 @@ RESHAPES = [
     ids=["split-heads", "too-few-heads", "merge-heads", "minor-dim", "kv-heads", "rank-2"],
 )
 def test_a_reshape_keeps_the_split_blocks(before, after, dim, size, expected):
-    from keras_meshlayout.planner._units import _reshape_dim
+    from keras_meshlayout.planner._grower import _reshape_dim
 
     assert _reshape_dim(before, after, dim, size) == expected
 

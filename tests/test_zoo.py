@@ -88,20 +88,12 @@ _HAND_2D = (
 )
 MISSES: dict[tuple[str, str], str] = {
     # no budget ÷ tensor-parallel ideal
-    ("RWKV7Backbone", "no_budget"): "1.328 (1.475 before its table went over both axes): the time-mix "
-    "receptance/key/value/output kernels stay whole: the unit grower cannot carry a head split through "
-    "the recurrence's `scan` (receptance, key), the per-head `reduce_sum` of r·k·r_k scaling the value, "
-    "nor the `gather` before the output projection",
     # predicted ÷ compiled bytes per step, by axis
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "
     f"the table over both axes since): {_HAND_2D}",
     ("QwenBackbone", "hand_memory"): "1.819× the hand map's state (542,376 vs 298,152; the table over both "
     f"axes since): {_HAND_2D}",
-    # the hand map's compiled peak ÷ (1 - PEAK_HEADROOM) as memory_budget
-    ("GemmaBackbone", "hand_budget"): "compiled peak 475,908 = 1.047× the map's 454,516 (within the budget, "
-    "478,438; state the map's, 294,056, bytes 0.94×): the peak walk predicts Gemma's budget plans at about "
-    "0.90× their compiled peak, so the search does not see the excess",
 }
 
 

@@ -4,7 +4,8 @@
    flat dataflow graph, a `Trace`, whose inputs are the model's variables.
 2. `find_units` (`_units`): the weights that split over the model axis together
    (column → row projection pairs, attention heads), as `Unit`s, read off the
-   dataflow whatever style wrote the model. The rule writer runs its
+   dataflow whatever style wrote the model: one split grown operation by
+   operation (`_grower`), through loops' bodies (`_scan`). The rule writer runs its
    strategies, in the order `_auto.STRATEGIES` lists them, over one ledger
    (`_ledger.Ledger`: one decision per variable, `record(path, axes, note,
    unit)`): Keras layers (`_by_layers`), names (`_by_name`, with
@@ -13,7 +14,7 @@
    (`_convs`), LoRA adapters (`_lora`), int8 scales (`_quantized`); every note text is in
    `_notes`. The ledger's decisions, frozen, are the `Proposal`: per variable
    its tensor-parallel axes, note and unit.
-3. `cost_units` (`_costs`, over `_candidates`, `_one_weight`, `_kv_costs`,
+3. `cost_units` (`_costs`, over `_candidates` (with `_batch_gathers`), `_one_weight`, `_kv_costs`,
    `_table_costs` and `_conv_costs`, with `_batch_sums`: how often XLA sums each
    gradient over the batch axis, read off the trace): per unit,
    its candidate layouts (replicated, tensor-parallel, 2-D, vocab-parallel,
@@ -21,8 +22,9 @@
    `core._memory.SlotModel`) and its bytes on the wire per step (the ring
    formulas of `kml.comm_report`, `report._collectives`), in a `CostTable`.
    `_peak`: the per-device peak of one training step (`trace_step`, forward
-   and backward, walked under the candidates' layouts: activations,
-   temporaries, gradients written so far), what the budget is compared with;
+   and backward, walked under the candidates' layouts: what XLA fuses,
+   `_fusion`; liveness, `_liveness`: activations, temporaries, gradients
+   written so far), what the budget is compared with;
    on a TPU target, less what XLA:TPU keeps on chip and plus its tiles' padding
    (`_tpu_memory`).
 4. `search` (`_search`): per unit, the index of the candidate at the least

@@ -24,11 +24,12 @@ import math
 from typing import Any
 
 from . import _notes
+from ._grower import ELEMENTWISE
 from ._layers import followers, idle_axes, stored_weight
 from ._ledger import Ledger, Setting
 from ._propagate import Specs
 from ._trace import Trace
-from ._units import ELEMENTWISE, find_added, find_units
+from ._units import find_added, find_units
 
 __all__ = ["beside_split", "final_layers", "left_whole", "lone_projections", "traced_units", "unused_weights"]
 

@@ -34,7 +34,7 @@ from .. import _compat
 from ..report._collectives import wire_bytes
 from ._candidates import Bytes, Candidate, add_wire, candidate, nbytes, plus_wire
 from ._convs import CONV, conv_kernel
-from ._units import ELEMENTWISE
+from ._grower import ELEMENTWISE
 
 __all__ = ["ConvCosts"]
 

@@ -43,9 +43,10 @@ import keras
 
 from .. import _compat
 from . import _notes
+from ._grower import _dynamic, _Fail, _Grower, _reshape_dim
 from ._ledger import Ledger, Setting
 from ._trace import Trace
-from ._units import Member, Unit, _dynamic, _Fail, _Grower, _name, _reshape_dim, _uses_inside, find_added
+from ._units import Member, Unit, _name, _uses_inside, find_added
 
 __all__ = ["CONV", "CONV_LAYERS", "conv_kernel", "conv_units", "find_conv_units", "input_convs", "lone_convs"]
 

@@ -100,7 +100,8 @@ def cost_units(
     coster.replicate_below = replicate_below
     coster.compiler = compiler
     whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
-    return CostTable(tuple(coster.units()), coster.activation_reserve(), whole_after)
+    units = tuple(coster.units())
+    return CostTable(units, coster.activation_reserve(), whole_after, frozenset(coster.gathered_kernels()))
 
 
 class _Coster(ConvCosts, KeyValueCosts, TableCosts):

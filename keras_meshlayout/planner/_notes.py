@@ -33,6 +33,10 @@ def kv_heads_replicated(count: int, axis: str, size: int) -> str:
     )
 
 
+#: What `kv_head_dim_split` says of the kernel: the peak walk (`_peak.plan_peak`) reads it off a plan's rules.
+KV_GATHERED = "gathered once per step; its output stays whole"
+
+
 def kv_head_dim_split(count: int, head_dim: int, axis: str, size: int, dense: bool = False) -> str:
     """Grouped-query key/value heads too few to divide the model axis: the kernel split on head_dim.
 
@@ -44,7 +48,7 @@ def kv_head_dim_split(count: int, head_dim: int, axis: str, size: int, dense: bo
         what = f"output features ({count} heads × {head_dim // count}) are"
     return (
         f"grouped-query attention: {count} key/value heads do not divide by {axis!r} ({size}), so the "
-        f"kernel's {what} split over it, gathered once per step; its output stays whole"
+        f"kernel's {what} split over it, {KV_GATHERED}"
     )
 
 

@@ -12,7 +12,10 @@ one operation runs (partial sums before their all-reduce, convolution operands
 copied into XLA's layout) are `scratch`. The output of a convolution whose kernel is
 in `whole_after` (an input convolution, `_convs.input_convs`, whose layer output a
 rule keeps whole) is split over the batch axis only, as is the element-wise chain
-after it (its bias, its activation): the layer's output, all-gathered there.
+after it (its bias, its activation): the layer's output, all-gathered there. A kernel in
+`gathered` (a key/value kernel split on head_dim, `_kv_costs`) is all-gathered whole where it is
+read, as XLA does once per step: its gathered copy is a temporary from its first read to its last,
+and the projections read it whole.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..core._axes import Axes, entry_axes
-from ._trace import Node, Trace
-from ._units import ELEMENTWISE
+from ._grower import ELEMENTWISE
+from ._trace import Node, Trace, trace_body
 
 __all__ = ["REDUCTIONS", "Specs", "itemsize"]
 
@@ -48,9 +51,13 @@ class Specs:
         axis_sizes: Mapping[str, int],
         batch_axis: str | None,
         whole_after: frozenset[str] = frozenset(),
+        inputs: Sequence[Spec] | None = None,
+        gathered: frozenset[str] = frozenset(),
     ) -> None:
         self.trace = trace
         self.whole_after = whole_after
+        #: Variables read whole, gathered over every axis they are split over.
+        self._read_whole = {value for value, path in trace.variables.items() if path in gathered}
         #: Values a layer-output rule keeps whole over every axis but the batch's.
         self._whole: set[int] = set()
         self.sizes = dict(axis_sizes)
@@ -69,12 +76,17 @@ class Specs:
             shape = trace.shapes[value]
             spec = _none(shape) if axes is None else tuple(entry_axes(a) for a in axes)
             self.spec[value] = self._valid(spec if len(spec) == len(shape) else _none(shape), shape)
-            if batch_axis is not None and any(batch_axis in entry for entry in self.spec[value]):
+            if value in self._read_whole and any(self.spec[value]):
+                weights[value] = self.spec[value]
+            elif batch_axis is not None and any(batch_axis in entry for entry in self.spec[value]):
                 weights[value] = self.spec[value]
         for value in trace.inputs:
             shape = trace.shapes[value]
             first = (batch_axis,) if batch_axis and shape else ()
-            self.spec[value] = self._valid((first, *_none(shape)[1:]) if shape else (), shape)
+            spec = (first, *_none(shape)[1:]) if shape else ()
+            if inputs is not None:  # a loop's body (`_scan`): its inputs, in order, laid out as given
+                spec = inputs[value] if len(inputs[value]) == len(shape) else _none(shape)
+            self.spec[value] = self._valid(spec, shape)
         for node in trace.nodes:
             self._propagate(node)
         # The step's outputs are the gradients, in the trainable variables' order: each is laid
@@ -123,6 +135,8 @@ class Specs:
             result = [tuple(ins[0][p] for p in node.params["permutation"])]
         elif name == "reshape":
             result = [_reshape(ins[0], in_shapes[0], outs[0])]
+        elif name == "scan":
+            result = self._scan(node, ins)
         elif name in REDUCTIONS or name.startswith("reduce_") or name in ("argmax", "argmin"):
             dropped = set(node.params.get("axes", ()))
             kept = tuple(entry for i, entry in enumerate(ins[0]) if i not in dropped)
@@ -144,6 +158,34 @@ class Specs:
             self.partial_sums[node.index] = self.partial_sums.get(node.index, 0) + self.bytes(node.outputs[0])
         elif name == "conv_general_dilated":
             self.scratch[node.index] = self.scratch.get(node.index, 0) + self._conv_copies(node)
+
+    def _scan(self, node: Node, ins: list[Spec]) -> list[Spec]:
+        """A loop's results, from its body propagated on its operands' layouts (see `_scan`).
+
+        A sequence's slice is laid out as the sequence without its scanned dimension, and a
+        stacked output as its slice, the scanned dimension whole. A carried value enters as its
+        initial value, then as one step leaves it (a state built from zeros is split as the
+        step splits it), until it no longer changes; a dimension the body leaves whole takes the axes
+        of an operand's dimension of the same size, as any other operation's (`_like`).
+        """
+        body = trace_body(node.params["jaxpr"])
+        consts, carry = node.params["num_consts"], node.params["num_carry"]
+        carried = list(ins[consts : consts + carry])
+        sequences = [spec[1:] for spec in ins[consts + carry :]]
+        for _ in range(carry + 1):
+            inner = Specs(body, {}, self.sizes, self.batch_axis, inputs=[*ins[:consts], *carried, *sequences])
+            outs = [inner.spec.get(v, _none(body.shapes[v])) if v >= 0 else () for v in body.outputs]
+            steps = zip(carried, outs[:carry], strict=True)
+            after = [tuple(a or b for a, b in zip(c, o, strict=False)) for c, o in steps]
+            if after == carried:
+                break
+            carried = after
+        shapes = [self.trace.shapes[v] if v >= 0 else () for v in node.inputs]
+        guesses = [_like(self.trace.shapes[v], ins, shapes) for v in node.outputs[:carry]]
+        carried = [
+            tuple(a or b for a, b in zip(c, g, strict=False)) for c, g in zip(carried, guesses, strict=True)
+        ]
+        return [*carried, *(((), *spec) for spec in outs[carry:])]
 
     def _dot(self, node: Node, ins: list[Spec], out: tuple[int, ...]) -> Spec:
         (lc, rc), (lb, rb) = node.params["dimension_numbers"]
@@ -225,7 +267,8 @@ class Specs:
             synthetic = -(len(self.gathered) + 2)
             shape = self.trace.shapes[value]
             whole = math.prod(shape) * itemsize(self.trace.dtypes[value])
-            pieces = math.prod(self.sizes[a] for entry in self._input(value) for a in entry)
+            spec = _none(shape) if value in self._read_whole else self._input(value)
+            pieces = math.prod(self.sizes[a] for entry in spec for a in entry)
             self._gathered_bytes[synthetic] = whole // max(pieces, 1)
             self.gathered[synthetic] = (min(reads), max(reads))
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import _compat
 
-__all__ = ["Node", "Trace", "Use", "trace_model", "trace_step"]
+__all__ = ["Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
 
 #: Operations a weight passes through unchanged on its way to being used (a cast under mixed precision).
 _PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
@@ -266,6 +266,12 @@ def trace_step(model: keras.Model, batch: Any) -> Trace:
         keras.tree.map_structure(_abstract, batch),
     )
     return _flat(closed.jaxpr, [v.path for v in trainable + non_trainable], keep_uses=False)
+
+
+def trace_body(closed: Any) -> Trace:
+    """The body of a loop (a `scan`'s `jaxpr` parameter) as a `Trace` of its own: its inputs, in order,
+    are the body's (constants, carried values, the sequences' per-step slices), its outputs the body's."""
+    return _flat(getattr(closed, "jaxpr", closed), [], keep_uses=False)
 
 
 def _flat(jaxpr: Any, paths: list[str], *, trained: set[str] = frozenset(), keep_uses: bool = True) -> Trace:

@@ -1,0 +1,127 @@
+"""Kernels split over the batch axis (2-D and fully sharded layouts), gathered for their compute.
+
+`BatchGathers` is the part of `_candidates.Bytes` that says how often XLA all-gathers such a
+kernel in one step and what its input gradient sends, as XLA:CPU and XLA:TPU compile it (each
+formula says where it was measured); `nbytes`, a variable's bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+
+from ..report._collectives import wire_bytes
+
+__all__ = ["BatchGathers", "nbytes"]
+
+
+def nbytes(variable: keras.Variable) -> int:
+    """A variable's bytes, whole."""
+    return math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
+
+
+class BatchGathers:
+    """How kernels split over the batch axis are gathered: a mixin of `_candidates.Bytes`, whose
+    mesh sizes (`d`, `m`), `compiler`, traced `calls` and activation bytes (`_activation`,
+    `_summed`) it reads."""
+
+    d: int
+    m: int
+    compiler: str
+
+    def gathers_per_step(
+        self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
+    ) -> int:
+        """How often XLA all-gathers a kernel split over the batch axis in one step (2-D, fully sharded).
+
+        `side` is how the model axis splits it: `"row"`, `"column"` or `"whole"` (not at all).
+        Measured on XLA:CPU (jaxlib 0.10) on MLPs and on the Llama, Gemma,
+        Mistral, Falcon, Qwen, SmolLM3, GPT-2, BERT and T5 backbones of the
+        tests: the kernel gathered for the forward pass is kept for the
+        backward one unless it is large beside the projection's activations on one device; then
+        it is gathered again, unless the projection reads the model's input (no input gradient,
+        so the backward pass needs no kernel). Over a batch axis of 4 or more devices, large is
+        larger than both the projection's input and output on one device (at least as large,
+        for a `Dense` kernel); over 2 devices, a kernel split over the batch axis alone larger than
+        its output on one device (a Dense MLP on `data=2,model=1`, 8 to 512 rows per device: the
+        input's size does not decide there). A 2-D kernel over 2 devices is counted once, as XLA
+        gathers the column kernels of keras-hub T5 and Qwen and the row kernel of a three-layer
+        MLP on 2×4; the row kernel of a two-layer MLP (its output the model's) it gathers twice
+        at 8 and 32 rows per device, once at 128 (predicted 0.862 and 0.872 of the compiled bytes
+        on 2×4, 0.860–0.876 on 2×2: not yet predicted).
+        `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
+        HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a Dense MLP, 2 to 512
+        rows per device) gathers a kernel three times whatever its size, once for a projection of
+        the model's input, in bfloat16 (`gathered_share`).
+        """
+        if self.compiler == "tpu":  # XLA:TPU: three gathers, one for a projection of the input
+            return 1 if any(call[2] for call in self.calls(kernel.path)) else 3
+        return 2 if self._regathered(layer, kernel, gathered, side) else 1
+
+    def _regathered(
+        self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
+    ) -> bool:
+        """Whether XLA:CPU gathers a kernel again for its input gradient (`gathers_per_step`)."""
+        largest = largest_out = 0.0
+        for inputs, output, from_input, dtype in self.calls(kernel.path):
+            if from_input:
+                return False
+            local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
+            local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
+            largest, largest_out = max(largest, local_in, local_out), max(largest_out, local_out)
+        if self.d < 4:  # split on the model axis too (T5, Qwen, an MLP on 2×4): gathered once, see above
+            return side == "whole" and gathered > largest_out
+        if isinstance(layer, keras.layers.EinsumDense):
+            return gathered > largest
+        return gathered >= largest  # a Dense layer, or a custom layer's matmul
+
+    def gathered_share(self, variable: keras.Variable) -> float:
+        """The share of a kernel's bytes an all-gather over the batch axis sends: on XLA:TPU a float32
+        kernel is cast to bfloat16 before it is gathered (measured on v5e, see `gathers_per_step`)."""
+        itemsize = np.dtype(variable.dtype).itemsize
+        return 2 / itemsize if self.compiler == "tpu" and itemsize > 2 else 1.0
+
+    def _input_gradient(self, layer: keras.layers.Layer | None, kernel: keras.Variable, use) -> float:
+        """What a kernel split over the batch axis alone on its input features sends for its input gradient.
+
+        Nothing while XLA keeps the kernel gathered for the forward pass (`gathers_per_step`);
+        otherwise the output's gradient of the whole batch is gathered, and its product with the
+        kernel's shards (the input gradient of the whole batch, split on its features) is turned
+        into each device's rows by an all-to-all; over 4 devices or more, the kernel is gathered
+        again instead where that sends no more. Measured on XLA:CPU, a Dense MLP on `data=2` and
+        `data=8` with `model=1`, 2 to 512 rows per device: `data=8` gathered the output gradient at
+        2 and 8 rows, the kernel at 32 (a tie), kept it at 128; `data=2` gathered the output
+        gradient at 8, 32 and 128 rows (at 128 more than the kernel would send), kept it at 512.
+        """
+        size, d = nbytes(kernel), self.d
+        if not self._regathered(layer, kernel, size, "whole"):
+            return 0.0
+        again = wire_bytes("all-gather", size, d)
+        output = self._activation(use.output, use.dtype) * d
+        moved = wire_bytes("all-gather", output, d) + wire_bytes(
+            "all-to-all", self._activation(use.inputs, use.dtype), d
+        )
+        return moved if moved < again or d < 4 else again
+
+    def _whole_kernel_gathers(self, layer: keras.layers.Layer | None, kernel: keras.Variable, use) -> float:
+        """A kernel split over the batch axis alone, on its input features: its gathers and input gradient.
+
+        XLA:CPU gathers it once forward, its input gradient as `_input_gradient` says. XLA:TPU
+        gathers it in bfloat16 as often as `gathers_per_step` says, and, while XLA:CPU would gather
+        it again, also gathers the output gradient (in bfloat16) and moves the input gradient (an
+        all-to-all in float32): measured on v5e `data=8`, a Dense MLP, at 2, 8 and 32 rows per
+        device, not at 128.
+        """
+        size, d = nbytes(kernel), self.d
+        if self.compiler != "tpu":
+            return wire_bytes("all-gather", size, d) + self._input_gradient(layer, kernel, use)
+        share = self.gathered_share(kernel)
+        count = self.gathers_per_step(layer, kernel, size, "whole")
+        wire = count * wire_bytes("all-gather", size * share, d)
+        if count == 1 or not self._regathered(layer, kernel, size, "whole"):
+            return wire
+        output = self._activation(use.output, use.dtype) * d * share
+        moved = wire_bytes("all-to-all", self._summed(use.inputs, use.dtype), d)
+        return wire + wire_bytes("all-gather", output, d) + moved

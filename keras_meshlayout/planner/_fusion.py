@@ -1,0 +1,143 @@
+"""What XLA fuses into its readers instead of writing out: the values of a traced step that are not buffers.
+
+The peak walk (`_liveness.transient_peak`) counts a value as a buffer unless one of these
+rules fuses it. XLA:CPU (`fused`) fuses a cast, broadcast or reshape into element-wise and
+reduction readers, any other element-wise result into its one reader, and a function of the
+weights alone into the projections that read it. XLA:TPU (`fused_on_tpu`, `laid_out`) also
+computes element-wise operands inside matmuls, duplicates cheap ones into every reader, and
+writes a result read only by a transpose in the transposed layout. Each rule is measured
+against the compiler's buffer assignment (`XLA_FLAGS=--xla_dump_to=DIR`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from ._propagate import REDUCTIONS
+from ._trace import Node, Trace
+
+__all__ = ["ELEMENTWISE", "fused", "fused_on_tpu", "laid_out"]
+
+
+#: Operations XLA fuses into their readers: element-wise arithmetic, casts, broadcasts, reshapes.
+ELEMENTWISE = frozenset(
+    """abs add add_any and atan2 broadcast_in_dim cbrt ceil clamp convert_element_type copy copy_p cos cosh
+    div eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow is_finite le lgamma
+    log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt
+    select_n sign sin sinh sqrt square squeeze stop_gradient sub tan tanh xor iota reshape transpose
+    shift_left shift_right_logical shift_right_arithmetic""".split()
+)
+#: Element-wise operations XLA duplicates into every reader.
+_CHEAP = frozenset(
+    "broadcast_in_dim convert_element_type reshape squeeze expand_dims iota copy copy_p".split()
+)
+#: Element-wise operations XLA counts expensive (transcendental, division): never duplicated into readers.
+_EXPENSIVE = frozenset(
+    """atan2 cbrt cos cosh div erf erf_inv erfc exp exp2 expm1 lgamma log log1p logistic pow rem rsqrt
+    sin sinh sqrt tan tanh""".split()
+)
+#: Operations that update their first operand in place: XLA writes the result into that buffer.
+_IN_PLACE = frozenset("scatter scatter-add scatter-mul scatter-min scatter-max dynamic_update_slice".split())
+
+
+def _elementwise_reads(trace: Trace) -> Iterator[tuple[Node, int, tuple[int, ...], list[str]]]:
+    """Each element-wise result that is read and is not a step output: `(node, value, readers, primitives)`.
+
+    `readers` are the indices of the nodes that read `value` (once per read), `primitives` theirs.
+    """
+    outputs = set(trace.outputs)
+    for node in trace.nodes:
+        if node.primitive not in ELEMENTWISE:
+            continue
+        for value in node.outputs:
+            readers = tuple(trace.consumers.get(value, ()))
+            if value not in outputs and readers:
+                yield node, value, readers, [trace.nodes[r].primitive for r in readers]
+
+
+def _from_weights(trace: Trace) -> set[int]:
+    """The variables and the values computed element-wise from them alone (a cast, an int8 kernel × scale)."""
+    weights = set(trace.variables)
+    for node in trace.nodes:
+        if node.primitive in ELEMENTWISE and all(v < 0 or v in weights for v in node.inputs):
+            weights.update(node.outputs)
+    return weights
+
+
+def fused(trace: Trace) -> set[int]:
+    """Values XLA fuses into their readers instead of writing them out.
+
+    A cast, broadcast or reshape read only by element-wise operations or
+    reductions; any other element-wise result read by exactly one of them (XLA
+    duplicates only cheap operations into several readers); and an element-wise
+    function of the weights alone (a cast, an int8 kernel times its scale) that
+    projections read: XLA:CPU computes it inside the projection (measured on
+    `model.quantize("int8")` Dense layers: the float kernel is never written out).
+    """
+    weights = _from_weights(trace)
+    found = set()
+    for node, value, readers, primitives in _elementwise_reads(trace):
+        if all(v < 0 or v in weights for v in node.inputs) and all(
+            _fusing(p) or p == "dot_general" for p in primitives
+        ):
+            found.add(value)  # a weight cast or dequantised where a projection reads it
+        elif node.primitive in _CHEAP and _updated_only(trace, value, readers):
+            found.add(value)  # the zeros a scatter-add starts from: written into its result
+        elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
+            found.add(value)
+    return found
+
+
+def fused_on_tpu(trace: Trace) -> set[int]:
+    """Values XLA:TPU fuses where XLA:CPU writes them: into matmuls, and duplicated into readers.
+
+    XLA:TPU fuses an element-wise producer into the `dot_general`s that read it (each
+    recomputes it as it loads its operand), and duplicates a cheap element-wise result
+    (`_EXPENSIVE` excluded) into every element-wise, reduction or matmul reader. Measured on a
+    Llama-3-style block (v5e 2x4, libtpu 0.0.42.1): the softmax's probabilities (read by the
+    two backward matmuls) and the normalised hidden states (read by the projections) are not
+    buffers; the attention mask is kept before its broadcast over the heads (4 MiB, where the
+    walk counted the broadcast and of the causal and padding masks, 32 MiB).
+    """
+    found = set()
+    for node, value, _, primitives in _elementwise_reads(trace):
+        into_matmuls = all(p == "dot_general" for p in primitives)
+        readable = all(_fusing(p) or p == "dot_general" for p in primitives)
+        duplicated = node.primitive not in _EXPENSIVE and readable
+        if into_matmuls or duplicated:
+            found.add(value)
+    return found
+
+
+def laid_out(trace: Trace) -> set[int]:
+    """Values XLA:TPU writes in their one reader's layout: a result read only by a transpose.
+
+    XLA:TPU's layout assignment turns such a transpose into a change of layout of its operand
+    (measured: a weight's gradient, `dot_general` then `transpose`, is written once, not twice).
+    """
+    outputs = set(trace.outputs)
+    found = set()
+    for node in trace.nodes:
+        for value in node.outputs:
+            readers = set(trace.consumers.get(value, ()))
+            if value not in outputs and len(readers) == 1:
+                if trace.nodes[next(iter(readers))].primitive == "transpose":
+                    found.add(value)
+    return found
+
+
+def _updated_only(trace: Trace, value: int, readers: Sequence[int]) -> bool:
+    """Whether `value` is read once, as the operand an in-place update (`_IN_PLACE`) writes into.
+
+    Measured on keras-hub Gemma (a token table split over both axes): the gradient of a
+    look-up is a `scatter-add` into a broadcast of zeros, which XLA writes as one buffer of the
+    gradient's own shard; the walk counted the zeros whole (262,144 bytes where XLA:CPU holds 32,768).
+    """
+    if len(readers) != 1:
+        return False
+    node = trace.nodes[readers[0]]
+    return node.primitive in _IN_PLACE and node.inputs[:1] == (value,) and value not in node.inputs[1:]
+
+
+def _fusing(primitive: str) -> bool:
+    return primitive in ELEMENTWISE or primitive in REDUCTIONS

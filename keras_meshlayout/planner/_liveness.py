@@ -1,0 +1,177 @@
+"""Liveness over a traced training step: the most its buffers hold at once, per device.
+
+`transient_peak(trace, layouts, axis_sizes, batch_axis, ...)` walks the step (`_trace.trace_step`)
+in program order: a buffer (a value `_fusion` does not fuse) lives from the operation that
+writes it to its last reader, where reading a fused value reads its inputs too; the step's
+outputs (the gradients) live to the end on XLA:CPU. Each value's bytes are its per-device shard
+(`_propagate.Specs`), plus the gathered copies of batch-split weights and the buffers one
+operation writes while it runs. On XLA:TPU an element-wise result takes the buffer of an operand
+that dies there (`_in_place`), and a small peak stays in on-chip memory (`_tpu_memory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+from ..core._axes import Axes
+from . import _tpu_memory
+from ._fusion import ELEMENTWISE, fused, fused_on_tpu, laid_out
+from ._propagate import Specs, itemsize
+from ._trace import Trace
+
+__all__ = ["live_code", "transient_peak"]
+
+
+def transient_peak(
+    trace: Trace,
+    layouts: Mapping[str, Axes],
+    axis_sizes: Mapping[str, int],
+    batch_axis: str | None,
+    compiler: str = "cpu",
+    whole_after: frozenset[str] = frozenset(),
+    gathered: frozenset[str] = frozenset(),
+) -> tuple[int, int]:
+    """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
+
+    `layouts` gives each variable path its axes (missing: replicated); `whole_after` and
+    `gathered` are `_propagate.Specs`'.
+    """
+    held = compiler != "tpu"
+    specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after, gathered=gathered)
+    sizes = {value: specs.bytes(value) for value in trace.shapes}
+    not_written = fused(trace) | (laid_out(trace) | fused_on_tpu(trace) if not held else set())
+    last = _last_reads(trace, not_written)
+    end = len(trace.nodes)
+    for value in trace.outputs:
+        if value >= 0 and held:
+            last[value] = end
+    written = {value: node.index for node in trace.nodes for value in node.outputs}
+    starts: dict[int, int] = {}
+    frees: dict[int, int] = {}
+    buffers = [v for v in written if v not in not_written]
+    for value in buffers:
+        _add(starts, written[value], sizes[value])
+        _add(frees, last.get(value, written[value]), sizes[value])
+    for value, (first, final) in specs.gathered.items():
+        _add(starts, first, specs.bytes(value))
+        _add(frees, final, specs.bytes(value))
+    if held and axis_sizes.get(batch_axis or "", 1) > 1:
+        # The gradients are summed over the batch axis into buffers of their own (one combined
+        # all-reduce at the end of the backward pass, measured on XLA:CPU), before the update.
+        _add(specs.scratch, end, sum(sizes[value] for value in set(trace.outputs) if value >= 0))
+    if not held:
+        for when, reused in _in_place(trace, set(buffers), sizes, last).items():
+            starts[when] -= reused
+            frees[when] -= reused
+    extras = [specs.scratch, specs.partial_sums] if held else [specs.scratch]
+    for when, extra in ((w, e) for scratch in extras for w, e in scratch.items()):
+        _add(starts, when, extra)
+        _add(frees, when, extra)
+    batch = sum(sizes[value] if held else _tiled(trace, specs, value) for value in trace.inputs)
+    peak = _sweep(starts, frees, end)
+    if not held:  # XLA:TPU keeps a step whose temporaries are small in on-chip memory, not HBM
+        peak = _tpu_memory.in_hbm(peak)
+    return peak, batch
+
+
+def live_code(trace: Trace) -> Trace:
+    """`trace` without the operations its outputs do not need (XLA removes them too)."""
+    needed = {v for v in trace.outputs if v >= 0}
+    kept = []
+    for node in reversed(trace.nodes):
+        if any(v in needed for v in node.outputs):
+            kept.append(node)
+            needed.update(v for v in node.inputs if v >= 0)
+    nodes = tuple(dataclasses.replace(node, index=i) for i, node in enumerate(reversed(kept)))
+    consumers: dict[int, list[int]] = {}
+    producer: dict[int, int] = {}
+    for node in nodes:
+        for value in node.inputs:
+            if value >= 0:
+                consumers.setdefault(value, []).append(node.index)
+        for value in node.outputs:
+            producer[value] = node.index
+    return dataclasses.replace(
+        trace,
+        nodes=nodes,
+        producer=MappingProxyType(producer),
+        consumers=MappingProxyType({k: tuple(v) for k, v in consumers.items()}),
+    )
+
+
+def _add(counts: dict[int, int], when: int, size: int) -> None:
+    counts[when] = counts.get(when, 0) + size
+
+
+def _tiled(trace: Trace, specs: Specs, value: int) -> int:
+    """The bytes of `value`'s shard in XLA:TPU's tiled layout (`_tpu_memory.tiled_bytes`)."""
+    shard = list(trace.shapes[value])
+    for dim, entry in enumerate(specs.spec.get(value, ())[: len(shard)]):
+        shard[dim] = -(-shard[dim] // math.prod(specs.sizes[a] for a in entry))
+    return _tpu_memory.tiled_bytes(shard, itemsize(trace.dtypes[value]))
+
+
+def _sweep(starts: Mapping[int, int], frees: Mapping[int, int], end: int) -> int:
+    """The largest sum of live bytes over the program."""
+    live = peak = 0
+    for when in range(end + 1):
+        live += starts.get(when, 0)
+        peak = max(peak, live)
+        live -= frees.get(when, 0)
+    return peak
+
+
+def _last_reads(trace: Trace, fused_values: set[int]) -> dict[int, int]:
+    """Per value, the last node that reads it, where reading a fused value reads its inputs too."""
+    last: dict[int, int] = {}
+    for node in reversed(trace.nodes):
+        when = max((last.get(v, node.index) for v in node.outputs if v in fused_values), default=node.index)
+        when = max(when, node.index)
+        for value in node.inputs:
+            if value >= 0 and last.get(value, -1) < when:
+                last[value] = when
+    return last
+
+
+def _in_place(
+    trace: Trace, buffers: set[int], sizes: Mapping[int, int], last: Mapping[int, int]
+) -> dict[int, int]:
+    """Per node, the bytes of element-wise results XLA:TPU writes over an operand that dies there.
+
+    The operands are the node's inputs and, through values fused into it, theirs. Measured on a
+    language-model head: the logits' gradient takes the logits' own buffer, so one (tokens ×
+    vocabulary) buffer is live where the walk counted two.
+    """
+    reused: dict[int, int] = {}
+    for node in trace.nodes:
+        if node.primitive not in ELEMENTWISE:
+            continue
+        taken: set[int] = set()
+        for value in (v for v in node.outputs if v in buffers):
+            for operand in _operands(trace, node.inputs, buffers):
+                if operand in buffers and operand not in taken and last.get(operand) == node.index:
+                    if sizes[operand] == sizes[value]:
+                        taken.add(operand)
+                        _add(reused, node.index, sizes[value])
+                        break
+    return reused
+
+
+def _operands(trace: Trace, inputs: Sequence[int], buffers: set[int]) -> list[int]:
+    """The buffers `inputs` read: each input that is one, else (fused) those its producer reads."""
+    found: list[int] = []
+    seen: set[int] = set()
+    pending = [v for v in inputs if v >= 0]
+    while pending:
+        value = pending.pop(0)
+        if value in seen:
+            continue
+        seen.add(value)
+        if value in buffers:
+            found.append(value)
+        elif value in trace.producer:
+            pending.extend(v for v in trace.nodes[trace.producer[value]].inputs if v >= 0)
+    return found
