@@ -87,7 +87,6 @@ _HAND_2D = (
     "(the plan without a budget is the least traffic; a budget takes them)"
 )
 MISSES: dict[tuple[str, str], str] = {
-    # no budget ÷ tensor-parallel ideal
     # predicted ÷ compiled bytes per step, by axis
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "
