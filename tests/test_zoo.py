@@ -87,11 +87,6 @@ _HAND_2D = (
     "(the plan without a budget is the least traffic; a budget takes them)"
 )
 MISSES: dict[tuple[str, str], str] = {
-    # no budget ÷ tensor-parallel ideal
-    # smallest budget plan ÷ fully sharded floor
-    ("LoRA-Llama", "smallest"): "1.400: the search fits the peak, not state: the smallest-state plan "
-    "(1.066 since its value LoRA a splits 8 ways, was 1.196) peaks no lower (296,836 B predicted for both; "
-    "compiled 308,304 vs 301,904), so the smallest budget takes the one sending fewer bytes",
     # predicted ÷ compiled bytes per step, by axis
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "
