@@ -149,6 +149,11 @@ def checkpoint_table(data: dict) -> str:
     )
 
 
+def _chosen_mesh(r: dict) -> str:
+    """The mesh `choose_mesh` picked, marked `fsdp` where its plan is the fully sharded one (best first)."""
+    return r["mesh"] + (" fsdp" if r["alternatives"][0].get("fsdp") else "")
+
+
 def targets_table(data: list) -> str:
     """The TPU targets benchmark: the mesh chosen, predicted against XLA:TPU's peak and bytes, times."""
     rows = []
@@ -170,7 +175,7 @@ def targets_table(data: list) -> str:
                 f"{r['wire_ratio']:.3f}",
                 f"{r['compile_seconds']:.0f}",
             ]
-        rows.append([model, r["target"], r["mesh"], *cells[:6], f"{r['plan_seconds']:.0f}", cells[6]])
+        rows.append([model, r["target"], _chosen_mesh(r), *cells[:6], f"{r['plan_seconds']:.0f}", cells[6]])
     header = ["model (depth compiled)", "target", "mesh chosen", "peak predicted (GiB)",
               "peak compiled (GiB)", "ratio", "fits HBM", "sent/step compiled (GiB)",
               "bytes predicted ÷ compiled", "plan (s)", "compile (s)"]  # fmt: skip
@@ -304,7 +309,7 @@ def checkpoint_plot(data: dict) -> bytes:
 
 def targets_plot(data: list) -> bytes:
     """Predicted against XLA:TPU's compiled per-device peak, and the compile times, per model and target."""
-    labels = [f"{r['model']}\n{r['target']} ({r['mesh']})" for r in data]
+    labels = [f"{r['model']}\n{r['target']} ({_chosen_mesh(r)})" for r in data]
     figure = _figure(10, 4.2)
     left, right = figure.subplots(1, 2)
     rows = range(len(data))
