@@ -311,13 +311,14 @@ def position_plan():
 def test_a_sliced_position_table_over_both_axes_trains_as_on_one_device(position_plan):
     """Issue 19: position tables (read through a slice) had no budget candidate: BERT, GPT-2, BART and
     six more stayed 1.11-1.14x the floor at replicate_below=0. Its bytes are checked on keras-hub BERT
-    (`tests/test_budget.py`): beside this model's tiny kernels XLA reduces its gradient another way."""
+    (`tests/test_budget.py`): beside this model's tiny kernels XLA reduces its gradient another way.
+    Its width divides by both axes: split there (the slice cut locally, gathered once), not on its rows."""
     mesh, rules, x, y = position_plan
-    assert rules.match("position_embedding/embeddings").axes == (("data", "model"), None)
+    assert rules.match("position_embedding/embeddings").axes == (None, ("data", "model"))
     reference = Reference(build_positions, (x, y), batch_size=4)
     dist = kml.ModelParallel(mesh, rules, replicate_below=0)
     model = train(build_positions, reference.initial, (x, y), dist, 4)
-    assert model.get_layer("position_embedding").position_embeddings.value.sharding.spec[0] == (
+    assert model.get_layer("position_embedding").position_embeddings.value.sharding.spec[1] == (
         "data",
         "model",
     )

@@ -378,29 +378,40 @@ class OneWeightCosts(Bytes):
     def _sliced_unit(self, variable: keras.Variable) -> UnitCosts | None:
         """A table read only through a slice (a position table cut to the sequence), over both axes.
 
-        Its rows split `d × m` ways over the batch and model axes. Measured on
-        XLA:CPU (keras-hub BERT's 32-row position table read 8 rows at a
-        time, 2×4 and 4×2): the rows read are moved into place over both axes
-        (collective-permutes) and all-gathered over both, each about an
-        all-gather of the slice; the slice's gradient is all-reduced over the
-        batch axis as when replicated. Not offered over the batch axis alone
-        (not measured).
+        Split `d × m` ways over the batch and model axes, on its rows or on its
+        width. Measured on XLA:CPU (keras-hub BERT's 32-row position table read
+        8 rows at a time, 2×4 and 4×2; ALBERT's, 2×4): split on its rows, the
+        rows read are moved into place over both axes (collective-permutes) and
+        all-gathered over both, each about an all-gather of the slice; split on
+        its width, the slice is cut locally and all-gathered over both once.
+        Either way the slice's gradient is all-reduced over the batch axis as
+        when replicated. Not offered over the batch axis alone (not measured).
         """
         shape, d, m = tuple(variable.shape), self.d, self.m
-        if d <= 1 or m <= 1 or shape[0] % (d * m) or self._elementwise_gathers(variable.path) != 1:
+        if d <= 1 or m <= 1 or self._elementwise_gathers(variable.path) != 1:
             return None
         read = nbytes(variable) * self.used.get(variable.path, 0.0)
-        wire: dict[str, float] = {}
-        add_wire(wire, self.batch_axis, self._grad_sync(variable, 1))
-        add_wire(wire, self.both, 2 * wire_bytes("all-gather", read, d * m))
-        axes = {variable.path: ((self.batch_axis, self.model_axis), *(None,) * (len(shape) - 1))}
-        note = (
-            f"split {d * m} ways over {self.batch_axis!r} and {self.model_axis!r}; the rows read moved and "
-            f"gathered over both; their gradient reduced over {self.batch_axis!r}"
-        )
+        both = (self.batch_axis, self.model_axis)
         state = self._state(variable, d * m, variable.trainable)
-        split = candidate("fully sharded", axes, state, wire, {variable.path: note})
-        return UnitCosts(variable.path, (self._replicated([variable]), split))
+        candidates = [self._replicated([variable])]
+        for dim, gathers, how in ((0, 2, "the rows read moved and"), (len(shape) - 1, 1, "the slice")):
+            if shape[dim] % (d * m):
+                continue
+            wire: dict[str, float] = {}
+            add_wire(wire, self.batch_axis, self._grad_sync(variable, 1))
+            add_wire(wire, self.both, gathers * wire_bytes("all-gather", read, d * m))
+            axes = tuple(both if i == dim else None for i in range(len(shape)))
+            note = (
+                f"{'rows' if dim == 0 else 'width'} split {d * m} ways over {self.batch_axis!r} and "
+                f"{self.model_axis!r}; {how} gathered over both; its gradient reduced over "
+                f"{self.batch_axis!r}"
+            )
+            candidates.append(
+                candidate("fully sharded", {variable.path: axes}, state, wire, {variable.path: note})
+            )
+        if len(candidates) == 1:
+            return None
+        return UnitCosts(variable.path, tuple(candidates))
 
     def _sliced(self, path: str) -> bool:
         """Whether the step reads `path` only through a slice (a position table cut to the sequence)."""
