@@ -121,6 +121,9 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_rebuilt_mixtral_trains_expert_parallel_like_one_device",
         "test_a_user_written_router_and_its_aux_loss_are_predicted_as_compiled",  # 3-10 s: one compile each
     ),
+    "test_batch_sums.py": (  # one attention step with a relative-position bias compiled (5 s)
+        "test_a_relative_bias_is_summed_in_the_heads_shards_and_its_table_gathered_after_the_update",
+    ),
     "test_zoo.py": (  # ~45 architectures planned (1-20 s each: dry builds, budget searches) and compiled
         "test_no_budget_parameters_per_device_near_the_tensor_parallel_ideal",
         "test_smallest_budget_plan_near_the_fully_sharded_floor",

@@ -19,9 +19,10 @@ partial sums before their all-reduce:
   that value is computed from one weight of its size (a batch norm's scale times
   its moving statistics, traced for inference; Gemma's one plus a scale), it
   counts as that weight's read, so the weight's split shrinks it. Otherwise it is
-  counted whole: T5's relative-position bias, summed where it meets the attention
-  scores, is summed by XLA in the scores' shards over the model axis (1,024 bytes
-  predicted per bias where 256 are sent: not yet followed);
+  counted where it meets the batch (`met`: the value and the node), and the costs
+  divide it by the model-axis split it meets there: T5's relative-position bias,
+  added to the attention scores split over their heads, is summed in the scores'
+  shards (256 bytes per bias on 2×4, not its 1,024);
 - a fast Fourier transform of a batch-split value (FNet's token mixing) is
   computed on the whole batch: its operand is all-gathered over the batch axis
   forward and again backward;
@@ -84,6 +85,7 @@ class BatchSums:
             (the operands of `top_k`s of batch-split values: a router's choices).
         reduced: Bytes of each auxiliary loss's reduction over the batch, all-reduced over
             the batch axis forward.
+        met: Per entry of `meetings`, the value and the node where it meets the batch.
     """
 
     reads: Mapping[str, float]
@@ -91,13 +93,14 @@ class BatchSums:
     gathered: tuple[float, ...]
     routed: tuple[float, ...] = ()
     reduced: tuple[float, ...] = ()
+    met: tuple[tuple[int, int], ...] = ()
 
 
 def batch_sums(trace: Trace) -> BatchSums:
     """Where `trace`'s gradients are summed over the batch axis (see the module docstring)."""
     live, fed, batch = _live(trace), _fed(trace), _batch_dims(trace)
     reads, moved = _reads(trace, live, batch)
-    meetings, gathered = [], []
+    meetings, gathered, met = [], [], []
     for node in trace.nodes:
         if not live[node.index] or not any(out in batch for out in node.outputs):
             continue
@@ -112,6 +115,7 @@ def batch_sums(trace: Trace) -> BatchSums:
             else:
                 itemsize = max(np.dtype(trace.dtypes[value]).itemsize, 4)
                 meetings.append(float(_size(trace, value) * itemsize))
+                met.append((value, node.index))
     # Variables sharing a path (two layers of one name) share its count.
     shared = collections.Counter(trace.variables.values())
     counts = {path: count / shared[path] for path, count in reads.items()}
@@ -121,7 +125,7 @@ def batch_sums(trace: Trace) -> BatchSums:
         more, reduced = _auxiliary(trace.auxiliary)
         routed += more
     return BatchSums(
-        MappingProxyType(counts), tuple(meetings), tuple(gathered), tuple(routed), tuple(reduced)
+        MappingProxyType(counts), tuple(meetings), tuple(gathered), tuple(routed), tuple(reduced), tuple(met)
     )
 
 
