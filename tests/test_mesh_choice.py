@@ -284,8 +284,9 @@ def test_on_two_slices_the_batch_axis_is_costed_over_the_dcn_and_the_choice_agre
     usable = [o for o in choice.alternatives if o.excluded is None]
     assert predicted(usable) == brute_force(usable, batch, target=target, budget=target.hbm_bytes)
     for option in usable:
-        data = option.axis_sizes["data"]
-        dcn = option.wire_bytes_by_axis["data"] / (data - 1)  # (2 - 1) / (data - 1) of the data axis's bytes
+        # (2 - 1) / (data - 1) of the data axis's bytes; a group over both axes spans all 8 chips
+        sent = option.wire_bytes_by_axis
+        dcn = sent["data"] / (option.axis_sizes["data"] - 1) + sent.get("data×model", 0.0) / 7
         assert option.dcn_wire_bytes == pytest.approx(dcn)
         assert option.step_seconds == pytest.approx(
             option.flops_per_device / target.peak_flops
