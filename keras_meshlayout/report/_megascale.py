@@ -15,8 +15,10 @@ The target is `{slices}x{devices in each}`; the array sent is the send's operand
 its tiles first, `ZeroCrop`: a combined gradient of 16,577 floats goes as 17,408). A collective
 over a mesh axis laid over slices and chips is decomposed (libtpu 0.0.42): an all-reduce is a
 reduce-scatter over the axis's devices within the slice, this all-reduce of the shard across the
-slices, then an all-gather within the slice again; an all-gather gathers across the slices here,
-then within. `parse_dcn_collectives` reads these sends as `Collective`s on the `"dcn"` network.
+slices, then an all-gather within the slice again (`_collectives.dcn_share`). The gathers of a
+fully sharded plan's kernels have their part across the slices here too; an all-to-all over the
+slices lists all its devices, and its whole exchange is counted here. `parse_dcn_collectives`
+reads these sends as `Collective`s on the `"dcn"` network.
 """
 
 from __future__ import annotations
@@ -73,35 +75,35 @@ def parse_dcn_collectives(hlo_text: str) -> list[Collective]:
     """
     found = []
     for line in hlo_text.splitlines():
-        if "xla_megascale_runtime" not in line:
-            continue
-        match = _SEND.match(line)
-        if match is None:
-            continue  # its recv and the -done halves
-        attributes = {m["key"]: m["value"] for m in _ATTRIBUTE.finditer(match["rest"])}
-        kind = _KINDS.get(attributes.get("transfer_type", ""))
-        elements = _tuple_elements(match["shape"])
-        (dtype, shape), *_ = _arrays(elements[0] if elements else match["shape"])
-        if kind == "collective-permute":
-            pairs = _ONE_TO_ONE.search(match["rest"])
-            if pairs is None:
-                raise _unreadable(line)
-            ends = tuple((int(m["source"]) // 100000, int(m["target"]) // 100000)
-                         for m in _PAIR.finditer(pairs["pairs"]))  # fmt: skip
-            found.append(Collective(match["name"], kind, (Payload(dtype, shape),), None, ends, network="dcn"))
-            continue
-        target = _TARGET.match(attributes.get("target", ""))
-        devices = _DEVICES.search(match["rest"])
-        if kind is None or (target is None and devices is None):
-            raise _unreadable(line)
-        if target is None:  # every device of the group listed: their whole exchange, counted as DCN
-            ids = tuple(int(i) for i in devices["ids"].split(","))
-            found.append(Collective(match["name"], kind, (Payload(dtype, shape),), (ids,), network="dcn"))
-            continue
-        slices = _slices(target["slices"])
-        payload = Payload(dtype, _delivered(kind, shape, len(slices)))
-        found.append(Collective(match["name"], kind, (payload,), (slices,), network="dcn"))
+        match = _SEND.match(line) if "xla_megascale_runtime" in line else None
+        if match is not None:  # not its recv, nor the -done halves
+            found.append(_collective(match["name"], match["shape"], match["rest"], line))
     return found
+
+
+def _collective(name: str, shape_text: str, rest: str, line: str) -> Collective:
+    """One send to the megascale runtime as a collective on the DCN."""
+    attributes = {m["key"]: m["value"] for m in _ATTRIBUTE.finditer(rest)}
+    kind = _KINDS.get(attributes.get("transfer_type", ""))
+    elements = _tuple_elements(shape_text)
+    (dtype, shape), *_ = _arrays(elements[0] if elements else shape_text)
+    if kind == "collective-permute":
+        pairs = _ONE_TO_ONE.search(rest)
+        if pairs is None:
+            raise _unreadable(line)
+        ends = tuple((int(m["source"]) // 100000, int(m["target"]) // 100000)
+                     for m in _PAIR.finditer(pairs["pairs"]))  # fmt: skip
+        return Collective(name, kind, (Payload(dtype, shape),), None, ends, network="dcn")
+    target = _TARGET.match(attributes.get("target", ""))
+    devices = _DEVICES.search(rest)
+    if kind is None or (target is None and devices is None):
+        raise _unreadable(line)
+    if target is None:  # every device of the group listed: their whole exchange, counted as DCN
+        ids = tuple(int(i) for i in devices["ids"].split(","))
+        return Collective(name, kind, (Payload(dtype, shape),), (ids,), network="dcn")
+    slices = _slices(target["slices"])
+    payload = Payload(dtype, _delivered(kind, shape, len(slices)))
+    return Collective(name, kind, (payload,), (slices,), network="dcn")
 
 
 def _slices(text: str) -> tuple[int, ...]:
