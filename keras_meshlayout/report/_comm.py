@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _compat
 from ..core._format import Displayed, format_bytes, to_text
-from ..core._mesh import mesh_axis_sizes
+from ..core._mesh import jax_device_grid, mesh_axis_sizes
 from ._collectives import wire_bytes
 from ._hlo import Collective, parse_collectives
 from ._megascale import parse_dcn_collectives
@@ -242,7 +242,7 @@ def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = 
 def report_of(model: keras.Model, mesh: Any, lowered: Any, compiled: Any) -> CommReport:
     """The `CommReport` of one lowered and compiled step of `model` over `mesh` (`None`: one device)."""
     axis_sizes = {} if mesh is None else mesh_axis_sizes(mesh)
-    device_count = 1 if mesh is None else int(np.prod(mesh.shape))
+    device_count = 1 if mesh is None else int(np.prod(mesh.shape)) // _slices(mesh)
     text = compiled.as_text()
     collectives = [*parse_collectives(text, device_count), *parse_dcn_collectives(text)]
     layer_names = {layer.name for layer in _compat.sublayers(model)}
@@ -257,6 +257,13 @@ def report_of(model: keras.Model, mesh: Any, lowered: Any, compiled: Any) -> Com
         flops_per_device=xla_flops(compiled),
         flops_unpartitioned=xla_flops(lowered),
     )
+
+
+def _slices(mesh: Any) -> int:
+    """The slices `mesh`'s devices span: XLA:TPU's program for several is one slice's, its groups that
+    slice's chips (`replica_groups={}`: all of them)."""
+    grid = jax_device_grid(mesh)
+    return max(1, len({getattr(device, "slice_index", 0) for device in grid.flat}))
 
 
 def _transfers(
