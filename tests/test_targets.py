@@ -422,7 +422,7 @@ def _mlp() -> keras.Model:
 #: 64 rows, least-traffic plans (libtpu 0.0.42.1). XLA:TPU's per-slice program sends what crosses
 #: slices to the megascale runtime (`report/_megascale.py`), which the report used to miss: the
 #: data axis's gradients were 0 bytes on `data=2` (all of them between slices), and on `data=4` the
-#: planner's ring said 1.34x what the in-slice collectives alone sent. It pads what it sends to
+#: planner's ring said 1.49x what the in-slice collectives alone sent. It pads what it sends to
 #: its tiles: a combined gradient of 16,577 floats goes as 17,408 (0.952).
 SLICES = {
     "data=2,model=4": (1.000, 0.952),
