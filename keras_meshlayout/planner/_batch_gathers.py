@@ -73,8 +73,10 @@ class BatchGathers:
             local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
             local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
             largest, largest_out = max(largest, local_in, local_out), max(largest_out, local_out)
-        if self.d < 4:  # split on the model axis too (T5, Qwen, an MLP on 2×4): gathered once, see above
-            return side == "whole" and gathered > largest_out
+        if self.d < 4:
+            if side == "row":  # its output on one device at most its gathered copy's 1/model: again
+                return largest_out * self.m <= gathered
+            return side == "whole" and gathered > largest_out  # a column kernel: once (T5, Qwen)
         if isinstance(layer, keras.layers.EinsumDense):
             return gathered > largest
         return gathered >= largest  # a Dense layer, or a custom layer's matmul
