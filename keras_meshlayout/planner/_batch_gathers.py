@@ -46,11 +46,14 @@ class BatchGathers:
         larger than both the projection's input and output on one device (at least as large,
         for a `Dense` kernel); over 2 devices, a kernel split over the batch axis alone larger than
         its output on one device (a Dense MLP on `data=2,model=1`, 8 to 512 rows per device: the
-        input's size does not decide there). A 2-D kernel over 2 devices is counted once, as XLA
-        gathers the column kernels of keras-hub T5 and Qwen and the row kernel of a three-layer
-        MLP on 2×4; the row kernel of a two-layer MLP (its output the model's) it gathers twice
-        at 8 and 32 rows per device, once at 128 (predicted 0.862 and 0.872 of the compiled bytes
-        on 2×4, 0.860–0.876 on 2×2: not yet predicted).
+        input's size does not decide there). A 2-D kernel over 2 devices: a column kernel is
+        gathered once (keras-hub T5 and Qwen on 2×4); a row kernel again when its output on one
+        device is at most 1/model of its gathered copy (the kernel ÷ model²): the partitioner
+        gathers it anew for the input gradient, an all-gather of the same shard with its own
+        `channel_id` (Dense MLPs 64→512→64 and 32→256→128 on 2×4 and 2×2, each on both sides
+        of that line: twice at 32 rows per device on 2×4 and 128 on 2×2, once at 36 and 136 for
+        the first, 16 / 20 and 64 / 72 for the second; it was 0.860–0.876 of the compiled bytes
+        when counted once; `tests/test_batch_gathers.py`). Over 4 devices or more the rule above.
         `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
         HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a two-layer Dense MLP, 2 to 512
         rows per device) gathers a kernel once whatever its size, in bfloat16 (`gathered_share`),
