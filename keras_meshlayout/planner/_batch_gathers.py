@@ -8,11 +8,16 @@ formula says where it was measured); `nbytes`, a variable's bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
 
 from ..report._collectives import wire_bytes
+
+if TYPE_CHECKING:
+    from ._trace import Trace, Use
 
 __all__ = ["BatchGathers", "nbytes"]
 
@@ -24,12 +29,14 @@ def nbytes(variable: keras.Variable) -> int:
 
 class BatchGathers:
     """How kernels split over the batch axis are gathered: a mixin of `_candidates.Bytes`, whose
-    mesh sizes (`d`, `m`), `compiler`, traced `calls` and activation bytes (`_activation`,
-    `_summed`) it reads."""
+    mesh sizes (`d`, `m`), `compiler`, trace (`trace`, `uses`, `calls`) and activation bytes
+    (`_activation`, `_summed`) it reads."""
 
     d: int
     m: int
     compiler: str
+    trace: Trace
+    uses: Mapping[str, tuple[Use, ...]]
 
     def gathers_per_step(
         self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
@@ -48,9 +55,10 @@ class BatchGathers:
         its output on one device (a Dense MLP on `data=2,model=1`, 8 to 512 rows per device: the
         input's size does not decide there). A 2-D kernel over 2 devices: a column kernel is
         gathered once (keras-hub T5 and Qwen on 2×4); a row kernel again when its output on one
-        device is at most 1/model of its gathered copy (the kernel ÷ model²): the partitioner
-        gathers it anew for the input gradient, an all-gather of the same shard with its own
-        `channel_id` (Dense MLPs 64→512→64 and 32→256→128 on 2×4 and 2×2, each on both sides
+        device is at most 1/model of its gathered copy (the kernel ÷ model²) and no other matmul
+        reads that output (the model's, as a two-layer MLP's second kernel; a row kernel feeding
+        the next Dense pair is gathered once): the partitioner gathers it anew for the input
+        gradient, an all-gather of the same shard with its own `channel_id` (Dense MLPs 64→512→64 and 32→256→128 on 2×4 and 2×2, each on both sides
         of that line: twice at 32 rows per device on 2×4 and 128 on 2×2, once at 36 and 136 for
         the first, 16 / 20 and 64 / 72 for the second; it was 0.860–0.876 of the compiled bytes
         when counted once; `tests/test_batch_gathers.py`). Over 4 devices or more the rule above.
@@ -78,11 +86,28 @@ class BatchGathers:
             largest, largest_out = max(largest, local_in, local_out), max(largest_out, local_out)
         if self.d < 4:
             if side == "row":  # its output on one device at most its gathered copy's 1/model: again
-                return largest_out * self.m <= gathered
+                return largest_out * self.m <= gathered and not self._feeds_matmul(kernel.path)
             return side == "whole" and gathered > largest_out  # a column kernel: once (T5, Qwen)
         if isinstance(layer, keras.layers.EinsumDense):
             return gathered > largest
         return gathered >= largest  # a Dense layer, or a custom layer's matmul
+
+    def _feeds_matmul(self, path: str) -> bool:
+        """Whether a projection's output reaches another matmul in the forward pass (the next layer)."""
+        uses = self.uses.get(path, ())
+        values = [self.trace.nodes[use.node].outputs[0] for use in uses if use.kind == "matmul"]
+        seen: set[int] = set()
+        while values:
+            value = values.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            for index in self.trace.consumers.get(value, ()):
+                node = self.trace.nodes[index]
+                if node.primitive == "dot_general":
+                    return True
+                values.extend(node.outputs)
+        return False
 
     def gathered_share(self, variable: keras.Variable) -> float:
         """The share of a kernel's bytes an all-gather over the batch axis sends: on XLA:TPU a float32
