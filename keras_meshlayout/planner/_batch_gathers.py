@@ -58,9 +58,10 @@ class BatchGathers:
         device is at most 1/model of its gathered copy (the kernel ÷ model²) and no other matmul
         reads that output (the model's, as a two-layer MLP's second kernel; a row kernel feeding
         the next Dense pair is gathered once): the partitioner gathers it anew for the input
-        gradient, an all-gather of the same shard with its own `channel_id` (Dense MLPs 64→512→64 and 32→256→128 on 2×4 and 2×2, each on both sides
-        of that line: twice at 32 rows per device on 2×4 and 128 on 2×2, once at 36 and 136 for
-        the first, 16 / 20 and 64 / 72 for the second; it was 0.860–0.876 of the compiled bytes
+        gradient, an all-gather of the same shard with its own `channel_id` (Dense MLPs
+        64→512→64 and 32→256→128 on 2×4 and 2×2, each on both sides of that line: twice at 32
+        rows per device on 2×4 and 128 on 2×2, once at 36 and 136 for the first, 16 / 20 and
+        64 / 72 for the second; it was 0.860–0.876 of the compiled bytes
         when counted once; `tests/test_batch_gathers.py`). Over 4 devices or more the rule above.
         `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
         HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a two-layer Dense MLP, 2 to 512
