@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
 
 from ..report._collectives import wire_bytes
-
-if TYPE_CHECKING:
-    from ._trace import Trace, Use
+from ._trace import Trace, Use
 
 __all__ = ["BatchGathers", "nbytes"]
 
