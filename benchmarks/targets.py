@@ -90,6 +90,7 @@ def measure(name: str, target: str, layers: int) -> dict:
         "layers": layers,
         "full_depth": depth,
         "mesh": choice.best.spec,
+        "fsdp": choice.best.fsdp,
         "alternatives": [option.to_dict() for option in choice.alternatives],
         "plan_seconds": round(plan_seconds, 1),
         "predicted_peak_bytes": choice.best.peak_bytes,

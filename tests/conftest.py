@@ -74,6 +74,8 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_restored_in_two_processes_on_the_other_layout",
         "test_restored_in_one_process_bit_for_bit",
     ),
+    # five fully sharded MLP steps and two of a norm under a head compiled on 8 CPU devices (2-12 s each)
+    "test_batch_gathers.py": ("*",),
     "test_adapters.py": ("*",),  # a LoRA and an int8 keras-hub Llama planned and compiled (one each)
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
     # a keras-hub Llama planned and compiled once (7 s), and trained sharded and on one device (4 s)
@@ -95,12 +97,15 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_the_peak_follows_xla_tpu_where_its_temporaries_are_in_hbm",
         "test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent",  # one XLA:TPU compile each, 5-15 s
         "test_under_bfloat16_xla_tpu_moves_activations_in_bfloat16",
+        "test_on_two_slices_the_batch_axis_sends_its_share_between_slices_as_predicted",  # 1-3 s each
+        "test_v5p_and_v6e_send_what_the_planner_predicts",
     ),
     "test_mesh_choice.py": (
         "test_on_a_256_chip_v5e_the_choice_is_no_worse_than_brute_force",
         "test_a_moe_model_is_also_planned_on_expert_axes_and_the_choice_is_no_worse_than_brute_force",
         "test_each_split_over_the_batch_axis_also_has_a_fully_sharded_plan_sending_what_xla_compiles",
         "test_on_a_v5e_2x4_a_budget_no_tensor_parallel_plan_fits_is_met_by_splitting_over_the_batch_axis_too",
+        "test_on_two_slices_the_batch_axis_is_costed_over_the_dcn_and_the_choice_agrees_with_brute_force",
     ),  # XLA:TPU compiles three 256-chip steps, plans nine splits over the target, each twice (7 s
     # loaded); a tiny Mixtral planned on six 4-device splits and three fully sharded, by choose_mesh
     # and alone (24 s loaded); three fully sharded steps compiled on 8 CPU devices (9 s); four on v5e

@@ -573,3 +573,71 @@ def test_groups_match_a_real_compile(shape, reduced):
     assert collective.kind == "all-reduce"
     axes = tuple(names.index(n) for n in reduced)
     assert {frozenset(g) for g in collective.groups} == _expected_groups(shape, axes), text
+
+
+# -- multi-slice programs: what crosses slices is a send to the megascale runtime -----------------
+
+#: Lines as libtpu 0.0.42.1 prints them for two v5e 2x2 slices (the MLP of `tests/test_targets.py`),
+#: trimmed after the frontend attributes.
+MEGASCALE = (
+    'is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+)
+LISTED = (100000, 100001, 100003, 100002, 200000, 200001, 200003, 200002)  # slice × 100000 + chip
+SENDS = [
+    pytest.param(
+        "%send = (f32[17,8,128]{2,1,0:T(8,128)}, u32[], token[]) send(%bitcast, %after-all), channel_id=2, "
+        + MEGASCALE
+        + '_xla_megascale_reduce_operation="SUM",_xla_megascale_target="{1,2}x{0:3}",'
+        '_xla_megascale_transfer_type="ALL_REDUCE"}',
+        ("all-reduce", ((1, 2),), (), 17 * 8 * 128 * 4, 17 * 8 * 128 * 4 * 2 * 1 / 2),
+        id="all-reduce-over-2-slices",
+    ),
+    pytest.param(
+        "%send = (f32[16,256]{1,0:T(8,128)}, u32[], token[]) send(%param.4, %after-all), channel_id=7, "
+        + MEGASCALE
+        + '_xla_megascale_target="{1,2,3,4}x{0:3}",_xla_megascale_transfer_type="ALL_GATHER"}',
+        ("all-gather", ((1, 2, 3, 4),), (), 4 * 16 * 256 * 4, 3 * 16 * 256 * 4),
+        id="all-gather-over-4-slices",
+    ),
+    pytest.param(
+        "%send.4 = (f32[8,8,64]{2,1,0:T(8,128)}, u32[], token[]) send(%f, %after-all.4), channel_id=11, "
+        + MEGASCALE
+        + "_xla_megascale_target={{100000,100001,100003,100002,200000,200001,200003,200002}},"
+        '_xla_megascale_transfer_type="ALL_TO_ALL"}',
+        ("all-to-all", (LISTED,), (), 16384, 16384 * 7 / 8),
+        id="all-to-all-of-listed-devices",
+    ),
+    pytest.param(
+        "%send = (f32[16,64]{1,0:T(8,128)}, u32[], token[]) send(%g, %after-all), channel_id=4, "
+        + MEGASCALE
+        + "_xla_megascale_target={{100001->200000},{200001->100000}},"
+        + '_xla_megascale_transfer_type="ONE_TO_ONE"}',
+        ("collective-permute", None, ((1, 2), (2, 1)), 16 * 64 * 4, 16 * 64 * 4),
+        id="one-to-one-between-slices",
+    ),
+]
+
+
+@pytest.mark.parametrize(("line", "want"), SENDS)
+def test_transfers_between_slices_are_read_as_collectives_on_the_dcn(line, want):
+    from keras_meshlayout.report._megascale import parse_dcn_collectives
+
+    kind, groups, pairs, nbytes, wire = want
+    recv = line.replace("%send", "%recv").replace(" send(", " recv(")  # the receiving half is not counted
+    [collective] = parse_dcn_collectives(f"{line}\n{recv}\n{DENSE}")
+    assert (collective.kind, collective.groups, collective.pairs) == (kind, groups, pairs)
+    assert (collective.network, collective.nbytes, collective.wire_bytes) == ("dcn", nbytes, wire)
+    assert parse_collectives(line, 8) == []  # no collective instruction: the report read none before
+
+
+def test_an_unknown_megascale_transfer_is_an_error_naming_it():
+    from keras_meshlayout.report._megascale import parse_dcn_collectives
+
+    line = (
+        "%send = (f32[8]{0}, u32[], token[]) send(%x, %a), "
+        + MEGASCALE
+        + '_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="BROADCAST"}'
+    )
+    with pytest.raises(kml.HloFormatError, match="Unrecognised megascale transfer") as info:
+        parse_dcn_collectives(line)
+    assert "ALL_REDUCE, ALL_GATHER" in str(info.value) and "Fix:" in str(info.value)

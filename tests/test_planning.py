@@ -372,6 +372,7 @@ PLANNER_ORDER = [
     "_search",
     "_auto",
     "_flops",
+    "_mesh_splits",
     "_mesh_choice",
 ]
 

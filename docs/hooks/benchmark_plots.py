@@ -151,7 +151,8 @@ def checkpoint_table(data: dict) -> str:
 
 def _chosen_mesh(r: dict) -> str:
     """The mesh `choose_mesh` picked, marked `fsdp` where its plan is the fully sharded one (best first)."""
-    return r["mesh"] + (" fsdp" if r["alternatives"][0].get("fsdp") else "")
+    fsdp = r.get("fsdp", r["alternatives"][0].get("fsdp"))  # rows before "fsdp" was recorded
+    return r["mesh"] + (" fsdp" if fsdp else "")
 
 
 def targets_table(data: list) -> str:

@@ -36,7 +36,8 @@
 6. The mesh (`_mesh_choice`): `choose_mesh` runs 1 → 5 on every data × model split
    of a device count or TPU target, twice where `data` ≥ 2 (the least-traffic plan and
    the fully sharded one, every unit at its layout of least state), and ranks them by
-   predicted step time, with each device's FLOPs from `_flops`.
+   predicted step time, with each device's FLOPs from `_flops` and the splits, and their
+   bytes within a slice (ICI) and between slices (DCN), from `_mesh_splits`.
 
 Imports run one way, 1 → 6: no stage imports a later one
 (`tests/test_planning.py` holds the module order).

@@ -8,11 +8,13 @@ formula says where it was measured); `nbytes`, a variable's bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import keras
 import numpy as np
 
 from ..report._collectives import wire_bytes
+from ._trace import Trace, Use
 
 __all__ = ["BatchGathers", "nbytes"]
 
@@ -24,12 +26,14 @@ def nbytes(variable: keras.Variable) -> int:
 
 class BatchGathers:
     """How kernels split over the batch axis are gathered: a mixin of `_candidates.Bytes`, whose
-    mesh sizes (`d`, `m`), `compiler`, traced `calls` and activation bytes (`_activation`,
-    `_summed`) it reads."""
+    mesh sizes (`d`, `m`), `compiler`, trace (`trace`, `uses`, `calls`) and activation bytes
+    (`_activation`, `_summed`) it reads."""
 
     d: int
     m: int
     compiler: str
+    trace: Trace
+    uses: Mapping[str, tuple[Use, ...]]
 
     def gathers_per_step(
         self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
@@ -46,11 +50,16 @@ class BatchGathers:
         larger than both the projection's input and output on one device (at least as large,
         for a `Dense` kernel); over 2 devices, a kernel split over the batch axis alone larger than
         its output on one device (a Dense MLP on `data=2,model=1`, 8 to 512 rows per device: the
-        input's size does not decide there). A 2-D kernel over 2 devices is counted once, as XLA
-        gathers the column kernels of keras-hub T5 and Qwen and the row kernel of a three-layer
-        MLP on 2×4; the row kernel of a two-layer MLP (its output the model's) it gathers twice
-        at 8 and 32 rows per device, once at 128 (predicted 0.862 and 0.872 of the compiled bytes
-        on 2×4, 0.860–0.876 on 2×2: not yet predicted).
+        input's size does not decide there). A 2-D kernel over 2 devices: a column kernel is
+        gathered once (keras-hub T5 and Qwen on 2×4); a row kernel again when its output on one
+        device is at most 1/model of its gathered copy (the kernel ÷ model²) and no other matmul
+        reads that output (the model's, as a two-layer MLP's second kernel; a row kernel feeding
+        the next Dense pair is gathered once): the partitioner gathers it anew for the input
+        gradient, an all-gather of the same shard with its own `channel_id` (Dense MLPs
+        64→512→64 and 32→256→128 on 2×4 and 2×2, each on both sides of that line: twice at 32
+        rows per device on 2×4 and 128 on 2×2, once at 36 and 136 for the first, 16 / 20 and
+        64 / 72 for the second; it was 0.860–0.876 of the compiled bytes
+        when counted once; `tests/test_batch_gathers.py`). Over 4 devices or more the rule above.
         `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
         HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a two-layer Dense MLP, 2 to 512
         rows per device) gathers a kernel once whatever its size, in bfloat16 (`gathered_share`),
@@ -73,11 +82,30 @@ class BatchGathers:
             local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
             local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
             largest, largest_out = max(largest, local_in, local_out), max(largest_out, local_out)
-        if self.d < 4:  # split on the model axis too (T5, Qwen, an MLP on 2×4): gathered once, see above
-            return side == "whole" and gathered > largest_out
+        if self.d < 4:
+            if side == "row":  # its output on one device at most its gathered copy's 1/model: again
+                return largest_out * self.m <= gathered and not self._feeds_matmul(kernel.path)
+            return side == "whole" and gathered > largest_out  # a column kernel: once (T5, Qwen)
         if isinstance(layer, keras.layers.EinsumDense):
             return gathered > largest
         return gathered >= largest  # a Dense layer, or a custom layer's matmul
+
+    def _feeds_matmul(self, path: str) -> bool:
+        """Whether a projection's output reaches another matmul in the forward pass (the next layer)."""
+        uses = self.uses.get(path, ())
+        values = [self.trace.nodes[use.node].outputs[0] for use in uses if use.kind == "matmul"]
+        seen: set[int] = set()
+        while values:
+            value = values.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            for index in self.trace.consumers.get(value, ()):
+                node = self.trace.nodes[index]
+                if node.primitive == "dot_general":
+                    return True
+                values.extend(node.outputs)
+        return False
 
     def gathered_share(self, variable: keras.Variable) -> float:
         """The share of a kernel's bytes an all-gather over the batch axis sends: on XLA:TPU a float32

@@ -5,13 +5,15 @@ into a data axis and a model axis, over `jax.sharding.AbstractMesh`es for a devi
 device is needed, not even emulated) or over a TPU target's compile-only devices (so that the
 predicted peak follows XLA:TPU), each within the memory budget, and ranks the meshes that fit by
 
-    step time = FLOPs per device / peak FLOP/s + Σ over axes (bytes sent on it / link bandwidth)
+    step time = FLOPs per device / peak FLOP/s + bytes within a slice / ICI bandwidth
+                                               + bytes between slices / DCN bandwidth
 
-(`_flops`: XLA's count of the unsharded step, split as the layouts split each matmul), with no
-overlap of compute and communication. A model with mixture-of-experts banks is also
-planned on every `data × expert × model` split whose expert axis divides its experts: the
-planner (`_experts`) splits the banks over the `expert` axis there, and over the model axis on
-the two-axis meshes.
+(`_flops`: XLA's count of the unsharded step, split as the layouts split each matmul; the bytes
+between slices, on a multi-slice target, are those of the axis laid over them that XLA:TPU sends
+across: `_mesh_splits`), with no overlap of compute and communication. A model with
+mixture-of-experts banks is also planned on every `data × expert × model` split whose expert
+axis divides its experts: the planner (`_experts`) splits the banks over the `expert` axis
+there, and over the model axis on the two-axis meshes.
 
 Fully sharded (ZeRO-3/FSDP) alternatives: the data axis is the fsdp axis. Each factorization
 with a data axis of 2 or more is planned twice, and both rows are ranked together (`fsdp` says
@@ -58,6 +60,7 @@ from ..core._targets import Target, parse_target
 from ._auto import plan_rules
 from ._experts import EXPERT_AXIS, expert_counts
 from ._flops import device_flops, step_flops
+from ._mesh_splits import comm_seconds, factorizations, network_bytes, slices_excluded
 from ._trace import trace_model, trace_step
 
 if TYPE_CHECKING:
@@ -82,13 +85,17 @@ class MeshOption:
             mesh was not planned.
         flops_per_device: One device's FLOPs of the step under the mesh's layouts (`None` when not planned).
         compute_seconds: `flops_per_device` over the target's peak FLOP/s (`None` without a target).
-        comm_seconds: Each axis's bytes over the interconnect bandwidth, summed (`None` without a target).
+        comm_seconds: The bytes within a slice over the ICI bandwidth plus those between slices over
+            the DCN bandwidth (`None` without a target; `_mesh_splits`).
         excluded: Why the mesh cannot be used (its predicted peak exceeds the budget, the batch
             does not divide), or `None`.
         fsdp: Whether the row is the mesh's fully sharded plan (ZeRO-3: every unit at its layout
             of least state, its weights, gradients and slots split over the batch axis too and
             gathered for each layer's compute) rather than its least-traffic plan within the budget.
         layouts: How many units took each layout (`PlanCost.layouts`: `{"2-D": 2, "fully sharded": 3}`).
+        dcn_wire_bytes: Of `wire_bytes`, what each device sends between slices (the data-center
+            network) on a multi-slice target; 0 on one slice.
+        dcn_seconds: Of `comm_seconds`, the DCN's part (`None` without a target).
     """
 
     axis_sizes: dict[str, int]
@@ -100,6 +107,8 @@ class MeshOption:
     excluded: str | None = None
     fsdp: bool = False
     layouts: dict[str, int] = dataclasses.field(default_factory=dict)
+    dcn_wire_bytes: float = 0.0
+    dcn_seconds: float | None = None
 
     @property
     def spec(self) -> str:
@@ -110,6 +119,11 @@ class MeshOption:
     def wire_bytes(self) -> float:
         """Bytes each device sends per step, over every axis."""
         return float(sum(self.wire_bytes_by_axis.values()))
+
+    @property
+    def ici_wire_bytes(self) -> float:
+        """Of `wire_bytes`, what each device sends within its slice (the ICI)."""
+        return self.wire_bytes - self.dcn_wire_bytes
 
     @property
     def step_seconds(self) -> float | None:
@@ -126,10 +140,13 @@ class MeshOption:
             "axis_sizes": dict(self.axis_sizes),
             "wire_bytes_per_device": self.wire_bytes,
             "wire_bytes_by_axis": dict(self.wire_bytes_by_axis),
+            "ici_wire_bytes": self.ici_wire_bytes,
+            "dcn_wire_bytes": self.dcn_wire_bytes,
             "peak_bytes": self.peak_bytes,
             "flops_per_device": self.flops_per_device,
             "compute_seconds": self.compute_seconds,
             "comm_seconds": self.comm_seconds,
+            "dcn_seconds": self.dcn_seconds,
             "step_seconds": self.step_seconds,
             "excluded": self.excluded,
             "layouts": dict(self.layouts),
@@ -178,28 +195,28 @@ class MeshChoice(Displayed):
 
         ranked = "predicted step time" if self.target is not None else "FLOPs per device, then bytes sent"
         table = Table(title=f"Meshes for {self.target or f'{self.mesh.size} devices'}, by {ranked}")
-        for column in (
-            "mesh",
-            "plan",
-            "step",
-            "compute",
-            "comm",
-            "FLOPs/device",
-            "sent/device",
-            "peak/device",
-            "note",
-        ):
+        slices = self.target is not None and self.target.slices > 1
+        comm = ("ICI", "DCN", "DCN sent") if slices else ("comm",)
+        for column in ("mesh", "plan", "step", "compute", *comm, "FLOPs/device", "sent/device", "peak/device",
+                       "note"):  # fmt: skip
             table.add_column(column, justify="left" if column in ("mesh", "plan", "note") else "right")
         for index, option in enumerate(self.alternatives):
             note = option.excluded or ("chosen" if index == 0 else "")
+            used = option.excluded is None
+            times = (_seconds(option.comm_seconds),)
+            if slices:
+                comm_s, dcn_s = option.comm_seconds, option.dcn_seconds
+                ici = None if comm_s is None else comm_s - (dcn_s or 0.0)
+                times = (_seconds(ici), _seconds(option.dcn_seconds),
+                         format_bytes(option.dcn_wire_bytes) if used else "-")  # fmt: skip
             table.add_row(
                 option.spec,
                 "fully sharded" if option.fsdp else "least traffic",
                 _seconds(option.step_seconds),
                 _seconds(option.compute_seconds),
-                _seconds(option.comm_seconds),
+                *times,
                 "-" if option.flops_per_device is None else f"{option.flops_per_device:.3g}",
-                format_bytes(option.wire_bytes) if option.excluded is None else "-",
+                format_bytes(option.wire_bytes) if used else "-",
                 "-" if option.peak_bytes is None else format_bytes(option.peak_bytes),
                 note,
             )
@@ -237,13 +254,17 @@ def choose_mesh(
     bytes each device sends per axis and the predicted peak, and trade traffic for memory as
     `auto_rules(memory_budget=...)` does. The step time is predicted as
 
-        FLOPs per device / the target's peak FLOP/s + Σ axes (bytes sent on it / ICI bandwidth)
+        FLOPs per device / the target's peak FLOP/s + bytes within a slice / ICI bandwidth
+                                                     + bytes between slices / DCN bandwidth
 
     with no overlap of compute and communication. The FLOPs are XLA's `cost_analysis` of the
     lowered, unsharded step; each device's share divides every traced matmul and convolution
     by the axes its output and contracted dimensions are split over (a layer left replicated
     on the model axis counts in full on each of its devices), the rest of the step evenly over
-    all devices. Multi-slice targets are costed as ICI. Without a target, the splits rank by
+    all devices. On a multi-slice target the data axis is laid over the slices (a split whose
+    data axis does not divide by them is excluded), and the bytes of collectives over it are
+    split as XLA:TPU decomposes them: within each slice over the ICI, across the slices over the
+    DCN (`_mesh_splits`; `MeshOption.dcn_wire_bytes`). Without a target, the splits rank by
     FLOPs per device, then bytes sent. A mesh on which no layout fits the budget (not even the
     fully sharded one), or whose data axis does not divide the batch, is listed as excluded.
 
@@ -297,7 +318,7 @@ def choose_mesh(
     with _dry(build) as model:
         step = _Step(model, batch, step_flops(model, batch), trace_step(model, batch), optimizer, axes)
         experts = expert_counts(model, trace_model(model, batch)) if EXPERT_AXIS not in axes else set()
-        sizes_list = _factorizations(count, axes, math.gcd(*experts) if experts else 1)
+        sizes_list = factorizations(count, axes, math.gcd(*experts) if experts else 1)
         options = [option for sizes in sizes_list for option in _options(step, sizes, target, budget)]
     ranked = sorted((o for o in options if o.excluded is None), key=_rank)
     if not ranked:
@@ -333,20 +354,6 @@ def _budget(memory_budget: int | str | None, target: Target | None) -> int | Non
     return None if target is None else target.hbm_bytes
 
 
-def _factorizations(count: int, axes: tuple[str, str], experts: int = 1) -> list[dict[str, int]]:
-    """Every `{data: d, model: count // d}`, the largest data axis first; then, for `experts`
-    (the experts' common divisor) above 1, every `{data: d, expert: e, model: m}` with `e` of 2
-    or more dividing both `experts` and the devices, the largest data, then expert axis first."""
-    two = [{axes[0]: d, axes[1]: count // d} for d in range(count, 0, -1) if count % d == 0]
-    three = [
-        {axes[0]: d, EXPERT_AXIS: e, axes[1]: count // (d * e)}
-        for d in range(count, 0, -1)
-        for e in range(count // d, 1, -1)
-        if count % (d * e) == 0 and experts % e == 0
-    ]
-    return two + three
-
-
 @dataclasses.dataclass(frozen=True)
 class _Step:
     """What every factorization is planned from: the dry model, its batch, its step's FLOPs and trace."""
@@ -369,6 +376,9 @@ def _options(
     data = sizes[step.axes[0]]
     if rows % data:
         why = f"the batch of {rows} rows does not split over {step.axes[0]}={data}"
+        return [MeshOption(sizes, {}, None, None, None, None, excluded=why)]
+    why = slices_excluded(sizes, target)
+    if why is not None:
         return [MeshOption(sizes, {}, None, None, None, None, excluded=why)]
     # Over the target's devices, so that the predicted peak follows its compiler (`_peak`).
     mesh = _mesh(sizes, target)
@@ -397,11 +407,16 @@ def _costed(step: _Step, sizes: dict[str, int], target: Target | None, rules: An
     # Every axis, and the groups over several (a table over both axes sends on "data×model").
     by_axis = {axis: 0.0 for axis in sizes} | {a: float(b) for a, b in cost.wire_bytes_by_axis.items()}
     flops = device_flops(step.flops, step.trace, _layouts(step.model, rules, sizes), sizes, step.axes[0])
-    compute = comm = None
+    ici, dcn = network_bytes(by_axis, sizes, target)
+    compute = comm = dcn_seconds = None
     if target is not None:
         compute = flops / target.peak_flops
-        comm = sum(by_axis.values()) / target.ici_bytes_per_s
-    return MeshOption(sizes, by_axis, peak, flops, compute, comm, fsdp=fsdp, layouts=cost.layouts())
+        ici_seconds, dcn_seconds = comm_seconds(ici, dcn, target)
+        comm = ici_seconds + dcn_seconds
+    return MeshOption(
+        sizes, by_axis, peak, flops, compute, comm, fsdp=fsdp, layouts=cost.layouts(),
+        dcn_wire_bytes=dcn, dcn_seconds=dcn_seconds,
+    )  # fmt: skip
 
 
 def _layouts(model: Any, rules: Any, sizes: dict[str, int]) -> dict[str, Any]:

@@ -189,7 +189,8 @@ def transformer_rules(
       row-parallel.
     - Norms, position embeddings, row-parallel biases, mixture-of-experts
       routers and stacked expert weights (`experts/*`: expert parallelism is
-      not planned) and RWKV's mixing layers replicated.
+      not planned) and RWKV's mixing layers replicated (`kml.auto_rules`
+      splits RWKV's time mixing over heads).
     - Token embeddings by `embeddings`: `"replicated"` (no traffic, full
       memory), `"vocab"` (rows split: each device looks up its part of the
       vocabulary and an all-reduce of the embedded batch combines them: saves
@@ -245,7 +246,7 @@ def transformer_rules(
             (
                 r"(?:.*/)?RWKV_(?:TIME_MIX|CMIX)/.+",
                 (...,),
-                "RWKV time/channel mixing: replicated, not planned",
+                "RWKV time/channel mixing: replicated by these name rules (kml.auto_rules splits its heads)",
             ),
             (r"(?:.*/)?(?:query|key|value)/kernel", (fsdp_axis, model_axis, None), "attention: heads split"),
             (r"(?:.*/)?(?:query|key|value)/bias", (model_axis, None), "attention bias: heads split"),

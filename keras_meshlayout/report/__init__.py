@@ -2,6 +2,8 @@
 
 - `_collectives`: what a collective sends (the ring formulas), for the report and the planner.
 - `_hlo`: collectives read from compiled HLO text.
+- `_megascale`: what crosses slices in a multi-slice program (the megascale runtime's host
+  transfers), read as collectives on the data-center network.
 - `_comm`: `comm_report`, one compiled training step's communication.
 - `_compile`: `compile_step`, the training step compiled for a mesh (a TPU target) from a dry
   build, with XLA's bytes per device.

@@ -17,9 +17,10 @@ import numpy as np
 
 from .. import _compat
 from ..core._format import Displayed, format_bytes, to_text
-from ..core._mesh import mesh_axis_sizes
+from ..core._mesh import jax_device_grid, mesh_axis_sizes
 from ._collectives import wire_bytes
 from ._hlo import Collective, parse_collectives
+from ._megascale import parse_dcn_collectives
 
 if TYPE_CHECKING:
     import keras
@@ -44,6 +45,7 @@ class Transfer:
         wire_bytes: Bytes each device sends for it (ring algorithms).
         layer: The Keras layer the metadata names (`"attn/query"`), or `""`.
         phase: `"forward"`, `"backward"` or `"update"` (optimizer and metrics).
+        network: `"ici"` within a slice, `"dcn"` between the slices of a multi-slice target.
     """
 
     collective: str
@@ -56,6 +58,7 @@ class Transfer:
     wire_bytes: float
     layer: str
     phase: str
+    network: str = "ici"
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "axes": list(self.axes), "shape": list(self.shape)}
@@ -95,6 +98,14 @@ class CommReport(Displayed):
             totals["×".join(t.axes) or "-"] += t.wire_bytes
         return dict(totals)
 
+    @property
+    def wire_bytes_by_network(self) -> dict[str, float]:
+        """Bytes each device sends per step within its slice (`"ici"`) and between slices (`"dcn"`)."""
+        totals = {"ici": 0.0, "dcn": 0.0}
+        for t in self.transfers:
+            totals[t.network] += t.wire_bytes
+        return totals
+
     def count(self, kind: str) -> int:
         """Number of collective instructions of `kind`."""
         return sum(c.kind == kind for c in self.collectives)
@@ -104,6 +115,7 @@ class CommReport(Displayed):
             "mesh": dict(self.axis_sizes),
             "wire_bytes_per_device": self.wire_bytes,
             "wire_bytes_by_axis": self.wire_bytes_by_axis,
+            "wire_bytes_by_network": self.wire_bytes_by_network,
             "collectives": {kind: self.count(kind) for kind in sorted({c.kind for c in self.collectives})},
             "transfers": [t.to_dict() for t in self.transfers],
             "memory_per_device": dict(self.memory),
@@ -129,13 +141,14 @@ class CommReport(Displayed):
             table.add_column(column, justify=justify)
         grouped: dict[tuple, list[Transfer]] = collections.defaultdict(list)
         for t in self.transfers:
-            grouped[(t.layer or "-", t.phase, t.kind, "×".join(t.axes) or "-", t.group_size)].append(t)
-        for (layer, phase, kind, axes, size), items in grouped.items():
+            over = "×".join(t.axes) or "-"
+            grouped[(t.layer or "-", t.phase, t.kind, over, t.group_size, t.network)].append(t)
+        for (layer, phase, kind, axes, size, network), items in grouped.items():
             table.add_row(
                 layer,
                 phase,
                 kind,
-                f"{axes} ({size})",
+                f"{axes} ({size} slices, DCN)" if network == "dcn" else f"{axes} ({size})",
                 str(len(items)),
                 format_bytes(sum(t.nbytes for t in items)),
                 format_bytes(sum(t.wire_bytes for t in items)),
@@ -143,6 +156,9 @@ class CommReport(Displayed):
         yield table
         by_axis = ", ".join(f"{axis}: {format_bytes(b)}" for axis, b in self.wire_bytes_by_axis.items())
         yield Text(f"Sent per device per step: {format_bytes(self.wire_bytes)} ({by_axis or 'nothing'})")
+        dcn = self.wire_bytes_by_network["dcn"]
+        if dcn:
+            yield Text(f"Of which between slices (DCN): {format_bytes(dcn)}")
         yield Text(
             f"Memory per device: {format_bytes(self.memory['total'])} (arguments "
             f"{format_bytes(self.memory['arguments'])}, outputs {format_bytes(self.memory['outputs'])}, "
@@ -226,8 +242,9 @@ def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = 
 def report_of(model: keras.Model, mesh: Any, lowered: Any, compiled: Any) -> CommReport:
     """The `CommReport` of one lowered and compiled step of `model` over `mesh` (`None`: one device)."""
     axis_sizes = {} if mesh is None else mesh_axis_sizes(mesh)
-    device_count = 1 if mesh is None else int(np.prod(mesh.shape))
-    collectives = parse_collectives(compiled.as_text(), device_count)
+    device_count = 1 if mesh is None else int(np.prod(mesh.shape)) // _slices(mesh)
+    text = compiled.as_text()
+    collectives = [*parse_collectives(text, device_count), *parse_dcn_collectives(text)]
     layer_names = {layer.name for layer in _compat.sublayers(model)}
     transfers = tuple(
         transfer for collective in collectives for transfer in _transfers(collective, axis_sizes, layer_names)
@@ -240,6 +257,13 @@ def report_of(model: keras.Model, mesh: Any, lowered: Any, compiled: Any) -> Com
         flops_per_device=xla_flops(compiled),
         flops_unpartitioned=xla_flops(lowered),
     )
+
+
+def _slices(mesh: Any) -> int:
+    """The slices `mesh`'s devices span: XLA:TPU's program for several is one slice's, its groups that
+    slice's chips (`replica_groups={}`: all of them)."""
+    grid = jax_device_grid(mesh)
+    return max(1, len({getattr(device, "slice_index", 0) for device in grid.flat}))
 
 
 def _transfers(
@@ -258,13 +282,21 @@ def _transfers(
             wire_bytes=wire_bytes(collective.kind, payload.nbytes, collective.group_size),
             layer=_layer_of(payload.op_name, layer_names),
             phase=_phase_of(payload.op_name),
+            network=collective.network,
         )
 
 
 def _axes_of(collective: Collective, axis_sizes: Mapping[str, int]) -> tuple[str, ...]:
-    """The mesh axes along which the devices of one group (or pair) differ."""
+    """The mesh axes along which the devices of one group (or pair) differ; between slices, the first
+    axis (`core/_target_mesh.py` lays it over the slices).
+
+    A multi-slice program's groups hold one slice's devices: their ids are positions in the first
+    slice, the mesh's first block along its first axis, and unravel in the mesh's shape alike.
+    """
     if not axis_sizes:
         return ()
+    if collective.network == "dcn":
+        return (next(iter(axis_sizes)),)
     shape = tuple(axis_sizes.values())
     if collective.groups is not None:
         members = [collective.groups[0]]

@@ -72,6 +72,7 @@ class CompiledStep(Displayed):
             "compile_seconds": self.compile_seconds,
             "wire_bytes_per_device": self.comm.wire_bytes,
             "wire_bytes_by_axis": self.comm.wire_bytes_by_axis,
+            "wire_bytes_by_network": self.comm.wire_bytes_by_network,
             "collectives": {
                 kind: self.comm.count(kind) for kind in sorted({c.kind for c in self.comm.collectives})
             },
@@ -88,8 +89,11 @@ class CompiledStep(Displayed):
             f"state, temporaries {format_bytes(self.temp_bytes)})"
         )
         by_axis = ", ".join(f"{axis}: {format_bytes(b)}" for axis, b in self.comm.wire_bytes_by_axis.items())
+        dcn = self.comm.wire_bytes_by_network["dcn"]
+        between = f"; between slices (DCN): {format_bytes(dcn)}" if dcn else ""
         yield Text(
             f"compiled step sends per device: {format_bytes(self.comm.wire_bytes)} ({by_axis or 'nothing'})"
+            + between
         )
 
     def __str__(self) -> str:

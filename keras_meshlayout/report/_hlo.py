@@ -115,6 +115,8 @@ class Collective:
             collective-permute, which has `pairs` instead.
         pairs: Source-target pairs of a collective-permute.
         op_name: The JAX op name from the instruction's own metadata.
+        network: `"ici"` for a collective within a slice; `"dcn"` for a transfer between
+            slices of a multi-slice program (`_megascale`), whose `groups` hold slice indices.
     """
 
     name: str
@@ -123,6 +125,7 @@ class Collective:
     groups: tuple[tuple[int, ...], ...] | None
     pairs: tuple[tuple[int, int], ...] = ()
     op_name: str = ""
+    network: str = "ici"
 
     @property
     def group_size(self) -> int:
