@@ -33,8 +33,8 @@ place; a result read only by a transpose is written once, in the transposed layo
 an element-wise result takes the buffer of an operand that dies there; an element-wise
 result read only by matmuls is computed inside them, and a cheap one is recomputed in
 each of its readers (`_fusion.fused_on_tpu`). A transient peak small enough to stay in the chip's
-vector memory is not counted in HBM, and the parameters, slots and batch take XLA:TPU's tiled
-layouts (`_tpu_memory`).
+vector memory (the generation's `on_chip_bytes`, `on_chip_of`; none on v5p) is not counted in
+HBM, and the parameters, slots and batch take XLA:TPU's tiled layouts (`_tpu_memory`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from ._convs import CONV_LAYERS
 from ._liveness import live_code, transient_peak
 from ._trace import Trace, trace_step
 
-__all__ = ["PeakMemory", "PeakWalk", "compiler_of", "peak_memory", "plan_peak"]
+__all__ = ["PeakMemory", "PeakWalk", "compiler_of", "on_chip_of", "peak_memory", "plan_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +101,13 @@ class PeakWalk:
         axis_sizes: Mapping[str, int],
         batch_axis: str | None,
         compiler: str = "cpu",
+        on_chip: int = _tpu_memory.ON_CHIP_BYTES,
     ) -> None:
         self.trace = live_code(trace)
         self.axis_sizes = dict(axis_sizes)
         self.batch_axis = batch_axis
         self.compiler = compiler
+        self.on_chip = on_chip
         self.trainable = {v.path: v for v in model.trainable_variables}
         self.variables = tuple(model.variables)
 
@@ -117,10 +119,11 @@ class PeakWalk:
         axis_sizes: Mapping[str, int],
         batch_axis: str | None,
         compiler: str = "cpu",
+        on_chip: int = _tpu_memory.ON_CHIP_BYTES,
     ) -> PeakWalk | None:
         """The walk of `model`'s step on `batch`, or `None` when its gradient cannot be traced."""
         try:
-            return cls(model, trace_step(model, batch), axis_sizes, batch_axis, compiler)
+            return cls(model, trace_step(model, batch), axis_sizes, batch_axis, compiler, on_chip)
         except Exception:  # a model whose gradient JAX cannot trace still plans, on its reserve
             return None
 
@@ -144,6 +147,7 @@ class PeakWalk:
             state=state,
             gradients=gradients,
             compiler=self.compiler,
+            on_chip=self.on_chip,
             whole_after=getattr(table, "whole_after", frozenset()),
             gathered=getattr(table, "gathered", frozenset()),
             tiles=_tiles(self.compiler, self.variables, layouts, self.axis_sizes),
@@ -155,12 +159,29 @@ def compiler_of(mesh: Any) -> str:
     return "tpu" if getattr(mesh, "target", None) is not None else "cpu"
 
 
-def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None, compiler: str = "cpu") -> PeakMemory:
+def on_chip_of(mesh: Any) -> int:
+    """The largest transient peak XLA:TPU keeps on chip for `mesh`: its target generation's figure.
+
+    `Generation.on_chip_bytes` (64 MiB on v5e, 0 on v5p); `_tpu_memory.ON_CHIP_BYTES` without a target.
+    """
+    target = getattr(mesh, "target", None)
+    return _tpu_memory.ON_CHIP_BYTES if target is None else target.generation.on_chip_bytes
+
+
+def plan_peak(
+    model: Any,
+    plan: Any,
+    batch: Any,
+    batch_axis: str | None,
+    compiler: str = "cpu",
+    on_chip: int = _tpu_memory.ON_CHIP_BYTES,
+) -> PeakMemory:
     """The predicted per-device peak of one training step of `model` on `batch` under `plan`.
 
     `plan` is a `kml.Plan` of `model` (its entries give each variable's layout and its
     `memory()` the training state); `model` may be a `kml.dry_build` model. `compiler`
-    (`compiler_of(mesh)`) is the XLA whose buffers the walk follows.
+    (`compiler_of(mesh)`) is the XLA whose buffers the walk follows, `on_chip` (`on_chip_of(mesh)`)
+    the largest transient peak it keeps on chip.
     """
     memory = plan.memory()
     layouts = {entry.path: entry.axes for entry in plan.entries}
@@ -172,6 +193,7 @@ def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None, compile
         state=memory.total,
         gradients=memory.gradients,
         compiler=compiler,
+        on_chip=on_chip,
         whole_after=_whole_conv_outputs(model, plan, batch_axis),
         gathered=_gathered_kernels(model, plan),
         tiles=_tiles(compiler, model.variables, layouts, plan.axis_sizes),
@@ -230,6 +252,7 @@ def peak_memory(
     whole_after: frozenset[str] = frozenset(),
     tiles: float = 1.0,
     gathered: frozenset[str] = frozenset(),
+    on_chip: int = _tpu_memory.ON_CHIP_BYTES,
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
@@ -237,9 +260,11 @@ def peak_memory(
     (`core._memory`: a plan's `memory()`, or the planner's candidates); `whole_after` the kernels
     whose convolution's layer output a rule keeps whole and `gathered` the kernels XLA gathers whole
     where they are read (`_propagate.Specs`); `tiles` the factor by which the parameters and slots
-    are padded in the compiler's layouts.
+    are padded in the compiler's layouts; `on_chip` the largest transient peak XLA:TPU keeps on chip.
     """
-    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered)
+    transient, batch = transient_peak(
+        trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered, on_chip
+    )
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
         padding = round((state - gradients) * (tiles - 1))
         return PeakMemory(state, gradients, batch, transient, held=False, tiles=padding)
