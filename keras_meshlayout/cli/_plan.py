@@ -291,12 +291,12 @@ def _peak(args: argparse.Namespace, build: Callable[[], Any], plan: Any, distrib
     """The predicted per-device peak of one training step on `--batch-size` (`planner._peak`),
     following XLA:TPU's buffers on a `--target` mesh."""
     from ..core._dry import dry_build
-    from ..planner._peak import compiler_of, plan_peak
+    from ..planner._peak import chip_of, compiler_of, plan_peak
 
-    compiler = compiler_of(distribution.device_mesh)
+    mesh = distribution.device_mesh
     with dry_build(build) as model:
         batch = batch_spec(model, args.batch_size, args.sequence_length)
-        return plan_peak(model, plan, batch, distribution.batch_dim_name, compiler)
+        return plan_peak(model, plan, batch, distribution.batch_dim_name, compiler_of(mesh), chip_of(mesh))
 
 
 def _messages(plan: Any, caught: list[warnings.WarningMessage]) -> list[str]:

@@ -70,6 +70,14 @@ class Generation:
             Google publishes one; else `None`.
         chip_config: libtpu's `chip_config_name`, `"megacore"` where a chip's two
             TensorCores are one JAX device (v4); `None` for libtpu's default.
+        on_chip_bytes: The largest transient peak of a training step XLA:TPU was measured to
+            keep all in on-chip vector memory (0 B of temporaries in HBM), what the peak walk
+            (`planner._tpu_memory.in_hbm`) leaves out of HBM: 64 MiB on v5e (measured there,
+            kept for v4 and v6e, whose toy steps also report 0 B); 0 on v5p, whose buffer
+            assignment keeps a step's activations in HBM however small (libtpu 0.0.42.1).
+        hbm_alignment: The alignment of each of a program's temporary buffers in HBM, where
+            it costs bytes (`planner._tpu_memory.aligned_bytes`): 16 KiB on v5p (libtpu's
+            `xla_jf_program_hbm_alignment_in_kib`); 0 where none was measured (v4, v5e, v6e).
     """
 
     name: str
@@ -83,6 +91,8 @@ class Generation:
     ici_bytes_per_s: float
     dcn_bytes_per_s: float | None
     chip_config: str | None = None
+    on_chip_bytes: int = 64 * 2**20
+    hbm_alignment: int = 0
 
 
 _TORUS_2D = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
@@ -106,7 +116,20 @@ GENERATIONS: Mapping[str, Generation] = {
             1600e9 / 8,
             6.4e12 / 8 / 256,
         ),
-        Generation("tpu-v5p", "v5p", "TPU v5", 3, (), 6144, 95 * _GiB, 459e12, 4800e9 / 8, 50e9 / 8),
+        Generation(
+            "tpu-v5p",
+            "v5p",
+            "TPU v5",
+            3,
+            (),
+            6144,
+            95 * _GiB,
+            459e12,
+            4800e9 / 8,
+            50e9 / 8,
+            on_chip_bytes=0,
+            hbm_alignment=16 * 1024,
+        ),
         Generation(
             "tpu-v6e",
             "v6e",

@@ -25,7 +25,7 @@
    and backward, walked under the candidates' layouts: what XLA fuses,
    `_fusion`; liveness, `_liveness`: activations, temporaries, gradients
    written so far), what the budget is compared with;
-   on a TPU target, less what XLA:TPU keeps on chip and plus its tiles' padding
+   on a TPU target, less what XLA:TPU keeps on chip and plus its tiles' padding and (v5p) alignment
    (`_tpu_memory`).
 4. `search` (`_search`): per unit, the index of the candidate at the least
    traffic within the memory budget (the proposal's own without one), and

@@ -248,7 +248,7 @@ def plan_rules(
         proposal = ledger.proposal()
         below, compiler = chosen_policy.replicate_below, _peak.compiler_of(mesh)
         table = cost_units(model, proposal, trace, mesh_axis_sizes(mesh), optimizer, below, compiler)
-    step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis, _peak.compiler_of(mesh))
+    step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis, compiler, _peak.chip_of(mesh))
     table, chosen, peak = _search_within_peak(table, budget, step, fully_sharded)
     _apply(ledger, table, chosen)
     rules = LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)

@@ -33,11 +33,13 @@ def transient_peak(
     compiler: str = "cpu",
     whole_after: frozenset[str] = frozenset(),
     gathered: frozenset[str] = frozenset(),
+    on_chip: int = _tpu_memory.ON_CHIP_BYTES,
 ) -> tuple[int, int]:
     """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
 
     `layouts` gives each variable path its axes (missing: replicated); `whole_after` and
-    `gathered` are `_propagate.Specs`'.
+    `gathered` are `_propagate.Specs`'; `on_chip` the largest peak XLA:TPU keeps on chip
+    (`_tpu_memory.in_hbm`).
     """
     held = compiler != "tpu"
     specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after, gathered=gathered)
@@ -73,7 +75,7 @@ def transient_peak(
     batch = sum(sizes[value] if held else _tiled(trace, specs, value) for value in trace.inputs)
     peak = _sweep(starts, frees, end)
     if not held:  # XLA:TPU keeps a step whose temporaries are small in on-chip memory, not HBM
-        peak = _tpu_memory.in_hbm(peak)
+        peak = _tpu_memory.in_hbm(peak, on_chip)
     return peak, batch
 
 

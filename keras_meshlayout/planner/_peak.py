@@ -33,8 +33,9 @@ place; a result read only by a transpose is written once, in the transposed layo
 an element-wise result takes the buffer of an operand that dies there; an element-wise
 result read only by matmuls is computed inside them, and a cheap one is recomputed in
 each of its readers (`_fusion.fused_on_tpu`). A transient peak small enough to stay in the chip's
-vector memory is not counted in HBM, and the parameters, slots and batch take XLA:TPU's tiled
-layouts (`_tpu_memory`).
+vector memory (the generation's `on_chip_bytes`, `chip_of`; none on v5p) is not counted in
+HBM, the parameters, slots and batch take XLA:TPU's tiled layouts, and on v5p each temporary
+buffer its 16 KiB alignment (`_tpu_memory`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from ._convs import CONV_LAYERS
 from ._liveness import live_code, transient_peak
 from ._trace import Trace, trace_step
 
-__all__ = ["PeakMemory", "PeakWalk", "compiler_of", "peak_memory", "plan_peak"]
+__all__ = ["PeakMemory", "PeakWalk", "chip_of", "compiler_of", "peak_memory", "plan_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,8 @@ class PeakMemory:
             applied as it is written, so the peak may hold fewer than all of them.
         tiles: What XLA:TPU's tiled layouts add to the parameters and slots (`_tpu_memory`); 0
             on XLA:CPU.
+        aligned: What aligning the step's temporary buffers in HBM adds
+            (`_tpu_memory.aligned_bytes`); 0 on XLA:CPU and where the target aligns none.
     """
 
     state: int
@@ -78,6 +81,7 @@ class PeakMemory:
     transient: int
     held: bool = True
     tiles: int = 0
+    aligned: int = 0
 
     @property
     def non_state(self) -> int:
@@ -88,7 +92,7 @@ class PeakMemory:
     def peak(self) -> int:
         """State without gradients, the batch, and the transient peak (gradients included)."""
         transient = max(self.transient, self.gradients) if self.held else self.transient
-        return self.state - self.gradients + self.tiles + self.batch + transient
+        return self.state - self.gradients + self.tiles + self.aligned + self.batch + transient
 
 
 class PeakWalk:
@@ -101,11 +105,13 @@ class PeakWalk:
         axis_sizes: Mapping[str, int],
         batch_axis: str | None,
         compiler: str = "cpu",
+        chip: _tpu_memory.Chip = _tpu_memory.DEFAULT_CHIP,
     ) -> None:
         self.trace = live_code(trace)
         self.axis_sizes = dict(axis_sizes)
         self.batch_axis = batch_axis
         self.compiler = compiler
+        self.chip = chip
         self.trainable = {v.path: v for v in model.trainable_variables}
         self.variables = tuple(model.variables)
 
@@ -117,10 +123,11 @@ class PeakWalk:
         axis_sizes: Mapping[str, int],
         batch_axis: str | None,
         compiler: str = "cpu",
+        chip: _tpu_memory.Chip = _tpu_memory.DEFAULT_CHIP,
     ) -> PeakWalk | None:
         """The walk of `model`'s step on `batch`, or `None` when its gradient cannot be traced."""
         try:
-            return cls(model, trace_step(model, batch), axis_sizes, batch_axis, compiler)
+            return cls(model, trace_step(model, batch), axis_sizes, batch_axis, compiler, chip)
         except Exception:  # a model whose gradient JAX cannot trace still plans, on its reserve
             return None
 
@@ -144,6 +151,8 @@ class PeakWalk:
             state=state,
             gradients=gradients,
             compiler=self.compiler,
+            chip=self.chip,
+            variables=len(self.trainable),
             whole_after=getattr(table, "whole_after", frozenset()),
             gathered=getattr(table, "gathered", frozenset()),
             tiles=_tiles(self.compiler, self.variables, layouts, self.axis_sizes),
@@ -155,12 +164,32 @@ def compiler_of(mesh: Any) -> str:
     return "tpu" if getattr(mesh, "target", None) is not None else "cpu"
 
 
-def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None, compiler: str = "cpu") -> PeakMemory:
+def chip_of(mesh: Any) -> _tpu_memory.Chip:
+    """The walk's figures of `mesh`'s TPU generation: on-chip memory, HBM alignment (`_tpu_memory`).
+
+    `Generation.on_chip_bytes` and `hbm_alignment` (64 MiB and 0 on v5e, 0 and 16 KiB on v5p); the
+    defaults without a target.
+    """
+    target = getattr(mesh, "target", None)
+    if target is None:
+        return _tpu_memory.DEFAULT_CHIP
+    return _tpu_memory.Chip(target.generation.on_chip_bytes, target.generation.hbm_alignment)
+
+
+def plan_peak(
+    model: Any,
+    plan: Any,
+    batch: Any,
+    batch_axis: str | None,
+    compiler: str = "cpu",
+    chip: _tpu_memory.Chip = _tpu_memory.DEFAULT_CHIP,
+) -> PeakMemory:
     """The predicted per-device peak of one training step of `model` on `batch` under `plan`.
 
     `plan` is a `kml.Plan` of `model` (its entries give each variable's layout and its
     `memory()` the training state); `model` may be a `kml.dry_build` model. `compiler`
-    (`compiler_of(mesh)`) is the XLA whose buffers the walk follows.
+    (`compiler_of(mesh)`) is the XLA whose buffers the walk follows, `chip` (`chip_of(mesh)`) its
+    target generation's figures.
     """
     memory = plan.memory()
     layouts = {entry.path: entry.axes for entry in plan.entries}
@@ -172,6 +201,8 @@ def plan_peak(model: Any, plan: Any, batch: Any, batch_axis: str | None, compile
         state=memory.total,
         gradients=memory.gradients,
         compiler=compiler,
+        chip=chip,
+        variables=len(model.trainable_variables),
         whole_after=_whole_conv_outputs(model, plan, batch_axis),
         gathered=_gathered_kernels(model, plan),
         tiles=_tiles(compiler, model.variables, layouts, plan.axis_sizes),
@@ -230,6 +261,8 @@ def peak_memory(
     whole_after: frozenset[str] = frozenset(),
     tiles: float = 1.0,
     gathered: frozenset[str] = frozenset(),
+    chip: _tpu_memory.Chip = _tpu_memory.DEFAULT_CHIP,
+    variables: int = 0,
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
@@ -237,10 +270,16 @@ def peak_memory(
     (`core._memory`: a plan's `memory()`, or the planner's candidates); `whole_after` the kernels
     whose convolution's layer output a rule keeps whole and `gathered` the kernels XLA gathers whole
     where they are read (`_propagate.Specs`); `tiles` the factor by which the parameters and slots
-    are padded in the compiler's layouts.
+    are padded in the compiler's layouts; `chip` the TPU generation's figures and `variables` the
+    trainable variables' count (`_tpu_memory.aligned_bytes`).
     """
-    transient, batch = transient_peak(trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered)
+    transient, batch = transient_peak(
+        trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered, chip.on_chip
+    )
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
         padding = round((state - gradients) * (tiles - 1))
-        return PeakMemory(state, gradients, batch, transient, held=False, tiles=padding)
+        # Each variable's update reads its parameter, gradient and slots: state ÷ gradients arrays.
+        arrays = state / gradients if gradients else 0.0
+        aligned = _tpu_memory.aligned_bytes(variables, arrays, chip.alignment)
+        return PeakMemory(state, gradients, batch, transient, held=False, tiles=padding, aligned=aligned)
     return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient)

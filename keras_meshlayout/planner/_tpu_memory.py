@@ -1,7 +1,8 @@
 """Where XLA:TPU's bytes differ from their arrays' own: buffers kept on chip, tiled layouts' padding.
 
-Two corrections the peak walk (`_peak.py`) applies on a TPU target, both measured with
-libtpu 0.0.42.1 (jax 0.10.2) on TPU v5e from this CPU-only machine:
+Three corrections the peak walk (`_peak.py`) applies on a TPU target, measured with
+libtpu 0.0.42.1 (jax 0.10.2) on TPU v5e (the first two) and v5p (the third) from this
+CPU-only machine; each generation's figures are a `Chip` (`_peak.chip_of`):
 
 - **On chip.** XLA:TPU's memory-space assignment places buffers in the chip's vector
   memory (VMEM) instead of HBM where they fit; `memory_analysis()`'s temporaries count
@@ -9,10 +10,14 @@ libtpu 0.0.42.1 (jax 0.10.2) on TPU v5e from this CPU-only machine:
 - **Tiles.** An array in HBM is stored in tiles of 8 × 128 elements over two of its
   dimensions (XLA picks the dimensions that pad least), and no buffer is under 512 B: a
   `(32, 32)` float32 kernel takes 16 KiB, not 4 KiB.
+- **Alignment.** On v5p each temporary buffer of the program is aligned to 16 KiB in HBM,
+  the small ones too (the tuples of the memory-space assignment's asynchronous copies):
+  `aligned_bytes`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -21,16 +26,38 @@ import numpy as np
 
 from ..core._axes import Axes, entry_axes
 
-__all__ = ["ON_CHIP_BYTES", "in_hbm", "tiled_bytes", "tiled_state"]
+__all__ = ["DEFAULT_CHIP", "ON_CHIP_BYTES", "Chip", "aligned_bytes", "in_hbm", "tiled_bytes", "tiled_state"]
 
-#: The most temporaries XLA:TPU's memory-space assignment was seen to keep all on chip (TPU v5e).
+#: The most temporaries XLA:TPU's memory-space assignment was seen to keep all on chip (TPU v5e);
+#: each generation's figure is its `Generation.on_chip_bytes` (0 on v5p).
 ON_CHIP_BYTES = 64 * 2**20
 #: The smallest buffer XLA:TPU allocates, in bytes.
 _MIN_BUFFER = 512
+#: Aligned buffers per array the update of a trainable variable reads (its parameter, its
+#: gradient and each optimizer slot), fitted on TPU v5p (see `aligned_bytes`).
+ALIGNED_PER_ARRAY = 4.75
 
 
-def in_hbm(transient: int) -> int:
-    """What of the walk's `transient` peak XLA:TPU holds in HBM: none of it up to `ON_CHIP_BYTES`.
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """A TPU generation's figures the walk uses (`core._targets.Generation`'s).
+
+    Attributes:
+        on_chip: The largest transient peak XLA:TPU keeps all on chip (`in_hbm`).
+        alignment: The HBM alignment of each temporary buffer where it costs bytes, else 0
+            (`aligned_bytes`).
+    """
+
+    on_chip: int = ON_CHIP_BYTES
+    alignment: int = 0
+
+
+#: The figures of a target without its own (v5e's), and of the walk's callers that give none.
+DEFAULT_CHIP = Chip()
+
+
+def in_hbm(transient: int, on_chip: int = ON_CHIP_BYTES) -> int:
+    """What of the walk's `transient` peak XLA:TPU holds in HBM: none of it up to `on_chip`.
 
     XLA:TPU's memory-space assignment places buffers in the chip's vector memory (VMEM,
     128 MiB on v5e) where they fit; `memory_analysis()`'s temporaries count only HBM.
@@ -42,8 +69,26 @@ def in_hbm(transient: int) -> int:
     smaller activations (4-16 MiB) in HBM too (292 MiB of temporaries): above the threshold,
     the walk counts the whole peak in HBM, an upper bound where part of it stays on chip (a
     decoder whose walk holds 75 MiB, its 64 MiB logits among them, compiled to 6 MiB).
+
+    `on_chip` is the target generation's `Generation.on_chip_bytes`: on TPU v5p the same toy
+    steps report 1.4-7.1 MiB of temporaries (their activations are in HBM), so it is 0 there.
     """
-    return 0 if transient <= ON_CHIP_BYTES else transient
+    return 0 if transient <= on_chip else transient
+
+
+def aligned_bytes(variables: int, arrays: float, alignment: int) -> int:
+    """What aligning each temporary buffer to `alignment` bytes in HBM adds to a training step.
+
+    `variables` trainable variables, each updated from `arrays` arrays of its own (the
+    parameter, the gradient, each optimizer slot: 4 under Adam, 2 under SGD). On TPU v5p
+    (alignment 16 KiB) the step's temporaries less the same step's compiled with 1 KiB
+    (`LIBTPU_INIT_ARGS=--xla_jf_program_hbm_alignment_in_kib=1`) came to 17.1-19.2 × 16 KiB per
+    variable under Adam on MLPs of 4 and 12 variables, 18.2 on a decoder block (19), 24.1 on a
+    keras-hub Llama 3 layer (12) and 9.2 under SGD (12): `ALIGNED_PER_ARRAY` of them per array.
+    Most are the tuples of the memory-space assignment's asynchronous copies (32 B each, a 16 KiB
+    slot each: 182 of the decoder's 207 temporaries in HBM).
+    """
+    return round(variables * arrays * ALIGNED_PER_ARRAY) * alignment
 
 
 def tiled_bytes(shape: Sequence[int], itemsize: int) -> int:
