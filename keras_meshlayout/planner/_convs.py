@@ -43,41 +43,13 @@ import keras
 
 from .. import _compat
 from . import _notes
-from ._grower import _dynamic, _Fail, _Grower, _reshape_dim
+from ._grouped import CONV, conv_kernel, grouped_forward
+from ._grower import _dynamic, _Fail, _Grower
 from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import Member, Unit, _name, _uses_inside, find_added
 
 __all__ = ["CONV", "CONV_LAYERS", "conv_kernel", "conv_units", "find_conv_units", "input_convs", "lone_convs"]
-
-CONV = "conv_general_dilated"
-
-
-def conv_kernel(trace: Trace, value: int, dim: int, size: int) -> tuple[str, int, tuple[int, ...]] | None:
-    """`(path, dimension, nodes passed)` of the kernel variable `value` reads, `dim` of `value` mapped back.
-
-    A kernel reaches a convolution cast, transposed or reshaped (a depthwise
-    kernel `(h, w, channels, multiplier)` becomes `(h, w, 1, channels·multiplier)`);
-    `None` when `value` is no variable's, or a reshape would cut `dim`'s blocks over `size`.
-    """
-    passed: list[int] = []
-    while value not in trace.variables:
-        index = trace.producer.get(value)
-        if index is None:
-            return None
-        node = trace.nodes[index]
-        if node.primitive == "transpose":
-            dim = tuple(node.params["permutation"])[dim]
-        elif node.primitive == "reshape":
-            inner = _reshape_dim(trace.shapes[value], trace.shapes[node.inputs[0]], dim, size)
-            if inner is None:
-                return None
-            dim = inner
-        elif node.primitive not in ("convert_element_type", "copy", "copy_p", "reduce_precision"):
-            return None
-        passed.append(index)
-        value = node.inputs[0]
-    return trace.variables[value], dim, tuple(passed)
 
 
 class _ConvGrower(_Grower):
@@ -110,17 +82,12 @@ class _ConvGrower(_Grower):
         numbers = params["dimension_numbers"]
         if value != node.inputs[0] or dim != numbers.lhs_spec[1] or params["batch_group_count"] != 1:
             raise _Fail("a convolution over the split dimension")
-        groups = params["feature_group_count"]
-        if groups == 1:
-            path, kernel_dim = self.kernel(node, numbers.rhs_spec[1])
-            self.member(path, kernel_dim, "row")
-            self.state.rows.append(node.outputs[0])
-            return  # the row end: its output is summed over the model axis, whole
-        if groups % self.m:
-            raise _Fail("groups that do not divide")
-        path, kernel_dim = self.kernel(node, numbers.rhs_spec[0])
-        self.member(path, kernel_dim, "grouped")
-        self.set_split(node.outputs[0], numbers.out_spec[1])
+        if params["feature_group_count"] != 1:
+            return grouped_forward(self, node, value, dim)
+        path, kernel_dim = self.kernel(node, numbers.rhs_spec[1])
+        self.member(path, kernel_dim, "row")
+        self.state.rows.append(node.outputs[0])
+        return None  # the row end: its output is summed over the model axis, whole
 
     def require(self, value: int, dim: int) -> None:
         index = self.trace.producer.get(value)
@@ -134,18 +101,14 @@ class _ConvGrower(_Grower):
         node = self.trace.nodes[index]
         params = node.params
         numbers = params["dimension_numbers"]
+        if params["feature_group_count"] != 1:
+            return super().require(value, dim)  # `_grouped.grouped_require`, as in any unit
         if dim != numbers.out_spec[1] or params["batch_group_count"] != 1:
             raise _Fail("a convolution's output split on another dimension")
-        groups = params["feature_group_count"]
         path, kernel_dim = self.kernel(node, numbers.rhs_spec[0])
-        if groups == 1:
-            self.member(path, kernel_dim, "column")
-        elif groups % self.m == 0:
-            self.member(path, kernel_dim, "grouped")
-            self.require(node.inputs[0], numbers.lhs_spec[1])
-        else:
-            raise _Fail("groups that do not divide")
+        self.member(path, kernel_dim, "column")
         self.set_split(value, dim)
+        return None
 
 
 def find_conv_units(trace: Trace, size: int, taken: frozenset[str] = frozenset()) -> tuple[Unit, ...]:
