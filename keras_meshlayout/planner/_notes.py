@@ -110,6 +110,11 @@ def row_bias(pair: str) -> str:
 
 def traced(kind: str, role: str, name: str) -> str:
     """The note of a weight in a unit found in the traced computation."""
+    if role == "grouped":
+        return (
+            f"grouped conv inside {name}: channels split with its input; each device convolves its own "
+            "channels, so XLA computes its kernel gradient right"
+        )
     if kind == "attention":
         if role == "row":
             return f"attention output: {name}, heads split on its input side; one all-reduce each way"
