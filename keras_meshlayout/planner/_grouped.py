@@ -23,7 +23,7 @@ from typing import Any
 from ._scan import Fail
 from ._trace import Trace, _reshape_dim
 
-__all__ = ["CONV", "conv_kernel", "grouped_forward", "grouped_require"]
+__all__ = ["CONV", "conv_kernel", "grouped_forward", "grouped_kernels", "grouped_require"]
 
 CONV = "conv_general_dilated"
 
@@ -102,3 +102,19 @@ def grouped_require(grower: Any, node: Any, dim: int) -> None:
     path, kernel_dim = _kernel(grower, node)
     grower.member(path, kernel_dim, "grouped")
     grower.require(node.inputs[0], numbers.lhs_spec[1])
+
+
+def grouped_kernels(trace: Trace) -> frozenset[str]:
+    """The paths of the kernels grouped or depthwise convolutions of `trace` read.
+
+    On a mesh that splits the batch and the model axis, no unit holding one is
+    offered replicated (`_costs`): with its channels whole on each device, XLA
+    computes its kernel gradient wrongly.
+    """
+    found = set()
+    for node in trace.nodes:
+        if node.primitive == CONV and node.params["feature_group_count"] > 1:
+            kernel = conv_kernel(trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[0], 1)
+            if kernel is not None:
+                found.add(kernel[0])
+    return frozenset(found)
