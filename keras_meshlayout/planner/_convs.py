@@ -20,7 +20,9 @@ row end, whose output is all-reduced. On the way:
   column of the same unit.
 
 A convolution no unit takes (between two units, as ResNet's 3 × 3 ones can
-be) is split on its input channels alone by `lone_convs`, the next strategy.
+be) is split on its input channels alone by `lone_convs`, the next strategy; a
+grouped one no unit takes (Qwen 3.5's depthwise conv1d, whose channels are sliced
+after it), on its channels alone by `lone_grouped_convs`.
 One that reads the model's input and feeds layers that need all its channels
 (a vision transformer's patch embedding, reshaped into tokens of the residual
 stream) is the convolutions' input projection: `input_convs` splits its output
@@ -49,7 +51,16 @@ from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import Member, Unit, _name, _uses_inside, find_added
 
-__all__ = ["CONV", "CONV_LAYERS", "conv_kernel", "conv_units", "find_conv_units", "input_convs", "lone_convs"]
+__all__ = [
+    "CONV",
+    "CONV_LAYERS",
+    "conv_kernel",
+    "conv_units",
+    "find_conv_units",
+    "input_convs",
+    "lone_convs",
+    "lone_grouped_convs",
+]
 
 
 class _ConvGrower(_Grower):
@@ -268,3 +279,35 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
             ledger.record(layer.bias.path, (setting.axis,), _notes.conv_input(name, setting.axis), unit=name)
         ledger.output_whole(layer.path, len(trace.shapes[node.outputs[0]]), _notes.INPUT_CONV_OUTPUT)
         ledger.input_convs.add(name)
+
+
+def lone_grouped_convs(ledger: Ledger, setting: Setting) -> None:
+    """Splits the channels of a grouped convolution's kernel that no unit took, on a mesh splitting the batch.
+
+    keras-hub's Qwen 3.5 gated delta-net convolves a projection's output depthwise and
+    then slices its query, key and value out of the channels, so no unit runs through it.
+    With the channels whole on each device XLA sums the kernel gradient over the whole
+    mesh (`kml.GroupedConvWarning`); with the kernel split on its channels, XLA carries
+    the split back into the projection writing the convolution's input and on into what
+    reads its output, and computes the gradient right (measured, jax 0.10.2: `fit` equals
+    one device on 2x4 and 4x2). The traffic of that propagation is not predicted: the unit
+    costs its gradient's all-reduce alone (docs/status.md). A convolution of the model's
+    input keeps the warning: XLA cannot split a batch it is given (`tests/test_convs.py`).
+    """
+    trace = setting.trace
+    if trace is None or setting.size <= 1 or setting.batch_size <= 1:
+        return
+    variables = setting.variables
+    for node in trace.nodes:
+        groups = node.params.get("feature_group_count", 1) if node.primitive == CONV else 1
+        if groups == 1 or groups % setting.size or trace.from_input(node.inputs[0]):
+            continue
+        found = conv_kernel(trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[0], setting.size)
+        if found is None or found[0] not in variables or ledger.decided(found[0]):
+            continue
+        path, dim, _ = found
+        if variables[path].shape[dim] % setting.size:
+            continue
+        name = setting.display(path)
+        axes = tuple(setting.axis if i == dim else None for i in range(len(variables[path].shape)))
+        ledger.record(path, axes, _notes.conv_grouped_lone(name, setting.axis), unit=name)

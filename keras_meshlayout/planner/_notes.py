@@ -278,6 +278,13 @@ def conv_lone(kernel: str, axis: str) -> str:
     )
 
 
+def conv_grouped_lone(kernel: str, axis: str) -> str:
+    return (
+        f"grouped conv, channels split over {axis!r}, no unit: {kernel}; XLA splits the values around it "
+        "alike and computes its kernel gradient right (its channels whole, XLA sums it over the whole mesh)"
+    )
+
+
 def conv_input(kernel: str, axis: str) -> str:
     return (
         f"input conv, output channels split over {axis!r}: {kernel} reads the model's input (a patch or "
