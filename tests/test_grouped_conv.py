@@ -245,8 +245,17 @@ def test_the_planned_depthwise_conv_trains_like_one_device(mixer, mesh_name):
     assert_same_weights(model, reference.trained)
 
 
+_PROPAGATED = pytest.mark.xfail(
+    strict=True,
+    reason="the sliced conv's kernel alone split: XLA carries its channel split into `up`'s output and "
+    "gradient and the slices after, not predicted (measured, jax 0.10.2: 'model' 6,336 predicted vs "
+    "28,352 compiled on 2x4, 2,112 vs 10,304 on 4x2; 'data' 2,516 vs 980 and 4,446 vs 2,910; state exact)",
+)
+
+
 @pytest.mark.parametrize("mesh_name", MIXER_MESHES)
-def test_the_depthwise_conv_unit_sends_what_is_predicted(mesh_name):
+@pytest.mark.parametrize("mixer", ["pair", pytest.param("sliced", marks=_PROPAGATED)])
+def test_the_depthwise_conv_sends_what_is_predicted(mixer, mesh_name):
     mesh = kml.Mesh(**MIXER_MESHES[mesh_name])
-    rules, (x, y) = _mixer_rules("pair", mesh), _mixer_data()
-    assert_predicted_as_compiled(MIXERS["pair"][0], rules, kml.ModelParallel(mesh, rules), x[:16], y[:16])
+    rules, (x, y) = _mixer_rules(mixer, mesh), _mixer_data()
+    assert_predicted_as_compiled(MIXERS[mixer][0], rules, kml.ModelParallel(mesh, rules), x[:16], y[:16])
