@@ -261,10 +261,15 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         if self.d > 1 and two_d_axes != tp_axes:
             two_d_wire = self._lora_traffic(by_path, two_d_axes, plus_wire(tp_wire, self.batch_axis, gathers))
             options.append(candidate("2-D", two_d_axes, two_d_state, two_d_wire))
-        notes = {path: self.proposal.notes[path] for path in tp_axes}
-        if self.d > 1 and not self.grouped.isdisjoint(by_path):
-            # A grouped conv's channels whole on each device: XLA sums its kernel gradient over the
-            # whole mesh (`_grouped`), so no budget may take the unit back to replicated.
+        return self._offered(name, options, {p: self.proposal.notes[p] for p in tp_axes}, by_path)
+
+    def _offered(self, name: str, options: list[Candidate], notes: dict, paths: Mapping) -> UnitCosts:
+        """The unit and its candidates, replicated first; without it for a grouped conv's on a 2-D mesh.
+
+        With a grouped convolution's channels whole on each device XLA sums its kernel gradient
+        over the whole mesh (`_grouped`): no budget may take such a unit back to replicated.
+        """
+        if self.d > 1 and not self.grouped.isdisjoint(paths):
             return UnitCosts(name, tuple(options[1:]), frozen(notes), proposed=0)
         return UnitCosts(name, tuple(options), frozen(notes), proposed=1)
 
@@ -417,4 +422,3 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
             and shape[0] % (self.m * self.d) == 0
             and not self.uses.get(variable.path)
         )
-
