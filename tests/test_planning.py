@@ -342,6 +342,7 @@ PLANNER_ORDER = [
     "_trace",
     "_batch_sums",
     "_scan",
+    "_grouped",
     "_grower",
     "_units",
     "_propagate",  # reads the trace alone: the strategies (`_by_trace.beside_split`) read it too

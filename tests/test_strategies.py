@@ -350,6 +350,7 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_by_layers.kv_head_dim",
         "_convs.conv_units",
         "_convs.lone_convs",
+        "_convs.lone_grouped_convs",
         "_convs.input_convs",
         "_by_trace.final_layers",
         "_by_layers.projection_pairs",

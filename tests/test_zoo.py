@@ -71,11 +71,18 @@ SAME_STEP = {
 }
 #: Not compiled here, and why, with the figures measured once (2026-12-02, predicted ÷ compiled bytes):
 #: their compiles take 40-100 s each on 2 cores, more than the fits this module replaced saved.
-_DELTA_NET = "100 s compile; 'data' 1.010, 'model' 0.999, and 3,584 bytes over 'data'×'model' not predicted"
+_DELTA_NET = (
+    "125 s compile; its depthwise conv1d kernel split on its channels (planner/_convs.lone_grouped_convs, "
+    "so that XLA computes its gradient right): 'data×model' 1.000 (28,672; the conv's 3,584-byte gradient "
+    "sum over both axes is gone), 'data' 1.218 (146,060 predicted, 119,924 compiled) and 'model' 0.484 "
+    "(118,784 vs 245,224): XLA carries the channel split into the delta rule's slices and the "
+    "projections' gradients and updates, not predicted (the sliced conv mixer's strict xfail in "
+    "tests/test_grouped_conv.py). Before: 'data' 1.010, 'model' 0.999, 3,584 bytes over both axes unpredicted"
+)
 NOT_COMPILED = {
-    # XLA's whole-mesh all-reduce of the depthwise conv1d gradient (tests/test_hub.py NOT_TRAINED)
     "Qwen3_5Backbone": _DELTA_NET,
-    "Qwen3_5MoeBackbone": "100 s compile; 'data' 1.012 (174,844 compiled; the router's gathers and "
+    "Qwen3_5MoeBackbone": "100 s compile; measured before its conv1d kernel was split (not since; "
+    "Qwen3_5Backbone's figures): 'data' 1.012 (174,844 compiled; the router's gathers and "
     "load-balancing loss exact, the depthwise conv1d's 2,048-byte gradient sum sent over 'data'×'model' "
     "instead), 'model' 0.999, and 3,584 bytes over 'data'×'model' not predicted",
     "EfficientNetB0": "47 s compile; 'data' 1.000, 'model' 1.000 (586,800 compiled; was 1.134)",

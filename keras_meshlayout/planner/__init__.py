@@ -5,7 +5,8 @@
 2. `find_units` (`_units`): the weights that split over the model axis together
    (column → row projection pairs, attention heads), as `Unit`s, read off the
    dataflow whatever style wrote the model: one split grown operation by
-   operation (`_grower`), through loops' bodies (`_scan`). The rule writer runs its
+   operation (`_grower`), through loops' bodies (`_scan`) and grouped or depthwise
+   convolutions (`_grouped`). The rule writer runs its
    strategies, in the order `_auto.STRATEGIES` lists them, over one ledger
    (`_ledger.Ledger`: one decision per variable, `record(path, axes, note,
    unit)`): Keras layers (`_by_layers`), names (`_by_name`, with

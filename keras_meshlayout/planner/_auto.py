@@ -61,6 +61,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _by_layers.kv_head_dim,  # grouped-query key/value kernels kept whole, split on head_dim instead
     _convs.conv_units,  # convolutions' output → input channels, through batch norms and depthwise convs
     _convs.lone_convs,  # a convolution no unit took, split on its input channels
+    _convs.lone_grouped_convs,  # a grouped convolution no unit took (Qwen 3.5's), on its channels
     _convs.input_convs,  # a convolution reading the input (a patch embedding): output channels, gathered
     _by_trace.final_layers,  # a language model's head, split when it is the largest kernel
     _by_layers.projection_pairs,  # pairs along the layer graph when nothing was traced

@@ -20,7 +20,9 @@ row end, whose output is all-reduced. On the way:
   column of the same unit.
 
 A convolution no unit takes (between two units, as ResNet's 3 × 3 ones can
-be) is split on its input channels alone by `lone_convs`, the next strategy.
+be) is split on its input channels alone by `lone_convs`, the next strategy; a
+grouped one no unit takes (Qwen 3.5's depthwise conv1d, whose channels are sliced
+after it), on its channels alone by `lone_grouped_convs`.
 One that reads the model's input and feeds layers that need all its channels
 (a vision transformer's patch embedding, reshaped into tokens of the residual
 stream) is the convolutions' input projection: `input_convs` splits its output
@@ -43,41 +45,22 @@ import keras
 
 from .. import _compat
 from . import _notes
-from ._grower import _dynamic, _Fail, _Grower, _reshape_dim
+from ._grouped import CONV, conv_kernel, grouped_forward
+from ._grower import _dynamic, _Fail, _Grower
 from ._ledger import Ledger, Setting
 from ._trace import Trace
 from ._units import Member, Unit, _name, _uses_inside, find_added
 
-__all__ = ["CONV", "CONV_LAYERS", "conv_kernel", "conv_units", "find_conv_units", "input_convs", "lone_convs"]
-
-CONV = "conv_general_dilated"
-
-
-def conv_kernel(trace: Trace, value: int, dim: int, size: int) -> tuple[str, int, tuple[int, ...]] | None:
-    """`(path, dimension, nodes passed)` of the kernel variable `value` reads, `dim` of `value` mapped back.
-
-    A kernel reaches a convolution cast, transposed or reshaped (a depthwise
-    kernel `(h, w, channels, multiplier)` becomes `(h, w, 1, channels·multiplier)`);
-    `None` when `value` is no variable's, or a reshape would cut `dim`'s blocks over `size`.
-    """
-    passed: list[int] = []
-    while value not in trace.variables:
-        index = trace.producer.get(value)
-        if index is None:
-            return None
-        node = trace.nodes[index]
-        if node.primitive == "transpose":
-            dim = tuple(node.params["permutation"])[dim]
-        elif node.primitive == "reshape":
-            inner = _reshape_dim(trace.shapes[value], trace.shapes[node.inputs[0]], dim, size)
-            if inner is None:
-                return None
-            dim = inner
-        elif node.primitive not in ("convert_element_type", "copy", "copy_p", "reduce_precision"):
-            return None
-        passed.append(index)
-        value = node.inputs[0]
-    return trace.variables[value], dim, tuple(passed)
+__all__ = [
+    "CONV",
+    "CONV_LAYERS",
+    "conv_kernel",
+    "conv_units",
+    "find_conv_units",
+    "input_convs",
+    "lone_convs",
+    "lone_grouped_convs",
+]
 
 
 class _ConvGrower(_Grower):
@@ -110,17 +93,12 @@ class _ConvGrower(_Grower):
         numbers = params["dimension_numbers"]
         if value != node.inputs[0] or dim != numbers.lhs_spec[1] or params["batch_group_count"] != 1:
             raise _Fail("a convolution over the split dimension")
-        groups = params["feature_group_count"]
-        if groups == 1:
-            path, kernel_dim = self.kernel(node, numbers.rhs_spec[1])
-            self.member(path, kernel_dim, "row")
-            self.state.rows.append(node.outputs[0])
-            return  # the row end: its output is summed over the model axis, whole
-        if groups % self.m:
-            raise _Fail("groups that do not divide")
-        path, kernel_dim = self.kernel(node, numbers.rhs_spec[0])
-        self.member(path, kernel_dim, "grouped")
-        self.set_split(node.outputs[0], numbers.out_spec[1])
+        if params["feature_group_count"] != 1:
+            return grouped_forward(self, node, value, dim)
+        path, kernel_dim = self.kernel(node, numbers.rhs_spec[1])
+        self.member(path, kernel_dim, "row")
+        self.state.rows.append(node.outputs[0])
+        return None  # the row end: its output is summed over the model axis, whole
 
     def require(self, value: int, dim: int) -> None:
         index = self.trace.producer.get(value)
@@ -134,18 +112,14 @@ class _ConvGrower(_Grower):
         node = self.trace.nodes[index]
         params = node.params
         numbers = params["dimension_numbers"]
+        if params["feature_group_count"] != 1:
+            return super().require(value, dim)  # `_grouped.grouped_require`, as in any unit
         if dim != numbers.out_spec[1] or params["batch_group_count"] != 1:
             raise _Fail("a convolution's output split on another dimension")
-        groups = params["feature_group_count"]
         path, kernel_dim = self.kernel(node, numbers.rhs_spec[0])
-        if groups == 1:
-            self.member(path, kernel_dim, "column")
-        elif groups % self.m == 0:
-            self.member(path, kernel_dim, "grouped")
-            self.require(node.inputs[0], numbers.lhs_spec[1])
-        else:
-            raise _Fail("groups that do not divide")
+        self.member(path, kernel_dim, "column")
         self.set_split(value, dim)
+        return None
 
 
 def find_conv_units(trace: Trace, size: int, taken: frozenset[str] = frozenset()) -> tuple[Unit, ...]:
@@ -305,3 +279,35 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
             ledger.record(layer.bias.path, (setting.axis,), _notes.conv_input(name, setting.axis), unit=name)
         ledger.output_whole(layer.path, len(trace.shapes[node.outputs[0]]), _notes.INPUT_CONV_OUTPUT)
         ledger.input_convs.add(name)
+
+
+def lone_grouped_convs(ledger: Ledger, setting: Setting) -> None:
+    """Splits the channels of a grouped convolution's kernel that no unit took, on a mesh splitting the batch.
+
+    keras-hub's Qwen 3.5 gated delta-net convolves a projection's output depthwise and
+    then slices its query, key and value out of the channels, so no unit runs through it.
+    With the channels whole on each device XLA sums the kernel gradient over the whole
+    mesh (`kml.GroupedConvWarning`); with the kernel split on its channels, XLA carries
+    the split back into the projection writing the convolution's input and on into what
+    reads its output, and computes the gradient right (measured, jax 0.10.2: `fit` equals
+    one device on 2x4 and 4x2). The traffic of that propagation is not predicted: the unit
+    costs its gradient's all-reduce alone (docs/status.md). A convolution of the model's
+    input keeps the warning: XLA cannot split a batch it is given (`tests/test_convs.py`).
+    """
+    trace = setting.trace
+    if trace is None or setting.size <= 1 or setting.batch_size <= 1:
+        return
+    variables = setting.variables
+    for node in trace.nodes:
+        groups = node.params.get("feature_group_count", 1) if node.primitive == CONV else 1
+        if groups == 1 or groups % setting.size or trace.from_input(node.inputs[0]):
+            continue
+        found = conv_kernel(trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[0], setting.size)
+        if found is None or found[0] not in variables or ledger.decided(found[0]):
+            continue
+        path, dim, _ = found
+        if variables[path].shape[dim] % setting.size:
+            continue
+        name = setting.display(path)
+        axes = tuple(setting.axis if i == dim else None for i in range(len(variables[path].shape)))
+        ledger.record(path, axes, _notes.conv_grouped_lone(name, setting.axis), unit=name)

@@ -70,6 +70,7 @@ from ._candidates import (
     second_axis,
 )
 from ._conv_costs import ConvCosts
+from ._grouped import grouped_kernels
 from ._kv_costs import KeyValueCosts
 from ._layers import owners as layer_owners
 from ._layers import stored_weight
@@ -98,6 +99,7 @@ def cost_units(
     between XLA:CPU and XLA:TPU (`Bytes.merged_input_grads`).
     """
     coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
+    coster.grouped = grouped_kernels(trace)
     coster.replicate_below = replicate_below
     coster.compiler = compiler
     whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
@@ -107,6 +109,9 @@ def cost_units(
 
 class _Coster(ConvCosts, KeyValueCosts, TableCosts):
     """Builds the `CostTable` of one `Proposal` (private: only `cost_units` uses it)."""
+
+    #: The kernels grouped convolutions read (`_grouped.grouped_kernels`): never replicated on a 2-D mesh.
+    grouped: frozenset[str] = frozenset()
 
     # -- units -----------------------------------------------------------------------
 
@@ -313,7 +318,16 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         if self.d > 1 and two_d_axes != tp_axes:
             two_d_wire = self._lora_traffic(by_path, two_d_axes, plus_wire(tp_wire, self.batch_axis, gathers))
             options.append(candidate("2-D", two_d_axes, two_d_state, two_d_wire))
-        notes = {path: self.proposal.notes[path] for path in tp_axes}
+        return self._offered(name, options, {p: self.proposal.notes[p] for p in tp_axes}, by_path)
+
+    def _offered(self, name: str, options: list[Candidate], notes: dict, paths: Mapping) -> UnitCosts:
+        """The unit and its candidates, replicated first; without it for a grouped conv's on a 2-D mesh.
+
+        With a grouped convolution's channels whole on each device XLA sums its kernel gradient
+        over the whole mesh (`_grouped`): no budget may take such a unit back to replicated.
+        """
+        if self.d > 1 and not self.grouped.isdisjoint(paths):
+            return UnitCosts(name, tuple(options[1:]), frozen(notes), proposed=0)
         return UnitCosts(name, tuple(options), frozen(notes), proposed=1)
 
     def _activation_traffic(self, kernels: list[keras.Variable], final: bool, wire: dict[str, float]) -> None:

@@ -4,7 +4,8 @@ A split starts at a projection's output features and is followed forward through
 every operation that keeps it whole on each device (element-wise operations,
 broadcasts, reshapes and transposes that keep the split dimension's blocks,
 reductions over other dimensions, dynamic slices and updates that keep it whole,
-einsums over it as a batch dimension, loops over a sequence: `_scan`) until every path
+einsums over it as a batch dimension, loops over a sequence: `_scan`, grouped and
+depthwise convolutions over the split channels: `_grouped`) until every path
 ends in a projection that sums over the split dimension. Operands met on the way are
 required to be split the same way, back through what computes them (a bias, a second
 projection as another column, a per-head reduction of other split values). The growth
@@ -16,11 +17,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
-from . import _scan
+from . import _grouped, _scan
 from ._scan import Fail as _Fail
-from ._trace import Trace
+from ._trace import Trace, _reshape_dim
 
 __all__ = ["ELEMENTWISE", "REDUCTIONS"]
 
@@ -224,6 +224,8 @@ class _Grower:
         elif name == "scan":
             positions = {p: dim for p, v in enumerate(node.inputs) if v == value}
             self.state.heads_dots += _scan.through_scan(self, node, positions, {})
+        elif name == _grouped.CONV:
+            _grouped.grouped_forward(self, node, value, dim)
         else:
             raise _Fail(f"{name} needs the whole dimension")
 
@@ -371,6 +373,8 @@ class _Grower:
         elif name == "scan":
             positions = {p: dim for p, v in enumerate(node.outputs) if v == value}
             self.state.heads_dots += _scan.through_scan(self, node, {}, positions)
+        elif name == _grouped.CONV:
+            _grouped.grouped_require(self, node, dim)
         else:
             raise _Fail(f"{name} feeds the split")
 
@@ -407,18 +411,6 @@ def _output_position(node, side: int, operand_dim: int, trace: Trace) -> int:
     if side == 0:
         return len(lhs_b) + lhs_free.index(operand_dim)
     return len(lhs_b) + len(lhs_free) + rhs_free.index(operand_dim)
-
-
-def _reshape_dim(before: tuple[int, ...], after: tuple[int, ...], dim: int, size: int) -> int | None:
-    """The dimension of `after` whose blocks over `size` devices hold the same elements as `dim`'s."""
-    prefix = math.prod(before[:dim])
-    for index in range(len(after)):
-        here = math.prod(after[:index])
-        if here > prefix:
-            return None
-        if here == prefix and after[index] != 1:
-            return index if after[index] % size == 0 and before[dim] % size == 0 else None
-    return None
 
 
 def _dynamic(trace: Trace) -> set[int]:

@@ -110,6 +110,11 @@ def row_bias(pair: str) -> str:
 
 def traced(kind: str, role: str, name: str) -> str:
     """The note of a weight in a unit found in the traced computation."""
+    if role == "grouped":
+        return (
+            f"grouped conv inside {name}: channels split with its input; each device convolves its own "
+            "channels, so XLA computes its kernel gradient right"
+        )
     if kind == "attention":
         if role == "row":
             return f"attention output: {name}, heads split on its input side; one all-reduce each way"
@@ -270,6 +275,13 @@ def conv_lone(kernel: str, axis: str) -> str:
     return (
         f"conv input channels split over {axis!r}, no unit: {kernel} convolves each device's slice of its "
         "input; its output all-reduced forward, its input gradient gathered backward"
+    )
+
+
+def conv_grouped_lone(kernel: str, axis: str) -> str:
+    return (
+        f"grouped conv, channels split over {axis!r}, no unit: {kernel}; XLA splits the values around it "
+        "alike and computes its kernel gradient right (its channels whole, XLA sums it over the whole mesh)"
     )
 
 

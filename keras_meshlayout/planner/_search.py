@@ -152,6 +152,8 @@ def search(table: CostTable, budget: int | None) -> tuple[int, ...]:
 def explain(unit: UnitCosts, index: int) -> str:
     """Why `unit` takes its candidate `index`, against keeping it replicated."""
     option, base = unit.candidates[index], unit.candidates[0]
+    if base.layout != "replicated":  # a grouped conv's unit on a 2-D mesh (`_costs`)
+        return f"{option.layout}: never replicated, which XLA trains wrongly (a grouped conv's channels)"
     saved = base.state - option.state
     added = option.total - base.total
     if option.layout == "replicated":

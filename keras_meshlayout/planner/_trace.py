@@ -463,3 +463,15 @@ def _fraction_read(jaxpr: Any) -> list[float]:
 
 def nbytes(shape: Sequence[int], dtype: str) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _reshape_dim(before: tuple[int, ...], after: tuple[int, ...], dim: int, size: int) -> int | None:
+    """The dimension of `after` whose blocks over `size` devices hold the same elements as `dim`'s."""
+    prefix = math.prod(before[:dim])
+    for index in range(len(after)):
+        here = math.prod(after[:index])
+        if here > prefix:
+            return None
+        if here == prefix and after[index] != 1:
+            return index if after[index] % size == 0 and before[dim] % size == 0 else None
+    return None
