@@ -95,6 +95,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_the_peak_follows_xla_tpu_where_its_temporaries_are_in_hbm",
         "test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent",  # one XLA:TPU compile each, 5-15 s
         "test_under_bfloat16_xla_tpu_moves_activations_in_bfloat16",
+        "test_fully_sharded_transformer_bytes_and_peak_follow_xla_tpu",  # a 2-layer Llama 3 compiled, each
     ),
     "test_mesh_choice.py": (
         "test_on_a_256_chip_v5e_the_choice_is_no_worse_than_brute_force",

@@ -8,6 +8,7 @@ formula says where it was measured); `nbytes`, a variable's bytes.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import keras
 import numpy as np
@@ -30,6 +31,8 @@ class BatchGathers:
     d: int
     m: int
     compiler: str
+    trace: Any
+    uses: Any
 
     def gathers_per_step(
         self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
@@ -53,14 +56,48 @@ class BatchGathers:
         on 2×4, 0.860–0.876 on 2×2: not yet predicted).
         `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
         HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a two-layer Dense MLP, 2 to 512
-        rows per device) gathers a kernel once whatever its size, in bfloat16 (`gathered_share`),
-        and keeps it for the backward pass: one all-gather (one `channel_id`) per kernel in the
-        HLO, which prints it in each fusion of the asynchronous collective (the three counted
-        before `parse_collectives` skipped those copies).
+        rows per device) gathers a kernel in bfloat16 (`gathered_share`) whatever its size: one
+        all-gather (one `channel_id`) per gather in the HLO, which prints it in each fusion of
+        the asynchronous collective (the three counted before `parse_collectives` skipped those
+        copies). It keeps the gathered kernel for the backward pass when the forward pass reads
+        it after its last product of two activations (attention's probabilities and values;
+        an MLP has none: every kernel kept), and gathers the others again for the backward pass
+        (`_kept_for_backward`).
         """
-        if self.compiler == "tpu":  # XLA:TPU: gathered once, kept for the backward pass
-            return 1
+        if self.compiler == "tpu":
+            return 1 if self._kept_for_backward(kernel) else 2
         return 2 if self._regathered(layer, kernel, gathered, side) else 1
+
+    def _kept_for_backward(self, kernel: keras.Variable) -> bool:
+        """Whether XLA:TPU keeps a kernel gathered over the batch axis from the forward pass to the backward one.
+
+        Kept when the forward pass first reads it after the last product of two trained activations
+        (a `dot_general` reading no weight: attention's scores or its probabilities times the
+        values), the kernels the backward pass reads first; the others are gathered again for
+        it. Measured with libtpu 0.0.42.1 on a 2-layer keras-hub Llama 3 under its output table,
+        fully sharded: on v5e 2×4 (`data=2,model=4`, `4×2`, `8×1`, 64 tokens of 8 rows) the
+        second layer's feed-forward kernels and the output table are gathered once, every other
+        kernel twice (over `data=8` also the second layer's attention output, 0.6% of the bytes,
+        not predicted); on v5p 4×4×4 at Llama-3 8 B widths (`data=8,model=8`, 2048 tokens a
+        row) the same, and the second layer's attention output kept.
+        """
+        reads = [use.node for use in self.uses.get(kernel.path, ()) if use.kind == "matmul"]
+        return not reads or min(reads) > self._last_activation_product()
+
+    def _last_activation_product(self) -> int:
+        """The index of the forward pass's last `dot_general` of two trained activations (-1: none)."""
+        if not hasattr(self, "_activation_product"):
+            weighted = {use.node for uses in self.uses.values() for use in uses}
+            trained = self.trace.trained
+            products = [
+                node.index
+                for node in self.trace.nodes
+                if node.primitive == "dot_general"
+                and node.index not in weighted
+                and all(value in trained for value in node.inputs)
+            ]
+            self._activation_product = max(products, default=-1)
+        return self._activation_product
 
     def _regathered(
         self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
