@@ -69,7 +69,7 @@ class BatchGathers:
         return 2 if self._regathered(layer, kernel, gathered, side) else 1
 
     def _kept_for_backward(self, kernel: keras.Variable) -> bool:
-        """Whether XLA:TPU keeps a kernel gathered over the batch axis from the forward pass to the backward one.
+        """Whether XLA:TPU keeps a kernel gathered over the batch axis for the backward pass too.
 
         Kept when the forward pass first reads it after the last product of two trained activations
         (a `dot_general` reading no weight: attention's scores or its probabilities times the
