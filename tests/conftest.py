@@ -96,6 +96,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent",  # one XLA:TPU compile each, 5-15 s
         "test_under_bfloat16_xla_tpu_moves_activations_in_bfloat16",
         "test_fully_sharded_transformer_bytes_and_peak_follow_xla_tpu",  # a 2-layer Llama 3 compiled, each
+        "test_a_windowed_reduce_scatter_is_counted_once_per_run_of_its_loop",  # an MLP at 16,384 rows
     ),
     "test_mesh_choice.py": (
         "test_on_a_256_chip_v5e_the_choice_is_no_worse_than_brute_force",
