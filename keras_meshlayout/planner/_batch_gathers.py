@@ -1,8 +1,9 @@
 """Kernels split over the batch axis (2-D and fully sharded layouts), gathered for their compute.
 
 `BatchGathers` is the part of `_candidates.Bytes` that says how often XLA all-gathers such a
-kernel in one step and what its input gradient sends, as XLA:CPU and XLA:TPU compile it (each
-formula says where it was measured); `nbytes`, a variable's bytes.
+kernel in one step, what its input gradient sends and, on XLA:TPU, when its gradient is
+reduce-scattered as a windowed einsum, as XLA:CPU and XLA:TPU compile it (each formula says
+where it was measured); `nbytes`, a variable's bytes.
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ class BatchGathers:
         if isinstance(layer, keras.layers.EinsumDense):
             return gathered > largest
         return gathered >= largest  # a Dense layer, or a custom layer's matmul
+
+    def two_d_gathers(self, variable: keras.Variable, shards: int, count: int, gathered: float) -> float:
+        """A kernel's `count` gathers of `gathered` bytes over the batch axis, plus `windowed_sync`."""
+        return count * wire_bytes("all-gather", gathered, self.d) + self.windowed_sync(variable, shards)
 
     def windowed_sync(self, variable: keras.Variable, shards: int) -> float:
         """What XLA:TPU's windowed reduce-scatter of a kernel's gradient sends beyond its all-reduce (<= 0).

@@ -220,7 +220,6 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                 side = self.side(variable.path, self.tp_axes[variable.path])
                 count = self.gathers_per_step(owner, variable, gathered, side) if side else 1
                 gathered *= self.gathered_share(variable)
-                gathers += self.windowed_sync(variable, shards)  # XLA:TPU: a windowed reduce-scatter
             elif self._splits_further(variable, axes):
                 # A column bias beside its 2-D kernel: its model-axis shards split again over the
                 # batch axis, gathered over it where read (measured on XLA:CPU, 2×4 and 4×2; XLA:TPU
@@ -231,7 +230,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                     count = 0 if self.compiler == "tpu" else count
             two_d_axes[variable.path] = spread
             if spread != axes:
-                gathers += count * wire_bytes("all-gather", gathered, self.d)
+                gathers += self.two_d_gathers(variable, shards, count, gathered)
                 two_d_state += self._state(variable, shards * self.d, variable.trainable)
             else:
                 two_d_state += self._state(variable, shards, variable.trainable)
