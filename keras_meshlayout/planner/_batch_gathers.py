@@ -1,8 +1,9 @@
 """Kernels split over the batch axis (2-D and fully sharded layouts), gathered for their compute.
 
 `BatchGathers` is the part of `_candidates.Bytes` that says how often XLA all-gathers such a
-kernel in one step and what its input gradient sends, as XLA:CPU and XLA:TPU compile it (each
-formula says where it was measured); `nbytes`, a variable's bytes.
+kernel in one step, what its input gradient sends and, on XLA:TPU, when its gradient is
+reduce-scattered as a windowed einsum, as XLA:CPU and XLA:TPU compile it (each formula says
+where it was measured); `nbytes`, a variable's bytes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import numpy as np
 from ..report._collectives import wire_bytes
 from ._trace import Trace, Use
 
-__all__ = ["BatchGathers", "nbytes"]
+__all__ = ["WINDOWED_ROWS", "WINDOWED_SIZES", "BatchGathers", "nbytes"]
+
+#: The rows (tokens) a projection contracts from which XLA:TPU reduce-scatters the gradient of its kernel
+#: split over a batch axis of `WINDOWED_SIZES` devices as a windowed einsum (`BatchGathers.windowed_sync`).
+WINDOWED_ROWS = 16384
+#: The batch-axis sizes where that was measured (2: never windowed; 16 and more: not measured).
+WINDOWED_SIZES = (4, 8)
 
 
 def nbytes(variable: keras.Variable) -> int:
@@ -26,8 +33,8 @@ def nbytes(variable: keras.Variable) -> int:
 
 class BatchGathers:
     """How kernels split over the batch axis are gathered: a mixin of `_candidates.Bytes`, whose
-    mesh sizes (`d`, `m`), `compiler`, trace (`trace`, `uses`, `calls`) and activation bytes
-    (`_activation`, `_summed`) it reads."""
+    mesh sizes (`d`, `m`), `compiler`, trace (`trace`, `uses`, `calls`), activation bytes
+    (`_activation`, `_summed`) and gradient all-reduce (`_grad_sync`) it reads."""
 
     d: int
     m: int
@@ -62,14 +69,48 @@ class BatchGathers:
         when counted once; `tests/test_batch_gathers.py`). Over 4 devices or more the rule above.
         `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
         HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a two-layer Dense MLP, 2 to 512
-        rows per device) gathers a kernel once whatever its size, in bfloat16 (`gathered_share`),
-        and keeps it for the backward pass: one all-gather (one `channel_id`) per kernel in the
-        HLO, which prints it in each fusion of the asynchronous collective (the three counted
-        before `parse_collectives` skipped those copies).
+        rows per device) gathers a kernel in bfloat16 (`gathered_share`) whatever its size: one
+        all-gather (one `channel_id`) per gather in the HLO, which prints it in each fusion of
+        the asynchronous collective (the three counted before `parse_collectives` skipped those
+        copies). It keeps the gathered kernel for the backward pass when the forward pass reads
+        it after its last product of two activations (attention's probabilities and values;
+        an MLP has none: every kernel kept), and gathers the others again for the backward pass
+        (`_kept_for_backward`).
         """
-        if self.compiler == "tpu":  # XLA:TPU: gathered once, kept for the backward pass
-            return 1
+        if self.compiler == "tpu":
+            return 1 if self._kept_for_backward(kernel) else 2
         return 2 if self._regathered(layer, kernel, gathered, side) else 1
+
+    def _kept_for_backward(self, kernel: keras.Variable) -> bool:
+        """Whether XLA:TPU keeps a kernel gathered over the batch axis for the backward pass too.
+
+        Kept when the forward pass first reads it after the last product of two trained activations
+        (a `dot_general` reading no weight: attention's scores or its probabilities times the
+        values), the kernels the backward pass reads first; the others are gathered again for
+        it. Measured with libtpu 0.0.42.1 on a 2-layer keras-hub Llama 3 under its output table,
+        fully sharded: on v5e 2×4 (`data=2,model=4`, `4×2`, `8×1`, 64 tokens of 8 rows) the
+        second layer's feed-forward kernels and the output table are gathered once, every other
+        kernel twice (over `data=8` also the second layer's attention output, 0.6% of the bytes,
+        not predicted); on v5p 4×4×4 at Llama-3 8 B widths (`data=8,model=8`, 2048 tokens a
+        row) the same, and the second layer's attention output kept.
+        """
+        reads = [use.node for use in self.uses.get(kernel.path, ()) if use.kind == "matmul"]
+        return not reads or min(reads) > self._last_activation_product()
+
+    def _last_activation_product(self) -> int:
+        """The index of the forward pass's last `dot_general` of two trained activations (-1: none)."""
+        if not hasattr(self, "_activation_product"):
+            weighted = {use.node for uses in self.uses.values() for use in uses}
+            trained = self.trace.trained
+            products = [
+                node.index
+                for node in self.trace.nodes
+                if node.primitive == "dot_general"
+                and node.index not in weighted
+                and all(value in trained for value in node.inputs)
+            ]
+            self._activation_product = max(products, default=-1)
+        return self._activation_product
 
     def _regathered(
         self, layer: keras.layers.Layer | None, kernel: keras.Variable, gathered: float, side: str
@@ -107,6 +148,33 @@ class BatchGathers:
                 values.extend(node.outputs)
         return False
 
+    def two_d_gathers(self, variable: keras.Variable, shards: int, count: int, gathered: float) -> float:
+        """A kernel's `count` gathers of `gathered` bytes over the batch axis, plus `windowed_sync`."""
+        return count * wire_bytes("all-gather", gathered, self.d) + self.windowed_sync(variable, shards)
+
+    def windowed_sync(self, variable: keras.Variable, shards: int) -> float:
+        """What XLA:TPU's windowed reduce-scatter of a kernel's gradient sends beyond its all-reduce (<= 0).
+
+        Over a batch axis of 4 or 8 devices, a kernel whose projection contracts `WINDOWED_ROWS`
+        rows or more (the batch's tokens) has its gradient reduce-scattered as a windowed einsum:
+        `d + 1` collective-permutes of its shard (a loop of 4 run twice and one before it over
+        `data=8`, 5 unrolled over `data=4`) in place of the all-reduce (`_grad_sync`) and the slice
+        of it. Measured with libtpu 0.0.42.1, Dense MLPs fully sharded on v5e 2×4 (`data=8`: 8,192
+        rows all-reduced, 16,384 and 32,768 windowed; `data=4`: 8,192 and 4,096 all-reduced, 16,384
+        and 65,536 windowed; `data=2`: all-reduced up to 131,072) and on v5p 4×4×4 `data=8,model=8`
+        (65,536 rows), and Llama-3 8 B widths there (131,072 tokens). Other sizes of the batch axis
+        are not measured and keep the all-reduce (`WINDOWED_SIZES`): on v5p 4×4×4 `data=32,model=2`
+        with three such units the compiled step sent 0.75 of what this formula predicted (3.86 of 5.16 GB).
+        """
+        if self.compiler != "tpu" or self.d not in WINDOWED_SIZES:
+            return 0.0
+        rows = max((math.prod(inputs[:-1]) for inputs, *_ in self.calls(variable.path)), default=0)
+        summed = self._grad_sync(variable, shards)
+        if rows < WINDOWED_ROWS or not summed:
+            return 0.0
+        gradient = summed * self.d / (2 * (self.d - 1))  # the summed gradient's bytes on one device
+        return gradient * (self.d + 1) / self.d - summed
+
     def gathered_share(self, variable: keras.Variable) -> float:
         """The share of a kernel's bytes an all-gather over the batch axis sends: on XLA:TPU a float32
         kernel is cast to bfloat16 before it is gathered (measured on v5e, see `gathers_per_step`)."""
@@ -142,14 +210,15 @@ class BatchGathers:
         gathers it once in bfloat16 (`gathers_per_step`), and, while XLA:CPU would gather it again,
         also gathers the output gradient (in bfloat16) and moves the input gradient (an all-to-all
         in float32): measured on v5e `data=8`, a Dense MLP, at 2, 8 and 32 rows per device, not at
-        128 or 512 (predicted 0.996–0.997 of the compiled bytes).
+        128 or 512 (predicted 0.996–0.997 of the compiled bytes); its gradient's all-reduce (counted
+        with the weight) is a windowed reduce-scatter from `WINDOWED_ROWS` rows (`windowed_sync`).
         """
         size, d = nbytes(kernel), self.d
         if self.compiler != "tpu":
             return wire_bytes("all-gather", size, d) + self._input_gradient(layer, kernel, use)
         share = self.gathered_share(kernel)
         count = self.gathers_per_step(layer, kernel, size, "whole")
-        wire = count * wire_bytes("all-gather", size * share, d)
+        wire = count * wire_bytes("all-gather", size * share, d) + self.windowed_sync(kernel, 1)
         if not self._regathered(layer, kernel, size, "whole"):
             return wire
         output = self._activation(use.output, use.dtype) * d * share

@@ -292,7 +292,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                     count = 0 if self.compiler == "tpu" else count
             two_d_axes[variable.path] = spread
             if spread != axes:
-                gathers += count * wire_bytes("all-gather", gathered, self.d)
+                gathers += self.two_d_gathers(variable, shards, count, gathered)
                 two_d_state += self._state(variable, shards * self.d, variable.trainable)
             else:
                 two_d_state += self._state(variable, shards, variable.trainable)

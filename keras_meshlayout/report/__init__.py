@@ -1,6 +1,7 @@
 """Reports: the compiled HLO's traffic, the communication report, terminal views.
 
 - `_collectives`: what a collective sends (the ring formulas), for the report and the planner.
+- `_loops`: how often each counted loop's body runs in compiled HLO text (XLA:TPU's windowed einsums).
 - `_hlo`: collectives read from compiled HLO text.
 - `_megascale`: what crosses slices in a multi-slice program (the megascale runtime's host
   transfers), read as collectives on the data-center network.

@@ -17,7 +17,9 @@ Three replica-group formats are understood:
   with sub-axes (`{'y':(2)2}`: the minor half of `y`).
 
 A collective inside a loop body or another computation appears once in the
-text, however often it runs. XLA:TPU's asynchronous collective fusions print one
+text, however often it runs: inside the body of a loop whose trip count the text
+gives (`_loops.loop_runs`: XLA:TPU's windowed einsums) it is listed once per run,
+elsewhere once. XLA:TPU's asynchronous collective fusions print one
 collective several times: a copy in the fusion that starts it (its root a
 `custom-call` to `AsyncCollectiveStart`), one in each fusion that computes while it
 moves, and one in the fusion that ends it (`AsyncCollectiveDone`), all with its
@@ -35,6 +37,7 @@ import numpy as np
 
 from ..core._errors import HloFormatError
 from ._collectives import wire_bytes
+from ._loops import COMPUTATION, loop_runs
 
 __all__ = ["Collective", "Payload", "parse_collectives", "wire_bytes"]
 
@@ -155,7 +158,8 @@ def parse_collectives(hlo_text: str, device_count: int) -> list[Collective]:
         The collectives; `-done` halves of asynchronous pairs are skipped, and so are
         the copies of a collective XLA:TPU prints in each fusion of one asynchronous
         collective (the same `channel_id`, kind, devices and arrays as an earlier
-        one). A collective inside a loop body is listed once, however often it runs.
+        one). A collective inside the body of a loop whose trip count the text gives
+        (`_loops.loop_runs`) is listed once per run; in other loops, once.
 
     Raises:
         HloFormatError: a `replica_groups` attribute in a format not understood, or
@@ -170,8 +174,12 @@ def parse_collectives(hlo_text: str, device_count: int) -> list[Collective]:
     """
     lines = hlo_text.splitlines()
     element_names = _tuple_element_op_names(lines)
-    found, seen = [], set()
+    runs = loop_runs(lines)
+    found, seen, computation = [], set(), ""
     for line in lines:
+        header = COMPUTATION.match(line)
+        if header:
+            computation = header["name"]
         match = _INSTRUCTION.match(line)
         if not match:
             continue
@@ -193,7 +201,7 @@ def parse_collectives(hlo_text: str, device_count: int) -> list[Collective]:
         if channel and key in seen:
             continue  # a copy in another fusion of one asynchronous collective (XLA:TPU)
         seen.add(key)
-        found.append(collective)
+        found.extend([collective] * runs.get(computation, 1))
     return found
 
 
