@@ -515,17 +515,11 @@ PRESET_CASES = {
     ),
 }
 
-PLAN_EACH_PRESET = """
-import contextlib, io, json, sys
-from keras_meshlayout.cli._main import main
-results = {}
-for name, preset, model in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(["plan", "--mesh", "data=2,model=4", "--model", model, "--preset", preset, "--json"])
-    results[name] = {"status": status, "stderr": err.getvalue(), "plan": json.loads(out.getvalue() or "null")}
-print(json.dumps(results))
-"""
+#: Each row's `plan` line, run with the module's batch (`lines`).
+PRESET_LINES = {
+    name: line("plan", "--mesh", "data=2,model=4", "--model", model, "--preset", preset, "--json")
+    for name, (preset, model, _) in PRESET_CASES.items()
+}
 
 
 def test_the_command_line_offers_exactly_the_registered_presets():
@@ -570,27 +564,16 @@ def test_a_preset_spelled_wrong_says_how_to_spell_it(spec, message):
     assert str(error.value).startswith(message), str(error.value)
 
 
-def test_every_registered_preset_plans_through_the_command_line(workdir):
+def test_every_registered_preset_plans_through_the_command_line(lines):
     from keras_meshlayout.planner import _presets
 
     assert set(PRESET_CASES) == set(_presets.PRESETS), "add a PRESET_CASES row for each registered preset"
-    cases = [[name, preset, model] for name, (preset, model, _) in PRESET_CASES.items()]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
-    env["PYTHONPATH"] = str(workdir)
-    result = subprocess.run(
-        [sys.executable, "-c", PLAN_EACH_PRESET, json.dumps(cases)],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    results = json.loads(result.stdout)
     for name, (_, _, expected) in PRESET_CASES.items():
-        outcome = results[name]
-        assert outcome["status"] == 0 and outcome["plan"]["valid"], (name, outcome["stderr"])
-        axes = {v["path"]: v["axes"] for v in outcome["plan"]["variables"]}
+        result = lines(*PRESET_LINES[name])
+        assert result.returncode == 0, (name, result.stderr)
+        plan = json.loads(result.stdout)
+        assert plan["valid"], (name, result.stderr)
+        axes = {v["path"]: v["axes"] for v in plan["variables"]}
         assert {path: axes.get(path) for path in expected} == expected, name
 
 
