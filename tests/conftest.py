@@ -102,9 +102,9 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_each_split_over_the_batch_axis_also_has_a_fully_sharded_plan_sending_what_xla_compiles",
         "test_on_a_v5e_2x4_a_budget_no_tensor_parallel_plan_fits_is_met_by_splitting_over_the_batch_axis_too",
     ),  # XLA:TPU compiles three 256-chip steps, plans nine splits over the target, each twice (7 s
-    # loaded); a tiny Mixtral planned on six 4-device splits and three fully sharded, by choose_mesh
-    # and alone (24 s loaded); three fully sharded steps compiled on 8 CPU devices (9 s); four on v5e
-    # 2x4 (6.5 s)
+    # loaded); a one-layer Mixtral planned on six 4-device splits and three fully sharded, by
+    # choose_mesh and alone (17 s at load 11, was 22 s at load 5 with two layers); three fully sharded
+    # steps compiled on 8 CPU devices (9 s); four on v5e 2x4 (6.5 s)
     "test_embeddings.py": (  # the tied table's plan and compile (one, shared), and its fit against one device
         "test_a_tied_table_is_vocab_parallel_without_a_budget",
         "test_a_tied_table_prediction_matches_the_compiled_step",
@@ -210,9 +210,37 @@ SLOW: dict[str, tuple[str, ...]] = {
 SLOW_FIXTURES = ("two_process_run", "full_disk")
 
 
+# The files that run longest, longest first (the whole file, measured with `--durations=0`;
+# CONTRIBUTING.md has the figures). Under `-n 2` each file runs whole in one process, and files
+# are handed out in collection order to whichever process is free (`--no-loadscope-reorder` in
+# pyproject.toml: xdist would otherwise hand out the files with the most tests first, and a file
+# of a few long tests, started last, would run alone at the end). These start first; the rest
+# follow in their usual order and fill in. tests/test_docs.py checks that every name exists.
+FIRST: tuple[str, ...] = (
+    "test_budget.py",
+    "test_zoo.py",
+    "test_resume.py",
+    "test_recipes.py",
+    "test_checkpoint_faults.py",
+    "test_multiprocess.py",
+    "test_hub.py",
+    "test_targets.py",
+    "test_cli.py",
+    "test_checkpoint_processes.py",
+    "test_adapters.py",
+    "test_convs.py",
+    "test_embeddings.py",
+    "test_experts.py",
+    "test_mesh_choice.py",
+    "test_recurrence.py",
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks the tests `SLOW` and `SLOW_FIXTURES` name as `slow`."""
+    """Runs the `FIRST` files first; marks the tests `SLOW` and `SLOW_FIXTURES` name as `slow`."""
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: in-file order kept
     for item in items:
         names = SLOW.get(item.path.name, ())
         uses = set(getattr(item, "fixturenames", ()))
