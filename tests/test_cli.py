@@ -181,8 +181,13 @@ def lines(saved) -> Callable[..., subprocess.CompletedProcess]:
     return result
 
 
-def test_devices_lists_emulated_devices_and_meshes(workdir):
-    result = cli("devices", "--json", cwd=workdir)
+#: The batch's first line, so that it starts JAX as a fresh `keras-meshlayout devices` would.
+DEVICES = line("devices", "--json")
+
+
+def test_devices_lists_emulated_devices_and_meshes(lines):
+    assert LINES[0] == DEVICES
+    result = lines(*DEVICES)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert [d["id"] for d in data["devices"]] == list(range(8))
