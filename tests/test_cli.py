@@ -3,8 +3,9 @@
 The command lines whose output is read as data (`LINES`: bad input, exit statuses, JSON plans,
 tracebacks) run in one fresh process for the module (the `lines` fixture): each line through
 `cli._main.main`, the function the entry point calls, with its own stdout, stderr and warning
-filters; one interpreter start rather than one per line. What depends on the process itself (the
-devices it starts JAX with, a pipe's width, a second call fed by the first) runs in its own.
+filters; one interpreter start rather than one per line. `devices --json` is its first line, so
+that it starts JAX as a fresh process does. What depends on the process itself (a pipe's width, a
+second call fed by the first, `--help` and `demo`'s refusal) runs in its own.
 """
 
 from __future__ import annotations
