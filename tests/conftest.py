@@ -217,10 +217,10 @@ SLOW_FIXTURES = ("two_process_run", "full_disk")
 # of a few long tests, started last, would run alone at the end). These start first; the rest
 # follow in their usual order and fill in. tests/test_docs.py checks that every name exists.
 FIRST: tuple[str, ...] = (
+    "test_zoo.py",  # 679 s at load 9 falling to 3
     "test_budget.py",  # 580 s at load 9 (about 3x idle)
     "test_resume.py",  # 447 s at load 8.6
     "test_recipes.py",  # 332 s at load 12.9; 9 tests, so xdist's default started it last
-    "test_zoo.py",
     "test_checkpoint_faults.py",
     "test_multiprocess.py",
     "test_hub.py",
