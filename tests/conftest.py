@@ -103,7 +103,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_on_a_v5e_2x4_a_budget_no_tensor_parallel_plan_fits_is_met_by_splitting_over_the_batch_axis_too",
     ),  # XLA:TPU compiles three 256-chip steps, plans nine splits over the target, each twice (7 s
     # loaded); a one-layer Mixtral planned on six 4-device splits and three fully sharded, by
-    # choose_mesh and alone (17 s at load 11, was 22 s at load 5 with two layers); three fully sharded
+    # choose_mesh and alone (4.9 s at load 2, 8.6 s with two layers); three fully sharded
     # steps compiled on 8 CPU devices (9 s); four on v5e 2x4 (6.5 s)
     "test_embeddings.py": (  # the tied table's plan and compile (one, shared), and its fit against one device
         "test_a_tied_table_is_vocab_parallel_without_a_budget",
