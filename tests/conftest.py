@@ -109,9 +109,9 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_on_a_v5e_2x4_a_budget_no_tensor_parallel_plan_fits_is_met_by_splitting_over_the_batch_axis_too",
         "test_on_two_slices_the_batch_axis_is_costed_over_the_dcn_and_the_choice_agrees_with_brute_force",
     ),  # XLA:TPU compiles three 256-chip steps, plans nine splits over the target, each twice (7 s
-    # loaded); a tiny Mixtral planned on six 4-device splits and three fully sharded, by choose_mesh
-    # and alone (24 s loaded); three fully sharded steps compiled on 8 CPU devices (9 s); four on v5e
-    # 2x4 (6.5 s)
+    # loaded); a one-layer Mixtral planned on six 4-device splits and three fully sharded, by
+    # choose_mesh and alone (4.9 s at load 2, 8.6 s with two layers); three fully sharded
+    # steps compiled on 8 CPU devices (9 s); four on v5e 2x4 (6.5 s)
     "test_embeddings.py": (  # the tied table's plan and compile (one, shared), and its fit against one device
         "test_a_tied_table_is_vocab_parallel_without_a_budget",
         "test_a_tied_table_prediction_matches_the_compiled_step",
@@ -222,9 +222,37 @@ SLOW: dict[str, tuple[str, ...]] = {
 SLOW_FIXTURES = ("two_process_run", "full_disk")
 
 
+# The files that run longest, longest first (the whole file, measured with `--durations=0`;
+# CONTRIBUTING.md has the figures). Under `-n 2` each file runs whole in one process, and files
+# are handed out in collection order to whichever process is free (`--no-loadscope-reorder` in
+# pyproject.toml: xdist would otherwise hand out the files with the most tests first, and a file
+# of a few long tests, started last, would run alone at the end). These start first; the rest
+# follow in their usual order and fill in. tests/test_docs.py checks that every name exists.
+FIRST: tuple[str, ...] = (
+    "test_zoo.py",  # 679 s at load 9 falling to 3
+    "test_budget.py",  # 580 s at load 9 (about 3x idle)
+    "test_resume.py",  # 447 s at load 8.6
+    "test_recipes.py",  # 332 s at load 12.9; 9 tests, so xdist's default started it last
+    "test_checkpoint_faults.py",
+    "test_multiprocess.py",
+    "test_hub.py",
+    "test_targets.py",  # 117 s at load 8.6
+    "test_checkpoint_processes.py",
+    "test_adapters.py",
+    "test_convs.py",
+    "test_embeddings.py",
+    "test_experts.py",
+    "test_cli.py",  # 63 s at load 8.8
+    "test_mesh_choice.py",  # 68 s at load 10.9
+    "test_recurrence.py",  # 50 s at load 9.2
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks the tests `SLOW` and `SLOW_FIXTURES` name as `slow`."""
+    """Runs the `FIRST` files first; marks the tests `SLOW` and `SLOW_FIXTURES` name as `slow`."""
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: in-file order kept
     for item in items:
         names = SLOW.get(item.path.name, ())
         uses = set(getattr(item, "fixturenames", ()))

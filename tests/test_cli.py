@@ -1,8 +1,11 @@
 """The `keras-meshlayout` command line, run as a user runs it: in a fresh process.
 
-A table of command lines (bad input, exit statuses) runs in one fresh process per table
-(`cli_in_batch`): each line through `cli._main.main`, the function the entry point calls, with
-its own stdout, stderr and warning filters; one interpreter start per table rather than per line.
+The command lines whose output is read as data (`LINES`: bad input, exit statuses, JSON plans,
+tracebacks) run in one fresh process for the module (the `lines` fixture): each line through
+`cli._main.main`, the function the entry point calls, with its own stdout, stderr and warning
+filters; one interpreter start rather than one per line. `devices --json` is its first line, so
+that it starts JAX as a fresh process does. What depends on the process itself (a pipe's width, a
+second call fed by the first, `--help` and `demo`'s refusal) runs in its own.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,6 +72,14 @@ RULES_PY = """
 RULES = [(r".*fc1/kernel", (None, "model")), (r".*fc1/bias", ("model",)), (r".*fc2/kernel", ("model", None))]
 """
 
+WEIRD_RULES = """
+class Rules:
+    def __iter__(self):
+        raise OSError("rules store unreachable")
+
+RULES = Rules()
+"""
+
 RULES_JSON = [[".*fc1/kernel", [None, "model"]], [".*fc1/bias", ["model"]], [".*fc2/kernel", ["model", None]]]
 
 
@@ -79,11 +91,14 @@ def workdir(tmp_path_factory) -> Path:
     (path / "rules.json").write_text(json.dumps(RULES_JSON))
     (path / "typo.json").write_text(json.dumps([*RULES_JSON, [".*fc3/kernel", [None, "model"]]]))
     (path / "broken.py").write_text("raise RuntimeError('this module fails as it is imported')\n")
+    (path / "rules_fn.py").write_text("def rules(model, mesh):\n    layers = {}\n    return layers['fc9']\n")
+    (path / "weird_rules.py").write_text(WEIRD_RULES)
     return path
 
 
 SAVE = """
 import keras, models
+models.mlp().save("mlp.keras")
 model = models.mlp()
 model.compile(optimizer="adam", loss="mse", metrics=["mae"])
 model.save("compiled.keras")
@@ -93,7 +108,7 @@ models.functional_mlp().save("functional.keras")
 
 @pytest.fixture(scope="module")
 def saved(workdir) -> Path:
-    """A Sequential saved after compile, and an uncompiled functional model."""
+    """A Sequential saved before and after compile, and an uncompiled functional model."""
     env = {**os.environ, "KERAS_BACKEND": "jax"}
     subprocess.run([sys.executable, "-c", SAVE], cwd=workdir, check=True, env=env, timeout=300)
     return workdir
@@ -137,26 +152,43 @@ with open(sys.argv[2], "w") as f:
     json.dump(results, f)
 """
 
-_BATCHES: dict[tuple, dict[tuple[str, ...], subprocess.CompletedProcess]] = {}
+#: Every command line the `lines` fixture runs, in this order, in one process; `line` adds one as
+#: the module's tables are built.
+LINES: list[tuple[str, ...]] = []
 
 
-def cli_in_batch(*args: str, cwd: Path, batch: list[list[str]]) -> subprocess.CompletedProcess:
-    """`cli(*args, cwd=cwd)`, run with every command line of `batch` in one fresh process (`BATCH`)."""
-    key = (cwd, tuple(map(tuple, batch)))
-    if key not in _BATCHES:
-        out = cwd / f"batch-{len(_BATCHES)}.json"
-        done = cli("-c", BATCH, json.dumps(batch), str(out), cwd=cwd, python=True)
-        assert done.returncode == 0, done.stderr[-4000:]
-        results = json.loads(out.read_text())
-        _BATCHES[key] = {
-            tuple(argv): subprocess.CompletedProcess(argv, status, stdout, stderr)
-            for argv, (status, stdout, stderr) in zip(batch, results, strict=True)
-        }
-    return _BATCHES[key][args]
+def line(*argv: str) -> tuple[str, ...]:
+    """`argv`, added to the module's batch (`LINES`); tests read its result with `lines(*argv)`."""
+    if argv not in LINES:
+        LINES.append(argv)
+    return argv
 
 
-def test_devices_lists_emulated_devices_and_meshes(workdir):
-    result = cli("devices", "--json", cwd=workdir)
+@pytest.fixture(scope="module")
+def lines(saved) -> Callable[..., subprocess.CompletedProcess]:
+    """Each of `LINES` run in one fresh process (`BATCH`, in `saved`'s directory); a look-up by argv."""
+    out = saved / "lines.json"
+    done = cli("-c", BATCH, json.dumps(LINES), str(out), cwd=saved, python=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = {
+        argv: subprocess.CompletedProcess(argv, status, stdout, stderr)
+        for argv, (status, stdout, stderr) in zip(LINES, json.loads(out.read_text()), strict=True)
+    }
+
+    def result(*argv: str) -> subprocess.CompletedProcess:
+        assert argv in results, f"{argv} is not in LINES: build it with line(...) at module level"
+        return results[argv]
+
+    return result
+
+
+#: The batch's first line, so that it starts JAX as a fresh `keras-meshlayout devices` would.
+DEVICES = line("devices", "--json")
+
+
+def test_devices_lists_emulated_devices_and_meshes(lines):
+    assert LINES[0] == DEVICES
+    result = lines(*DEVICES)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert [d["id"] for d in data["devices"]] == list(range(8))
@@ -183,13 +215,21 @@ def test_help(command, fragments, workdir):
         assert fragment in result.stdout
 
 
-@pytest.mark.parametrize(
-    "source",
-    [["--auto"], ["--preset", "mlp:fc1,fc2"], ["--rules", "rules.json"], ["--rules", "rules.py"]],
-    ids=["auto", "preset", "json-rules", "python-rules"],
-)
-def test_plan_is_valid(source, workdir):
-    result = cli("plan", "--mesh", "data=2,model=4", "--model", "models:mlp", *source, "--json", cwd=workdir)
+#: One plan of the MLP per way of giving rules.
+VALID = {
+    name: line("plan", "--mesh", "data=2,model=4", "--model", "models:mlp", *source, "--json")
+    for name, source in {
+        "auto": ["--auto"],
+        "preset": ["--preset", "mlp:fc1,fc2"],
+        "json-rules": ["--rules", "rules.json"],
+        "python-rules": ["--rules", "rules.py"],
+    }.items()
+}
+
+
+@pytest.mark.parametrize("source", VALID, ids=list(VALID))
+def test_plan_is_valid(source, lines):
+    result = lines(*VALID[source])
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["valid"] is True and plan["failure"] is None
@@ -199,17 +239,11 @@ def test_plan_is_valid(source, workdir):
     assert plan["memory_per_device"]["gradients"] == (32 * 256 + 256 + 256 * 128) + (128 + 128 * 10 + 10) * 4
 
 
-def test_plan_of_a_saved_model_with_optimizer_table(workdir):
-    saved = workdir / "mlp.keras"
-    script = "import models; models.mlp().save('mlp.keras')"
-    subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=workdir,
-        check=True,
-        env={**os.environ, "KERAS_BACKEND": "jax"},
-        timeout=300,
-    )
-    result = cli("plan", "--mesh", "2x4", "--model", str(saved), "--auto", "--optimizer", "adam", cwd=workdir)
+SAVED_TABLE = line("plan", "--mesh", "2x4", "--model", "mlp.keras", "--auto", "--optimizer", "adam")
+
+
+def test_plan_of_a_saved_model_with_optimizer_table(lines):
+    result = lines(*SAVED_TABLE)
     assert result.returncode == 0, result.stderr
     assert "column-parallel:" in result.stdout and "row-parallel:" in result.stdout
     assert "Training state per device" in result.stdout
@@ -241,27 +275,33 @@ EXIT_CASES = [
         ["more than the"],
     ),
 ]
+for case in EXIT_CASES:
+    line("plan", *case[0])
 EXIT_IDS = ["bad-mesh", "bad-function", "no-file", "bad-preset", "guard", "strict-typo", "capacity"]
 
 
 @pytest.mark.parametrize("args, status, fragments", EXIT_CASES, ids=EXIT_IDS)
-def test_plan_exit_status_and_one_clear_message(args, status, fragments, workdir):
-    result = cli_in_batch("plan", *args, cwd=workdir, batch=[["plan", *case[0]] for case in EXIT_CASES])
+def test_plan_exit_status_and_one_clear_message(args, status, fragments, lines):
+    result = lines("plan", *args)
     assert result.returncode == status, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in result.stderr
 
 
-def test_plan_within_a_memory_budget_prints_the_prediction(workdir):
-    common = ["--mesh", "2x4", "--model", "models:tokens", "--auto", "--optimizer", "adam", "--json"]
-    sizes = ["--batch-size", "16", "--sequence-length", "32"]
-    roomy = cli("plan", *common, *sizes, "--memory-budget", "1GB", cwd=workdir)
+BUDGETED = ("plan", "--mesh", "2x4", "--model", "models:tokens", "--auto", "--optimizer", "adam", "--json",
+            "--batch-size", "16", "--sequence-length", "32")  # fmt: skip
+ROOMY = line(*BUDGETED, "--memory-budget", "1GB")
+
+
+def test_plan_within_a_memory_budget_prints_the_prediction(lines, workdir):
+    """A roomy budget, then one a byte under its prediction (a second process, fed by the first)."""
+    roomy = lines(*ROOMY)
     assert roomy.returncode == 0, roomy.stderr
     roomy = json.loads(roomy.stdout)["predicted"]
     assert roomy["budget"] == 10**9 and roomy["wire_bytes_per_device"] > 0
     tight_budget = roomy["state_bytes_per_device"] + roomy["activation_bytes_per_device"] - 1
-    tight = cli("plan", *common, *sizes, "--memory-budget", str(tight_budget), cwd=workdir)
+    tight = cli(*BUDGETED, "--memory-budget", str(tight_budget), cwd=workdir)
     assert tight.returncode == 0, tight.stderr
     tight = json.loads(tight.stdout)
     assert tight["predicted"]["state_bytes_per_device"] < roomy["state_bytes_per_device"]
@@ -280,15 +320,14 @@ BUDGET_CASES = [
         "smallest plan",
     ),
 ]
+for case in BUDGET_CASES:
+    line("plan", "--mesh", "2x4", "--model", "models:tokens", *case[0])
 BUDGET_IDS = ["no-auto", "no-batch", "no-length", "too-small"]
 
 
 @pytest.mark.parametrize("args, status, fragment", BUDGET_CASES, ids=BUDGET_IDS)
-def test_plan_memory_budget_errors(args, status, fragment, workdir):
-    batch = [["plan", "--mesh", "2x4", "--model", "models:tokens", *case[0]] for case in BUDGET_CASES]
-    result = cli_in_batch(
-        "plan", "--mesh", "2x4", "--model", "models:tokens", *args, cwd=workdir, batch=batch
-    )
+def test_plan_memory_budget_errors(args, status, fragment, lines):
+    result = lines("plan", "--mesh", "2x4", "--model", "models:tokens", *args)
     assert result.returncode == status, (result.stdout, result.stderr)
     assert fragment in result.stderr and "Traceback" not in result.stderr
 
@@ -296,25 +335,24 @@ def test_plan_memory_budget_errors(args, status, fragment, workdir):
 # -- issue 13: every bad input is one line on stderr, exit 2; no traceback ---------------------
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["--model", "compiled.keras", "--auto", "--optimizer", "adam"],
-        ["--model", "functional.keras", "--auto"],
-        ["--model", "compiled.keras", "--rules", "rules.json"],
-        ["--model", "models:mlp", "--auto", "--batch-size", "16"],
-        ["--model", "models:mlp", "--auto", "--memory-budget", "1GB", "--batch-size", "16"],
-    ],
-    ids=[
-        "saved-after-compile",
-        "saved-functional-auto",
-        "saved-after-compile-rules",
-        "sequential-batch-size",
-        "sequential-budget",
-    ],
-)
-def test_plan_models_that_used_to_crash(args, saved):
-    result = cli("plan", "--mesh", "2x4", *args, "--json", cwd=saved)
+MLP_AUTO = ["--model", "models:mlp", "--auto"]
+#: Command lines that crashed before they were fixed.
+USED_TO_CRASH = {
+    name: line("plan", "--mesh", "2x4", *args, "--json")
+    for name, args in {
+        "saved-after-compile": ["--model", "compiled.keras", "--auto", "--optimizer", "adam"],
+        "saved-functional-auto": ["--model", "functional.keras", "--auto"],
+        "saved-after-compile-rules": ["--model", "compiled.keras", "--rules", "rules.json"],
+        "sequential-batch-size": [*MLP_AUTO, "--batch-size", "16"],
+        "sequential-budget": [*MLP_AUTO, "--memory-budget", "1GB", "--batch-size", "16"],
+    }.items()
+}
+
+
+@pytest.mark.parametrize("name", USED_TO_CRASH, ids=list(USED_TO_CRASH))
+def test_plan_models_that_used_to_crash(name, lines):
+    args = USED_TO_CRASH[name]
+    result = lines(*args)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     plan = json.loads(result.stdout)
@@ -368,6 +406,8 @@ BAD_INPUT_CASES = [
     ),
     (["--auto"], "error: keras-meshlayout plan: the following arguments are required: --model"),
 ]
+for case in BAD_INPUT_CASES:
+    line("plan", "--mesh", "2x4", *case[0])
 BAD_INPUT_IDS = [
     "unknown-optimizer",
     "builder-raises",
@@ -383,9 +423,8 @@ BAD_INPUT_IDS = [
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUT_CASES, ids=BAD_INPUT_IDS)
-def test_bad_input_is_one_line_and_exit_2(args, message, saved):
-    batch = [["plan", "--mesh", "2x4", *case[0]] for case in BAD_INPUT_CASES]
-    result = cli_in_batch("plan", "--mesh", "2x4", *args, cwd=saved, batch=batch)
+def test_bad_input_is_one_line_and_exit_2(args, message, lines):
+    result = lines("plan", "--mesh", "2x4", *args)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith(message), result.stderr
@@ -401,21 +440,15 @@ def test_demo_refuses_a_zero_batch(workdir):
     )
 
 
-@pytest.mark.parametrize("output", ["table", "json"])
-def test_strict_prints_an_unmatched_rule_once(output, workdir):
-    extra = ["--json"] if output == "json" else []
-    result = cli(
-        "plan",
-        "--mesh",
-        "2x4",
-        "--model",
-        "models:mlp",
-        "--rules",
-        "typo.json",
-        "--strict",
-        *extra,
-        cwd=workdir,
-    )
+STRICT = {
+    output: line("plan", "--mesh", "2x4", "--model", "models:mlp", "--rules", "typo.json", "--strict", *extra)
+    for output, extra in {"table": [], "json": ["--json"]}.items()
+}
+
+
+@pytest.mark.parametrize("output", STRICT)
+def test_strict_prints_an_unmatched_rule_once(output, lines):
+    result = lines(*STRICT[output])
     assert result.returncode == 1, result.stderr
     assert result.stderr == "plan fails: 1 warning(s) with --strict\n"
     if output == "json":
@@ -425,44 +458,39 @@ def test_strict_prints_an_unmatched_rule_once(output, workdir):
         assert result.stdout.count("'.*fc3/kernel'") == 1, result.stdout
 
 
-@pytest.mark.parametrize(
-    "args, where",
-    [
-        (["--model", "models:boom"], 'models.py", line'),
-        (["--model", "models:mlp", "--rules", "rules_fn.py"], 'rules_fn.py", line 3, in rules'),
-    ],
-    ids=["builder", "rules-function"],
-)
-def test_user_code_that_raises_shows_its_traceback_on_request(args, where, workdir):
-    (workdir / "rules_fn.py").write_text(
-        "def rules(model, mesh):\n    layers = {}\n    return layers['fc9']\n"
-    )
-    short = cli("plan", "--mesh", "2x4", *args, cwd=workdir)
+#: The user's builder or rules function that raises (`rules_fn.py`, written by `workdir`), and where
+#: its traceback must point.
+USER_CODE = {
+    "builder": (["--model", "models:boom"], 'models.py", line'),
+    "rules-function": (["--model", "models:mlp", "--rules", "rules_fn.py"], 'rules_fn.py", line 3, in rules'),
+}
+for args, _ in USER_CODE.values():
+    line("plan", "--mesh", "2x4", *args)
+    line("--traceback", "plan", "--mesh", "2x4", *args)
+
+
+@pytest.mark.parametrize("name", USER_CODE, ids=list(USER_CODE))
+def test_user_code_that_raises_shows_its_traceback_on_request(name, lines):
+    args, where = USER_CODE[name]
+    short = lines("plan", "--mesh", "2x4", *args)
     assert short.returncode == 2 and len(short.stderr.splitlines()) == 1, short.stderr
     assert short.stderr.endswith("(rerun with --traceback to see where)\n")
-    long = cli("--traceback", "plan", "--mesh", "2x4", *args, cwd=workdir)
+    long = lines("--traceback", "plan", "--mesh", "2x4", *args)
     assert long.returncode == 2
     assert long.stderr.startswith("Traceback") and where in long.stderr
     assert long.stderr.splitlines()[-1] == short.stderr.strip()
 
 
-WEIRD_RULES = """
-class Rules:
-    def __iter__(self):
-        raise OSError("rules store unreachable")
-
-RULES = Rules()
-"""
+WEIRD = line("plan", "--mesh", "2x4", "--model", "models:mlp", "--rules", "weird_rules.py")
+line("--traceback", *WEIRD)
 
 
-def test_an_unexpected_error_is_one_line_unless_traceback_is_asked(workdir):
+def test_an_unexpected_error_is_one_line_unless_traceback_is_asked(lines):
     """Anything the command line does not anticipate is still one line, exit 2; --traceback shows it."""
-    (workdir / "weird_rules.py").write_text(WEIRD_RULES)
-    args = ["plan", "--mesh", "2x4", "--model", "models:mlp", "--rules", "weird_rules.py"]
-    short = cli(*args, cwd=workdir)
+    short = lines(*WEIRD)
     assert short.returncode == 2, short.stderr
     assert short.stderr == "error: OSError: rules store unreachable (rerun with --traceback for details)\n"
-    long = cli("--traceback", *args, cwd=workdir)
+    long = lines("--traceback", *WEIRD)
     assert long.returncode == 1 and long.stderr.startswith("Traceback")
     assert 'weird_rules.py", line 4, in __iter__' in long.stderr
 
@@ -493,17 +521,11 @@ PRESET_CASES = {
     ),
 }
 
-PLAN_EACH_PRESET = """
-import contextlib, io, json, sys
-from keras_meshlayout.cli._main import main
-results = {}
-for name, preset, model in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(["plan", "--mesh", "data=2,model=4", "--model", model, "--preset", preset, "--json"])
-    results[name] = {"status": status, "stderr": err.getvalue(), "plan": json.loads(out.getvalue() or "null")}
-print(json.dumps(results))
-"""
+#: Each row's `plan` line, run with the module's batch (`lines`).
+PRESET_LINES = {
+    name: line("plan", "--mesh", "data=2,model=4", "--model", model, "--preset", preset, "--json")
+    for name, (preset, model, _) in PRESET_CASES.items()
+}
 
 
 def test_the_command_line_offers_exactly_the_registered_presets():
@@ -548,27 +570,16 @@ def test_a_preset_spelled_wrong_says_how_to_spell_it(spec, message):
     assert str(error.value).startswith(message), str(error.value)
 
 
-def test_every_registered_preset_plans_through_the_command_line(workdir):
+def test_every_registered_preset_plans_through_the_command_line(lines):
     from keras_meshlayout.planner import _presets
 
     assert set(PRESET_CASES) == set(_presets.PRESETS), "add a PRESET_CASES row for each registered preset"
-    cases = [[name, preset, model] for name, (preset, model, _) in PRESET_CASES.items()]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
-    env["PYTHONPATH"] = str(workdir)
-    result = subprocess.run(
-        [sys.executable, "-c", PLAN_EACH_PRESET, json.dumps(cases)],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    results = json.loads(result.stdout)
     for name, (_, _, expected) in PRESET_CASES.items():
-        outcome = results[name]
-        assert outcome["status"] == 0 and outcome["plan"]["valid"], (name, outcome["stderr"])
-        axes = {v["path"]: v["axes"] for v in outcome["plan"]["variables"]}
+        result = lines(*PRESET_LINES[name])
+        assert result.returncode == 0, (name, result.stderr)
+        plan = json.loads(result.stdout)
+        assert plan["valid"], (name, result.stderr)
+        axes = {v["path"]: v["axes"] for v in plan["variables"]}
         assert {path: axes.get(path) for path in expected} == expected, name
 
 
@@ -601,20 +612,26 @@ def test_piped_output_keeps_every_row_whole_and_names_the_optimizer_as_the_readm
     assert not any("adam_1" in path for path in paths)
 
 
-def test_a_mesh_that_does_not_fit_says_how_to_on_the_command_line(workdir):
-    result = cli("plan", "--mesh", "data=4,model=4", "--model", "models:mlp", cwd=workdir)
+TOO_LARGE = line("plan", "--mesh", "data=4,model=4", "--model", "models:mlp")
+
+
+def test_a_mesh_that_does_not_fit_says_how_to_on_the_command_line(lines):
+    result = lines(*TOO_LARGE)
     assert result.returncode == 2
     assert "plan on that many emulated CPU devices with --emulate-devices N (now 8)" in result.stderr
     assert "devices=" not in result.stderr  # a Python argument, not the command line's
 
 
-def test_plan_for_a_tpu_target_compiles_the_step_and_reports_it_as_json(workdir):
+ON_TARGET = line(
+    *("plan", "--mesh", "data=2,model=4", "--target", "tpu-v5e:2x4", "--model", "models:mlp", "--auto"),
+    *("--optimizer", "adam", "--compile", "--batch-size", "16", "--json"),
+)
+OFF_TARGET = line("plan", "--mesh", "data=2,model=2", "--target", "tpu-v5e:2x4", "--model", "models:mlp")
+
+
+def test_plan_for_a_tpu_target_compiles_the_step_and_reports_it_as_json(lines):
     """Issue 21: `--target` lays the mesh over a TPU v5e's chips; `--compile` adds XLA:TPU's figures."""
-    result = cli(
-        *("plan", "--mesh", "data=2,model=4", "--target", "tpu-v5e:2x4", "--model", "models:mlp", "--auto"),
-        *("--optimizer", "adam", "--compile", "--batch-size", "16", "--json"),
-        cwd=workdir,
-    )
+    result = lines(*ON_TARGET)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["target"]["chips"] == 8 and data["target"]["hbm_bytes"] == 16 * 2**30
@@ -630,21 +647,25 @@ def test_plan_for_a_tpu_target_compiles_the_step_and_reports_it_as_json(workdir)
     assert compiled["wire_bytes_by_axis"]["model"] == pytest.approx(
         data["predicted"]["wire_bytes_by_axis"]["model"], rel=0.02
     )
-    wrong = cli(
-        "plan", "--mesh", "data=2,model=2", "--target", "tpu-v5e:2x4", "--model", "models:mlp", cwd=workdir
-    )
+    wrong = lines(*OFF_TARGET)
     assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1
     assert "does not fit target tpu-v5e:2x4" in wrong.stderr and "Valid forms: tpu-v5e:RxC" in wrong.stderr
 
 
-def test_plan_mesh_auto_on_a_v5e_16x16_lists_the_alternatives_and_plans_the_best(workdir):
+AUTO = line(
+    *("plan", "--mesh", "auto", "--target", "tpu-v5e:16x16", "--model", "models:mlp"),
+    *("--optimizer", "adam", "--batch-size", "256", "--json"),
+)
+AUTO_NO_BATCH = line("plan", "--mesh", "auto", "--model", "models:mlp")
+AUTO_TIGHT = line(
+    "plan", "--mesh", "auto", "--model", "models:mlp", "--batch-size", "8", "--memory-budget", "1KB"
+)
+
+
+def test_plan_mesh_auto_on_a_v5e_16x16_lists_the_alternatives_and_plans_the_best(lines):
     """Issue 21: `--mesh auto` ranks the 9 splits of 256 chips, each with data ≥ 2 also fully sharded
     (`"fsdp": true`), and plans the first; bad input is one line."""
-    result = cli(
-        *("plan", "--mesh", "auto", "--target", "tpu-v5e:16x16", "--model", "models:mlp"),
-        *("--optimizer", "adam", "--batch-size", "256", "--json"),
-        cwd=workdir,
-    )
+    result = lines(*AUTO)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     alternatives = data["alternatives"]
@@ -661,11 +682,8 @@ def test_plan_mesh_auto_on_a_v5e_16x16_lists_the_alternatives_and_plans_the_best
         times == sorted(times)
         and data["predicted"]["wire_bytes_per_device"] == alternatives[0]["wire_bytes_per_device"]
     )
-    missing = cli("plan", "--mesh", "auto", "--model", "models:mlp", cwd=workdir)
+    missing = lines(*AUTO_NO_BATCH)
     assert missing.returncode == 2 and missing.stderr.startswith("error: --mesh auto needs --batch-size")
-    tight = cli(
-        *("plan", "--mesh", "auto", "--model", "models:mlp", "--batch-size", "8", "--memory-budget", "1KB"),
-        cwd=workdir,
-    )
+    tight = lines(*AUTO_TIGHT)
     assert tight.returncode == 1 and len(tight.stderr.strip().splitlines()) == 1
     assert "no data × model split of 8 devices fits" in tight.stderr and "Fix:" in tight.stderr

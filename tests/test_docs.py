@@ -169,6 +169,13 @@ def test_every_slow_entry_names_an_existing_test():
     assert missing == [], "tests/conftest.py SLOW names tests that do not exist"
 
 
+def test_every_file_run_first_exists_once():
+    """A renamed file in `FIRST` would silently start last again."""
+    first = _conftest().FIRST
+    assert len(set(first)) == len(first)
+    assert [name for name in first if not (ROOT / "tests" / name).is_file()] == []
+
+
 def test_slow_tests_are_marked(request):
     """Every selected test that `SLOW` lists carries the marker; this one does not."""
     slow = _conftest().SLOW
