@@ -1,22 +1,27 @@
 """What XLA fuses into its readers instead of writing out: the values of a traced step that are not buffers.
 
 The peak walk (`_liveness.transient_peak`) counts a value as a buffer unless one of these
-rules fuses it. XLA:CPU (`fused`) fuses a cast, broadcast or reshape into element-wise and
+rules fuses it. `fused` fuses a cast, broadcast or reshape into element-wise and
 reduction readers, any other element-wise result into its one reader, and a function of the
-weights alone into the projections that read it. XLA:TPU (`fused_on_tpu`, `laid_out`) also
-computes element-wise operands inside matmuls, duplicates cheap ones into every reader, and
-writes a result read only by a transpose in the transposed layout. Each rule is measured
+weights alone into the projections that read it. XLA:CPU (`cpu_fusion`) also recomputes a cheap
+element-wise result in every element-wise or reduction reader, writing it only for the others
+(its inputs then live to its last reader), and computes a large float reduction in a library
+kernel (YNNPACK) that fuses its operand's element-wise chain but reads broadcasts as buffers.
+XLA:TPU (`fused_on_tpu`, `laid_out`) also computes element-wise operands inside matmuls,
+duplicates cheap ones into every reader, and writes a result read only by a transpose in the
+transposed layout. Each rule is measured
 against the compiler's buffer assignment (`XLA_FLAGS=--xla_dump_to=DIR`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 
-from ._propagate import REDUCTIONS
+from ._propagate import REDUCTIONS, itemsize
 from ._trace import Node, Trace
 
-__all__ = ["ELEMENTWISE", "fused", "fused_on_tpu", "laid_out"]
+__all__ = ["ELEMENTWISE", "CpuFusion", "cpu_fusion", "fused", "fused_on_tpu", "laid_out"]
 
 
 #: Operations XLA fuses into their readers: element-wise arithmetic, casts, broadcasts, reshapes.
@@ -35,6 +40,19 @@ _CHEAP = frozenset(
 _EXPENSIVE = frozenset(
     """atan2 cbrt cos cosh div erf erf_inv erfc exp exp2 expm1 lgamma log log1p logistic pow rem rsqrt
     sin sinh sqrt tan tanh""".split()
+)
+#: Reductions XLA:CPU hands to its library (YNNPACK) when their operand is large: float sums, maxima, minima.
+_LIBRARY_REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min"))
+#: Elements (per device) from which XLA:CPU computes such a reduction in the library.
+_LIBRARY_ELEMENTS = 32 * 1024
+#: Operand producers that keep a reduction out of the library (XLA:CPU computes it in a loop).
+_LOOP_REDUCED = frozenset(
+    "mul broadcast_in_dim convert_element_type reshape squeeze expand_dims slice concatenate".split()
+)
+#: Element-wise operations the library fuses into a reduction: arithmetic, not layout, casts or selections.
+_LIBRARY_ELEMENTWISE = ELEMENTWISE - frozenset(
+    """broadcast_in_dim convert_element_type reshape squeeze expand_dims transpose iota copy copy_p select_n
+    eq ne lt le gt ge and or not xor clamp is_finite stop_gradient reduce_precision""".split()
 )
 #: Operations that update their first operand in place: XLA writes the result into that buffer.
 _IN_PLACE = frozenset("scatter scatter-add scatter-mul scatter-min scatter-max dynamic_update_slice".split())
@@ -141,3 +159,98 @@ def _updated_only(trace: Trace, value: int, readers: Sequence[int]) -> bool:
 
 def _fusing(primitive: str) -> bool:
     return primitive in ELEMENTWISE or primitive in REDUCTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuFusion:
+    """What XLA:CPU fuses in one traced step, under one set of layouts (`cpu_fusion`).
+
+    Attributes:
+        recomputed: Per element-wise value, the nodes reading it that compute it again from its
+            inputs (a fused value's every reader; a duplicated one's element-wise readers).
+        written: The values among those still written out, as a buffer for their other readers.
+        broadcasts: Per library reduction's node, the values whose shape a literal operand of its
+            fused chain is broadcast to: a buffer of that shape, read there.
+    """
+
+    recomputed: Mapping[int, frozenset[int]]
+    written: frozenset[int]
+    broadcasts: Mapping[int, tuple[int, ...]]
+
+    @property
+    def fused(self) -> frozenset[int]:
+        """The values never written out: every reader computes them."""
+        return frozenset(self.recomputed) - self.written
+
+
+def cpu_fusion(trace: Trace, sizes: Mapping[int, int]) -> CpuFusion:
+    """What XLA:CPU fuses in `trace`, each value's bytes per device being `sizes[value]`.
+
+    As `fused`, and two rules measured on a convnet whose channels are split over 'model'
+    (2x4, XLA:CPU's buffer assignment): a cheap element-wise result (not `_EXPENSIVE`) is
+    recomputed in each element-wise or reduction reader, and written out only when another
+    reader (a convolution, a matmul, a library reduction) needs it: the bias add after a
+    convolution is recomputed in the backward pass from the convolution's output, which stays
+    live until then. And a large float reduction (`_library_reductions`) fuses the element-wise
+    chain read by it alone, but reads every other operand of that chain as a buffer: the
+    bias add read also by the backward pass, and the relu's zeros broadcast to its full shape.
+    """
+    reductions, chains, broadcasts = _library_reductions(trace, sizes)
+    library = reductions | {trace.producer[value] for value in chains}
+    base = fused(trace)
+    recomputed: dict[int, frozenset[int]] = {}
+    written = set()
+    for node, value, readers, primitives in _elementwise_reads(trace):
+        if value in chains or (value in base and library.isdisjoint(readers)):
+            recomputed[value] = frozenset(readers)
+        elif node.primitive not in _EXPENSIVE:
+            fusing = {r for r, p in zip(readers, primitives, strict=True) if _fusing(p) and r not in library}
+            if fusing:
+                recomputed[value] = frozenset(fusing)
+                if fusing != set(readers):
+                    written.add(value)
+    return CpuFusion(recomputed, frozenset(written), broadcasts)
+
+
+def _library_reductions(
+    trace: Trace, sizes: Mapping[int, int]
+) -> tuple[set[int], dict[int, int], dict[int, tuple[int, ...]]]:
+    """XLA:CPU's library reductions: `(nodes, {value fused into one: its node}, {node: broadcast values})`.
+
+    A float32 `reduce_sum`, `reduce_max` or `reduce_min` of at least `_LIBRARY_ELEMENTS` elements
+    per device, whose operand is not a product, cast, broadcast or reshape (`_LOOP_REDUCED`), is
+    computed by YNNPACK. It fuses the element-wise arithmetic (`_LIBRARY_ELEMENTWISE`) its operand
+    is computed by, through values it alone reads; any other value that chain reads is a buffer,
+    and a literal operand is broadcast to the shape it meets, a buffer too.
+    """
+    reductions: set[int] = set()
+    chains: dict[int, int] = {}
+    broadcasts: dict[int, tuple[int, ...]] = {}
+    outputs = set(trace.outputs)
+    for node in trace.nodes:
+        operand = node.inputs[0] if node.inputs else -1
+        if node.primitive not in _LIBRARY_REDUCTIONS or operand < 0:
+            continue
+        if {trace.dtypes[operand], trace.dtypes[node.outputs[0]]} != {"float32"}:
+            continue
+        producer = trace.producer.get(operand)
+        if sizes[operand] // itemsize("float32") < _LIBRARY_ELEMENTS or (
+            producer is not None and trace.nodes[producer].primitive in _LOOP_REDUCED
+        ):
+            continue
+        reductions.add(node.index)
+        shapes: list[int] = []
+        pending = [operand]
+        while pending:
+            value = pending.pop()
+            writer = trace.producer.get(value)
+            if writer is None or value in outputs or len(set(trace.consumers.get(value, ()))) != 1:
+                continue
+            if trace.nodes[writer].primitive not in _LIBRARY_ELEMENTWISE:
+                continue
+            chains[value] = node.index
+            shapes += [value] * sum(1 for v in trace.nodes[writer].inputs if v < 0 and trace.shapes[value])
+            pending.extend(v for v in trace.nodes[writer].inputs if v >= 0)
+        if shapes:
+            broadcasts[node.index] = tuple(shapes)
+    return reductions, chains, broadcasts
