@@ -44,12 +44,11 @@ def transient_peak(
     sizes = {value: specs.bytes(value) for value in trace.shapes}
     if held:
         fusion = cpu_fusion(trace, sizes)
-        not_written, recomputed = set(fusion.fused), fusion.recomputed
-        for when, values in fusion.broadcasts.items():  # a literal broadcast the library reads
-            _add(specs.scratch, when, sum(sizes[value] for value in values))
+        not_written, recomputed, broadcasts = set(fusion.fused), fusion.recomputed, fusion.broadcasts
     else:
         not_written = fused(trace) | laid_out(trace) | fused_on_tpu(trace)
         recomputed = {value: frozenset(trace.consumers.get(value, ())) for value in not_written}
+        broadcasts = ()
     last = _last_reads(trace, recomputed)
     end = len(trace.nodes)
     for value in trace.outputs:
@@ -62,6 +61,9 @@ def transient_peak(
     for value in buffers:
         _add(starts, written[value], sizes[value])
         _add(frees, last.get(value, written[value]), sizes[value])
+    for first, final, value in broadcasts:  # operands broadcast for a library reduction
+        _add(starts, first, sizes[value])
+        _add(frees, final, sizes[value])
     for value, (first, final) in specs.gathered.items():
         _add(starts, first, specs.bytes(value))
         _add(frees, final, specs.bytes(value))
