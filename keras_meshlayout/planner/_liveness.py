@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 from ..core._axes import Axes
 from . import _tpu_memory
-from ._fusion import ELEMENTWISE, cpu_fusion, fused, fused_on_tpu, laid_out
+from ._fusion import ELEMENTWISE, fused, fused_on_tpu, laid_out
 from ._propagate import Specs, itemsize
 from ._trace import Trace
 
@@ -44,14 +44,8 @@ def transient_peak(
     held = compiler != "tpu"
     specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after, gathered=gathered)
     sizes = {value: specs.bytes(value) for value in trace.shapes}
-    if held:
-        fusion = cpu_fusion(trace, sizes)
-        not_written, recomputed, broadcasts = set(fusion.fused), fusion.recomputed, fusion.broadcasts
-    else:
-        not_written = fused(trace) | laid_out(trace) | fused_on_tpu(trace)
-        recomputed = {value: frozenset(trace.consumers.get(value, ())) for value in not_written}
-        broadcasts = ()
-    last = _last_reads(trace, recomputed)
+    not_written = fused(trace) | (laid_out(trace) | fused_on_tpu(trace) if not held else set())
+    last = _last_reads(trace, not_written)
     end = len(trace.nodes)
     for value in trace.outputs:
         if value >= 0 and held:
@@ -63,9 +57,6 @@ def transient_peak(
     for value in buffers:
         _add(starts, written[value], sizes[value])
         _add(frees, last.get(value, written[value]), sizes[value])
-    for first, final, value in broadcasts:  # operands broadcast for a library reduction
-        _add(starts, first, sizes[value])
-        _add(frees, final, sizes[value])
     for value, (first, final) in specs.gathered.items():
         _add(starts, first, specs.bytes(value))
         _add(frees, final, specs.bytes(value))
@@ -135,21 +126,15 @@ def _sweep(starts: Mapping[int, int], frees: Mapping[int, int], end: int) -> int
     return peak
 
 
-def _last_reads(trace: Trace, recomputed: Mapping[int, frozenset[int]]) -> dict[int, int]:
-    """Per value, the last node that reads its buffer.
-
-    A node that recomputes a value (`recomputed[value]`: a fused value's readers) reads that
-    value's inputs instead, as late as the value is last computed.
-    """
+def _last_reads(trace: Trace, fused_values: set[int]) -> dict[int, int]:
+    """Per value, the last node that reads it, where reading a fused value reads its inputs too."""
     last: dict[int, int] = {}
-    computed: dict[int, int] = {}  # per recomputed value, the last node that computes it
     for node in reversed(trace.nodes):
-        when = max((computed.get(v, node.index) for v in node.outputs), default=node.index)
+        when = max((last.get(v, node.index) for v in node.outputs if v in fused_values), default=node.index)
         when = max(when, node.index)
         for value in node.inputs:
-            reads = computed if node.index in recomputed.get(value, ()) else last
-            if value >= 0 and reads.get(value, -1) < when:
-                reads[value] = when
+            if value >= 0 and last.get(value, -1) < when:
+                last[value] = when
     return last
 
 
