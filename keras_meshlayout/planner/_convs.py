@@ -45,7 +45,7 @@ import keras
 
 from .. import _compat
 from . import _notes
-from ._grouped import CONV, conv_kernel, grouped_forward
+from ._grouped import CONV, conv_kernel, grouped_forward, kernel_at
 from ._grower import _dynamic, _Fail, _Grower
 from ._ledger import Ledger, Setting
 from ._trace import Trace
@@ -67,13 +67,7 @@ class _ConvGrower(_Grower):
     """`find_units`' grower, which also carries a channel split through convolutions."""
 
     def kernel(self, node, dim: int) -> tuple[str, int]:
-        found = conv_kernel(self.trace, node.inputs[1], dim, self.m)
-        if found is None or self.trace.weight_of(node.inputs[0]) is not None:
-            raise _Fail("not a convolution of an activation by a kernel")
-        path, kernel_dim, passed = found
-        self.state.visited.update(passed)
-        self.state.visited.add(node.index)
-        return path, kernel_dim
+        return kernel_at(self, node, dim)
 
     def seed_conv(self, node) -> None:
         """Starts a unit at a convolution of one feature group: its output channels split."""

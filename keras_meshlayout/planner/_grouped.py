@@ -61,9 +61,9 @@ def conv_kernel(trace: Trace, value: int, dim: int, size: int) -> tuple[str, int
     return trace.variables[value], dim, tuple(passed)
 
 
-def _kernel(grower: Any, node: Any) -> tuple[str, int]:
-    """The grouped kernel's path and its output-channel dimension; the nodes it passed, visited."""
-    found = conv_kernel(grower.trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[0], grower.m)
+def kernel_at(grower: Any, node: Any, dim: int) -> tuple[str, int]:
+    """A convolution's kernel path and the dimension its `dim` is there; the nodes it passed, visited."""
+    found = conv_kernel(grower.trace, node.inputs[1], dim, grower.m)
     if found is None or grower.trace.weight_of(node.inputs[0]) is not None:
         raise Fail("not a convolution of an activation by a kernel")
     path, kernel_dim, passed = found
@@ -88,7 +88,7 @@ def grouped_forward(grower: Any, node: Any, value: int, dim: int) -> None:
     if value != node.inputs[0] or dim != numbers.lhs_spec[1]:
         raise Fail("a convolution over the split dimension")
     _groups(node, grower.m)
-    path, kernel_dim = _kernel(grower, node)
+    path, kernel_dim = kernel_at(grower, node, node.params["dimension_numbers"].rhs_spec[0])
     grower.member(path, kernel_dim, "grouped")
     grower.set_split(node.outputs[0], numbers.out_spec[1])
 
@@ -99,7 +99,7 @@ def grouped_require(grower: Any, node: Any, dim: int) -> None:
     if dim != numbers.out_spec[1]:
         raise Fail("a convolution's output split on another dimension")
     _groups(node, grower.m)
-    path, kernel_dim = _kernel(grower, node)
+    path, kernel_dim = kernel_at(grower, node, node.params["dimension_numbers"].rhs_spec[0])
     grower.member(path, kernel_dim, "grouped")
     grower.require(node.inputs[0], numbers.lhs_spec[1])
 
