@@ -230,6 +230,39 @@ def test_a_failed_save_then_a_good_one_resets_the_count(monkeypatch, uninterrupt
     assert training(tmp_path / "latest")["step"] == TOTAL
 
 
+@pytest.mark.parametrize("failing", ["start", "finish"])
+def test_a_failed_background_save_waits_for_the_writes_it_had_started(monkeypatch, tmp_path, failing):
+    """Regression: the optimizer's write outlived a failed model write, still writing into the removed
+    partial directory; Orbax's checkpointer, collected with its thread never joined, deadlocked a run."""
+    from keras_meshlayout.checkpoint import _orbax_store, _save
+
+    started, finished = [], []
+    start_save, finish = _orbax_store.start_save, _orbax_store.finish
+
+    def start_then_fail(directory, kind, values):
+        if failing == "start" and started:
+            raise OSError(28, "No space left on device")
+        started.append(start_save(directory, kind, values))
+        return started[-1]
+
+    def finish_then_fail(write):
+        finished.append(write)
+        finish(write)
+        if failing == "finish" and len(finished) == 1:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_orbax_store, "start_save", start_then_fail)
+    monkeypatch.setattr(_orbax_store, "finish", finish_then_fail)
+    distribution = kml.ModelParallel(kml.Mesh(data=2, model=4), RULES)
+    keras.distribution.set_distribution(distribution)
+    model = build()
+    model.fit(*data(), batch_size=BATCH, epochs=1, steps_per_epoch=1, verbose=0)
+    with pytest.raises(kml.CheckpointError, match="No space left on device"):
+        _save.BackgroundSave(model, tmp_path / "latest", distribution, {"step": 1}).wait()
+    assert finished == started and len(started) == (1 if failing == "start" else 2), "every write waited for"
+    assert list(tmp_path.iterdir()) == [], "nothing left behind"
+
+
 @pytest.mark.parametrize("removable", [True, False], ids=["removed", "left"])
 def test_a_failed_save_says_truly_whether_what_it_wrote_was_removed(monkeypatch, tmp_path, removable):
     """The message says "removed" only when the partial directory is gone, else where it is left."""

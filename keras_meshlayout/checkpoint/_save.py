@@ -264,16 +264,21 @@ class BackgroundSave:
         self.target = target
         self.error: BaseException | None = None
         self._save = _atomic.Writing(target, keep=keep)
+        self._writes: list[tuple[str, Any]] = []
         try:
             with self._save:
-                self._save.prepare()
-                self._manifest = _manifest_of(model, _manifest.ORBAX_FORMAT, training)
-                self._plan = _plan_of(model, distribution)
-                self._writes = []
-                for kind, values in _arrays(model).items():
-                    if values:
-                        self._save.at(self._save.partial / _orbax_store.DIRECTORIES[kind])
-                        self._writes.append((kind, _orbax_store.start_save(self._save.partial, kind, values)))
+                try:
+                    self._save.prepare()
+                    self._manifest = _manifest_of(model, _manifest.ORBAX_FORMAT, training)
+                    self._plan = _plan_of(model, distribution)
+                    for kind, values in _arrays(model).items():
+                        if values:
+                            self._save.at(self._save.partial / _orbax_store.DIRECTORIES[kind])
+                            write = _orbax_store.start_save(self._save.partial, kind, values)
+                            self._writes.append((kind, write))
+                except BaseException:
+                    self._abandon()  # a kind started before the one that failed is still writing
+                    raise
         except BaseException:
             self._save.close()
             raise
@@ -285,15 +290,33 @@ class BackgroundSave:
         save = self._save
         try:
             with save:
-                for kind, write in self._writes:
-                    save.at(save.partial / _orbax_store.DIRECTORIES[kind])
-                    _orbax_store.finish(write)
+                try:
+                    while self._writes:
+                        kind, write = self._writes.pop(0)
+                        save.at(save.partial / _orbax_store.DIRECTORIES[kind])
+                        _orbax_store.finish(write)
+                finally:
+                    self._abandon()  # before the partial directory is removed
                 save.finish(_orbax_manifest(save.partial, self._manifest), self._plan)
         except BaseException as err:  # reported by wait(), in the thread that trains
             self.error = err
         finally:
-            self._writes = []
             save.close()
+
+    def _abandon(self) -> None:
+        """Waits for (and closes) every write still under way, once the save has failed.
+
+        None may be left running: its thread would go on writing into the partial directory, and
+        Orbax's checkpointer, collected with its thread never joined, checks that thread from its
+        `__del__`, which deadlocks the process when the collection happens while CPython's
+        threading module holds its shutdown lock (a whole run hung on a full disk this way).
+        """
+        while self._writes:
+            _, write = self._writes.pop(0)
+            try:
+                _orbax_store.finish(write)
+            except BaseException:  # the save has already failed: its first error is the one reported
+                pass
 
     def wait(self) -> None:
         """Blocks until the checkpoint is in place; raises `CheckpointError` if it could not be written."""
