@@ -519,8 +519,10 @@ def test_a_second_job_on_a_held_directory_is_refused_until_the_holder_is_gone(tm
 #: Trains with asynchronous backups (after steps 4, 8, 12, 16) on a small tmpfs, filled after step 5
 #: (once the backup after step 4 is in place) and freed after step 10 (once the one after step 8 failed).
 DISK_FULL = """
-import json, os, sys, time, warnings
+import faulthandler, json, os, sys, time, warnings
 from pathlib import Path
+
+faulthandler.dump_traceback_later({hang_s}, exit=True)  # a hang shows its threads' stacks, not a timeout
 
 import keras_meshlayout as kml
 
@@ -590,7 +592,7 @@ results = dict(
 def test_a_full_disk_during_a_background_save_is_one_line_and_training_goes_on(tmp_path):
     (tmp_path / "disk").mkdir()
     script = tmp_path / "disk_full.py"
-    script.write_text(DISK_FULL.format(tests=str(Path(__file__).resolve().parent)))
+    script.write_text(DISK_FULL.format(tests=str(Path(__file__).resolve().parent), hang_s=TIMEOUT_S - 30))
     # unshare: a user and mount namespace, so that no root is needed and the mount dies with the child.
     mount = 'mount -t tmpfs -o size=4m tmpfs "$0" && exec "$1" "$2" "$0" "$3"'
     argv = ["unshare", "-rm", "sh", "-c", mount, tmp_path / "disk", sys.executable, script, tmp_path]
