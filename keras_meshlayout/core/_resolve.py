@@ -110,7 +110,7 @@ def resolve(
     weight matrix (rank 2 or more, not a bias) with fewer than
     `replicate_below` elements stays replicated when the rule is `suggested`
     (a preset's or the planner's), and is split with a note in `reasons` when
-    the user wrote the rule; every sharded dimension must
+    the user wrote the rule or the rule is `keep_split`; every sharded dimension must
     divide by its mesh axis size, or else, by `on_indivisible`, that dimension
     is replicated (with an `IndivisibleShapeWarning`) or an error is raised.
 
@@ -167,7 +167,12 @@ def resolve(
     size = math.prod(shape)
     reasons: list[str] = []
     if is_weight_matrix(path, shape) and size < replicate_below:
-        if rule.suggested:
+        if rule.keep_split:
+            reasons.append(
+                f"small: {size} elements < replicate_below={replicate_below}, split anyway: the planner's "
+                "keep_split rule (kept whole, a grouped convolution trains wrongly: kml.GroupedConvWarning)"
+            )
+        elif rule.suggested:
             reason = f"small: {size} elements < replicate_below={replicate_below}"
             return Resolution(path, shape, dtype_name, rule, requested, replicated, (reason,), nbytes=nbytes)
         reasons.append(

@@ -36,6 +36,10 @@ class Rule:
             the planner) rather than written by them. `replicate_below` keeps
             the small weight matrices of suggested rules whole; a rule the user
             wrote is honoured whatever the size, with a note in the plan.
+        keep_split: Whether `replicate_below` must leave the rule's split as it is,
+            however small the weight: the planner sets it where the weight kept
+            whole would train wrongly (a grouped convolution's unit on a mesh that
+            splits the batch and the model axis, `kml.GroupedConvWarning`).
     """
 
     index: int
@@ -45,6 +49,7 @@ class Rule:
     note: str = ""
     optional: bool = False
     suggested: bool = False
+    keep_split: bool = False
     #: The only paths the pattern can match, when it is not a real regex (else `None`).
     literals: frozenset[str] | None = dataclasses.field(default=None, repr=False, compare=False)
 

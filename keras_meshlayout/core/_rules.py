@@ -8,7 +8,7 @@ are bound to here. Matching a path to its rule is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import keras
@@ -108,6 +108,9 @@ class LayoutRules(keras.distribution.LayoutMap):
             planner use this): `replicate_below` keeps their small weight
             matrices whole. Rules added later with `rules[pattern] = axes` are
             the user's own: neither optional nor suggested.
+        keep_split: Patterns of these rules whose split `replicate_below` leaves as it is,
+            however small the weight (`Rule.keep_split`): the planner names the rules of
+            grouped convolutions' units, which XLA trains wrongly kept whole on a 2-D mesh.
         device_mesh: Keras's name for `mesh`.
         policy: The `kml.LayoutPolicy` these rules were made for (`on_indivisible`,
             `replicate_below`), kept as `rules.policy`: `kml.ModelParallel` given
@@ -120,7 +123,7 @@ class LayoutRules(keras.distribution.LayoutMap):
             repeated, a layout entry is not a string, a tuple of strings or
             `None`, a mesh axis appears twice in one layout, an output rule holds `...` before its
             end, a `TensorLayout` carries another mesh, or (with `mesh`) an
-            axis is unknown.
+            axis is unknown, or `keep_split` names a pattern that is not one of `rules`.
 
     Example:
         >>> import keras_meshlayout as kml
@@ -148,6 +151,7 @@ class LayoutRules(keras.distribution.LayoutMap):
         mesh: keras.distribution.DeviceMesh | None = None,
         optional: bool = False,
         suggested: bool = False,
+        keep_split: Collection[str] = (),
         device_mesh: keras.distribution.DeviceMesh | None = None,
         policy: LayoutPolicy | None = None,
     ) -> None:
@@ -181,6 +185,7 @@ class LayoutRules(keras.distribution.LayoutMap):
         if mesh is not None:
             self._store.meshes.append(mesh)
         items = rules.items() if isinstance(rules, Mapping) else rules
+        kept = frozenset(keep_split)
         for entry in items:
             if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
                 raise InvalidRuleError(
@@ -188,7 +193,8 @@ class LayoutRules(keras.distribution.LayoutMap):
                     f"(r'.*dense_1/kernel', (None, 'model')), optionally with a note as a "
                     f"third item. Received: {entry!r}."
                 )
-            self._append(*entry, optional=optional, suggested=suggested)
+            self._append(*entry, optional=optional, suggested=suggested, keep_split=entry[0] in kept)
+        _check_keep_split(kept, self._store.rules)
 
     # -- the rules ------------------------------------------------------------
 
@@ -349,10 +355,11 @@ class LayoutRules(keras.distribution.LayoutMap):
         *,
         optional: bool = False,
         suggested: bool = False,
+        keep_split: bool = False,
     ) -> None:
         store = self._store
         rule = make_rule(len(store.rules), pattern, axes, store.rules, note)
-        rule = dataclasses.replace(rule, optional=optional, suggested=suggested)
+        rule = dataclasses.replace(rule, optional=optional, suggested=suggested, keep_split=keep_split)
         given = _given_layout(axes)
         for mesh in store.meshes:
             _check_axes_in_mesh(rule, mesh)
@@ -409,6 +416,17 @@ def _given_layout(axes: object) -> keras.distribution.TensorLayout | None:
         )
         return keras.distribution.TensorLayout((None,) * len(mesh.shape), mesh)
     return None
+
+
+def _check_keep_split(keep_split: Collection[str], rules: Sequence[Rule]) -> None:
+    patterns = {rule.pattern for rule in rules}
+    unknown = [pattern for pattern in keep_split if pattern not in patterns]
+    if unknown:
+        raise InvalidRuleError(
+            f"LayoutRules: keep_split names {len(unknown)} pattern(s) that are none of these rules' "
+            f"({len(patterns)} rules), e.g. {unknown[0]!r}. Received: keep_split={list(keep_split)!r}. "
+            "Fix: name the patterns exactly as given in the rules."
+        )
 
 
 def _check_policy(policy: object) -> None:

@@ -242,7 +242,9 @@ def plan_rules(
         for strategy in STRATEGIES:
             strategy(ledger, setting)
         if batch is None:
-            return LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)
+            return LayoutRules(
+                ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy
+            )
         budget = None if memory_budget is None else parse_bytes(memory_budget)
         if optimizer is None:
             optimizer = getattr(model, "optimizer", None)
@@ -252,7 +254,7 @@ def plan_rules(
     step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis, compiler, _peak.chip_of(mesh))
     table, chosen, peak = _search_within_peak(table, budget, step, fully_sharded)
     _apply(ledger, table, chosen)
-    rules = LayoutRules(ledger.rules(), suggested=True, policy=chosen_policy)
+    rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy)
     rules.cost = plan_cost(table, chosen, budget, peak)
     return rules
 

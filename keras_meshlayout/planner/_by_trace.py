@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 from . import _notes
+from ._grouped import must_stay_split
 from ._grower import ELEMENTWISE
 from ._layers import followers, idle_axes, stored_weight
 from ._ledger import Ledger, Setting
@@ -49,14 +50,16 @@ def traced_units(ledger: Ledger, setting: Setting) -> None:
         if len(members) != len(unit.members) or any(ledger.decided(v.path) for v, _ in members):
             continue
         name = setting.display(unit.name)
-        reason = _whole_because(setting, members, name)
+        kept = must_stay_split(setting, unit)
+        reason = _whole_because(setting, members, name, kept)
         if reason is not None:
             for variable, _ in members:
                 ledger.revise(variable.path, (None,) * len(variable.shape), reason)
             continue
         for variable, member in members:
             axes = tuple(setting.axis if i == member.dim else None for i in range(len(variable.shape)))
-            ledger.revise(variable.path, axes, _notes.traced(unit.kind, member.role, name), unit=name)
+            note = _notes.traced(unit.kind, member.role, name)
+            ledger.revise(variable.path, axes, note, unit=name, keep_split=kept)
         for path in unit.after:
             if path in variables and not ledger.decided(path):
                 note = _notes.after_all_reduce(unit.kind, name)
@@ -68,12 +71,15 @@ def traced_units(ledger: Ledger, setting: Setting) -> None:
                 ledger.whole_kv[path] = name
 
 
-def _whole_because(setting: Setting, members: list[tuple[Any, Any]], name: str) -> str | None:
-    """Why a traced unit stays whole (a split that does not divide, a kernel too small), or `None`."""
+def _whole_because(setting: Setting, members: list[tuple[Any, Any]], name: str, kept: bool) -> str | None:
+    """Why a traced unit stays whole (a split that does not divide, a kernel too small), or `None`.
+
+    `kept`: the unit must stay split (`_grouped.must_stay_split`), however small its kernels.
+    """
     for variable, member in members:
         if variable.shape[member.dim] % setting.size:
             return _notes.indivisible_pair(name, variable.shape[member.dim], setting.axis, setting.size)
-    for variable, member in members:
+    for variable, member in [] if kept else members:
         if member.role != "bias" and math.prod(variable.shape) < setting.replicate_below:
             label = setting.display(_weight_name(variable.path))
             return _notes.too_small(label, math.prod(variable.shape), setting.replicate_below)

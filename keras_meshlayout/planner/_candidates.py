@@ -223,6 +223,8 @@ class Bytes(BatchGathers):
     def _kept_whole(self, variable: keras.Variable) -> bool:
         """Whether the policy keeps `variable` whole, however a rule splits it (a small weight matrix)."""
         shape = tuple(variable.shape)
+        if variable.path in self.proposal.kept_split:  # a grouped conv's unit: `Rule.keep_split`
+            return False
         return is_weight_matrix(variable.path, shape) and math.prod(shape) < self.replicate_below
 
     # -- bytes ---------------------------------------------------------------------

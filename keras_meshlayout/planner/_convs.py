@@ -45,7 +45,7 @@ import keras
 
 from .. import _compat
 from . import _notes
-from ._grouped import CONV, conv_kernel, grouped_forward, kernel_at
+from ._grouped import CONV, conv_kernel, grouped_forward, kernel_at, must_stay_split
 from ._grower import _dynamic, _Fail, _Grower
 from ._ledger import Ledger, Setting
 from ._trace import Trace
@@ -159,10 +159,11 @@ def conv_units(ledger: Ledger, setting: Setting) -> None:
             for variable, _ in members:
                 ledger.record(variable.path, (None,) * len(variable.shape), note)
             continue
+        kept = must_stay_split(setting, unit)
         small = [
             (v, m) for v, m in members if m.role != "bias" and math.prod(v.shape) < setting.replicate_below
         ]
-        if small:
+        if small and not kept:
             # `kml.ModelParallel` keeps a suggested kernel this small whole: the unit would not be one.
             label = setting.display(small[0][0].path)
             note = _notes.too_small(label, math.prod(small[0][0].shape), setting.replicate_below)
@@ -171,7 +172,8 @@ def conv_units(ledger: Ledger, setting: Setting) -> None:
             continue
         for variable, member in members:
             axes = tuple(setting.axis if i == member.dim else None for i in range(len(variable.shape)))
-            ledger.record(variable.path, axes, _notes.conv(member.role, name, setting.axis), unit=name)
+            note = _notes.conv(member.role, name, setting.axis)
+            ledger.record(variable.path, axes, note, unit=name, keep_split=kept)
         for path in unit.after:
             if path in variables and not ledger.decided(path):
                 ledger.record(path, (None,) * len(variables[path].shape), _notes.conv_after(name))
@@ -304,4 +306,4 @@ def lone_grouped_convs(ledger: Ledger, setting: Setting) -> None:
             continue
         name = setting.display(path)
         axes = tuple(setting.axis if i == dim else None for i in range(len(variables[path].shape)))
-        ledger.record(path, axes, _notes.conv_grouped_lone(name, setting.axis), unit=name)
+        ledger.record(path, axes, _notes.conv_grouped_lone(name, setting.axis), unit=name, keep_split=True)

@@ -23,7 +23,7 @@ from typing import Any
 from ._scan import Fail
 from ._trace import Trace, _reshape_dim
 
-__all__ = ["CONV", "conv_kernel", "grouped_forward", "grouped_kernels", "grouped_require"]
+__all__ = ["CONV", "conv_kernel", "grouped_forward", "grouped_kernels", "grouped_require", "must_stay_split"]
 
 CONV = "conv_general_dilated"
 
@@ -118,3 +118,13 @@ def grouped_kernels(trace: Trace) -> frozenset[str]:
             if kernel is not None:
                 found.add(kernel[0])
     return frozenset(found)
+
+
+def must_stay_split(setting: Any, unit: Any) -> bool:
+    """Whether `unit` (a `_units.Unit`) holds a grouped conv on a mesh (`setting`) splitting batch and model.
+
+    Kept whole, its channels would be whole on each device, where XLA sums the kernel gradient
+    over the whole mesh (`kml.GroupedConvWarning`): `replicate_below` must not undo its split
+    (`Rule.keep_split`), however small its kernels (MobileNetV3Small's are all under 4,096).
+    """
+    return setting.size > 1 and setting.batch_size > 1 and any(m.role == "grouped" for m in unit.members)

@@ -52,6 +52,8 @@ class Proposal:
             and its output gathered (`_convs.input_convs`).
         expert_axis: The axis expert banks are split over when it is not the model axis (a mesh
             with an `expert` axis), or `None`.
+        kept_split: Paths whose split `replicate_below` does not undo (`Rule.keep_split`): the
+            weights of grouped convolutions' units on a mesh that splits the batch too.
     """
 
     model_axis: str
@@ -68,6 +70,7 @@ class Proposal:
     lone_convs: frozenset[str] = frozenset()
     input_convs: frozenset[str] = frozenset()
     expert_axis: str | None = None
+    kept_split: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +112,16 @@ class Setting:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """One rule: the axes of a variable (or of a layer's output), why, and its unit."""
+    """One rule: the axes of a variable (or of a layer's output), why, and its unit.
+
+    `keep_split`: the split stands however small the weight (`Rule.keep_split`).
+    """
 
     pattern: str
     axes: Axes
     note: str
     unit: str | None = None
+    keep_split: bool = False
 
 
 class Ledger:
@@ -157,20 +164,29 @@ class Ledger:
 
     # -- writing --------------------------------------------------------------------------
 
-    def record(self, path: str, axes: Axes, note: str, unit: str | None = None) -> None:
-        """Decides `path` unless a decision exists; `unit` only binds a split variable."""
-        if path not in self._entries:
-            self._entries[path] = self._decision(path, axes, note, unit)
+    def record(
+        self, path: str, axes: Axes, note: str, unit: str | None = None, *, keep_split: bool = False
+    ) -> None:
+        """Decides `path` unless a decision exists; `unit` only binds a split variable.
 
-    def revise(self, path: str, axes: Axes, note: str, unit: str | None = None) -> None:
+        `keep_split`: `replicate_below` leaves the split as it is (a grouped convolution's unit
+        on a mesh that splits the batch too, which XLA trains wrongly kept whole).
+        """
+        if path not in self._entries:
+            self._entries[path] = self._decision(path, axes, note, unit, keep_split)
+
+    def revise(
+        self, path: str, axes: Axes, note: str, unit: str | None = None, *, keep_split: bool = False
+    ) -> None:
         """Decides `path` again, in the place of its first decision, with `unit` (or none)."""
-        self._entries[path] = self._decision(path, axes, note, unit)
+        self._entries[path] = self._decision(path, axes, note, unit, keep_split)
 
     def relayout(self, path: str, axes: Axes, note: str) -> None:
-        """Changes the axes and note of `path`, keeping its unit (the search's choice)."""
+        """Changes the axes and note of `path`, keeping its unit and `keep_split` (the search's choice)."""
         known = self._entries.get(path)
+        kept = known is not None and known.keep_split
         self._entries[path] = dataclasses.replace(
-            self._decision(path, axes, note, None), unit=None if known is None else known.unit
+            self._decision(path, axes, note, None, kept), unit=None if known is None else known.unit
         )
 
     def regroup(self, path: str, unit: str) -> None:
@@ -229,6 +245,10 @@ class Ledger:
         """
         return [(self._tolerant(key, d.pattern), d.axes, d.note) for key, d in self._entries.items()]
 
+    def kept_split(self) -> frozenset[str]:
+        """The patterns of `rules()` whose split `replicate_below` must leave (`Rule.keep_split`)."""
+        return frozenset(self._tolerant(k, d.pattern) for k, d in self._entries.items() if d.keep_split)
+
     def _tolerant(self, key: object, pattern: str) -> str:
         path = key if isinstance(key, str) else f"{key[1]}/output"
         parts = path.split("/")
@@ -262,6 +282,7 @@ class Ledger:
             lone_convs=frozenset(self.lone_convs),
             input_convs=frozenset(self.input_convs),
             expert_axis=self.expert_axis,
+            kept_split=frozenset(p for p, d in variables if d.keep_split),
         )
 
     def pattern(self, path: str) -> str:
@@ -282,11 +303,13 @@ class Ledger:
     def _decided(self):
         return ((p, d) for p, d in self._entries.items() if isinstance(p, str))
 
-    def _decision(self, path: str, axes: Axes, note: str, unit: str | None) -> Decision:
+    def _decision(self, path: str, axes: Axes, note: str, unit: str | None, keep_split: bool) -> Decision:
         axes = tuple(axes)
         shape = self.shapes.get(path)
-        if any(axes) and shape is not None and is_weight_matrix(path, shape):
+        keep_split = keep_split and any(axes)
+        if any(axes) and not keep_split and shape is not None and is_weight_matrix(path, shape):
             size = math.prod(shape)
             if size < self.replicate_below:  # what the policy does with it at run time
                 axes, note = (None,) * len(axes), _notes.small_matrix(note, size, self.replicate_below)
-        return Decision(self.pattern(path), axes, note, unit if unit is not None and any(axes) else None)
+        unit = unit if unit is not None and any(axes) else None
+        return Decision(self.pattern(path), axes, note, unit, keep_split)
