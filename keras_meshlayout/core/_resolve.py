@@ -167,22 +167,26 @@ def resolve(
     size = math.prod(shape)
     reasons: list[str] = []
     if is_weight_matrix(path, shape) and size < replicate_below:
-        if rule.keep_split:
-            reasons.append(
-                f"small: {size} elements < replicate_below={replicate_below}, split anyway: the planner's "
-                "keep_split rule (kept whole, a grouped convolution trains wrongly: kml.GroupedConvWarning)"
-            )
-        elif rule.suggested:
+        if rule.suggested and not rule.keep_split:
             reason = f"small: {size} elements < replicate_below={replicate_below}"
             return Resolution(path, shape, dtype_name, rule, requested, replicated, (reason,), nbytes=nbytes)
-        reasons.append(
-            f"small: {size} elements < replicate_below={replicate_below}, split anyway: a rule of "
-            "your own (replicate_below keeps only preset and planner rules' small matrices whole)"
-        )
+        reasons.append(_split_anyway(rule, size, replicate_below))
     axes, indivisible = divisible_axes(path, shape, rule, requested, axis_sizes, on_indivisible, warn=warn)
     reasons += indivisible
     shards = shards_of(axes, axis_sizes)
     return Resolution(path, shape, dtype_name, rule, requested, axes, tuple(reasons), shards, nbytes)
+
+
+def _split_anyway(rule: Rule, size: int, replicate_below: int) -> str:
+    """Why a matrix under `replicate_below` is split all the same (a rule of the user's, `keep_split`)."""
+    if rule.keep_split:
+        why = (
+            "the planner keeps it split (Rule.keep_split): whole, a grouped convolution's kernel gradient "
+            "comes out wrong on this mesh (kml.GroupedConvWarning)"
+        )
+    else:
+        why = "a rule of your own (replicate_below keeps only preset and planner rules' small matrices whole)"
+    return f"small: {size} elements < replicate_below={replicate_below}, split anyway: {why}"
 
 
 def _dtype_name(dtype: Any) -> str:
