@@ -313,15 +313,59 @@ def test_convnets_near_the_tensor_parallel_ideal_and_the_fully_sharded_floor(nam
     assert took < 60, took  # ResNet50 took minutes before: seconds now (2.4 s measured idle)
 
 
-def test_the_planner_never_leaves_a_depthwise_conv_to_be_miscompiled():
-    """Every grouped convolution of MobileNetV3Small is split with its input: no GroupedConvWarning."""
+@pytest.mark.parametrize("below", [0, None], ids=["replicate_below=0", "default-replicate_below"])
+def test_the_planner_never_leaves_a_depthwise_conv_to_be_miscompiled(below):
+    """Every grouped convolution of MobileNetV3Small is split with its input: no GroupedConvWarning.
+
+    Under the default `replicate_below` too: all its depthwise kernels have fewer than 4,096 weights,
+    and were kept whole with their units (and trained wrongly: `test_mobilenet_trains_like_one_device`).
+    """
     build = CONVNETS["MobileNetV3Small"]
     with kml.dry_build(build) as model:
-        rules = kml.auto_rules(model, mesh(), replicate_below=0)  # its blocks' kernels are small
+        rules = kml.auto_rules(model, mesh(), replicate_below=below)
     plan = kml.dry_plan(build, kml.ModelParallel(mesh(), rules))  # warnings are errors in the tests
     assert plan.grouped_convs == ()
     assert plan.grouped_conv_warning is None
     assert sum("grouped conv" in (e.rule.note or "") for e in plan if e.rule is not None) == 11
+
+
+def _small_convs() -> keras.Model:
+    """Two small plain convolutions, a unit with no grouped convolution: `replicate_below` keeps it whole."""
+    layers = [L.Conv2D(8, 3, use_bias=False, name="a"), L.ReLU(), L.Conv2D(8, 3, name="b")]
+    return keras.Sequential(
+        [keras.Input((8, 8, 3)), *layers, L.Flatten(), L.Dense(2, name="head")], name="net"
+    )
+
+
+@pytest.mark.parametrize("shape", [MESH, {"data": 4, "model": 2}], ids=["2x4", "4x2"])
+def test_replicate_below_never_unsplits_a_grouped_convs_unit(shape):
+    """Regression: the default `replicate_below` kept mbconv's unit (its depthwise kernel: 144 weights) whole.
+
+    There XLA computes the depthwise kernel's gradient 4x (2x4) or 2x (4x2) too large: the unit's rules
+    are `keep_split`, and `kml.ModelParallel` splits them as `replicate_below=0` does. A unit of plain
+    convolutions as small is still kept whole, and trains right so.
+    """
+    grid = kml.Mesh(**shape)
+    with kml.dry_build(mbconv) as model:
+        default, split = kml.auto_rules(model, grid), kml.auto_rules(model, grid, replicate_below=0)
+        dist = kml.ModelParallel(grid, default)
+        unit = [v for v in model.weights if split.match(v.path).axes != (None,) * len(v.shape)]
+        for variable in unit:
+            resolved = dist.resolve(variable.path, tuple(variable.shape), variable.dtype)
+            assert resolved.axes == split.match(variable.path).axes, variable.path
+            assert default.match(variable.path).keep_split is (variable.path != "lone/kernel"), variable.path
+        assert "dw/kernel" in {v.path for v in unit}
+        assert (
+            dist.resolve("dw/kernel", (3, 3, 16, 1))
+            .reasons[0]
+            .startswith(
+                "small: 144 elements < replicate_below=4096, split anyway: the planner keeps it split"
+            )
+        )
+    with kml.dry_build(_small_convs) as model:
+        plain = kml.auto_rules(model, grid)
+        assert plain.match("net/a/kernel").axes == (None,) * 4
+        assert not any(rule.keep_split for rule in plain.rules)
 
 
 def test_fit_warns_when_it_starts_on_a_grouped_conv_of_the_users_own_layout():
@@ -373,4 +417,20 @@ def test_a_depthwise_convnet_trains_sharded_like_one_device():
     dist = kml.ModelParallel(mesh(), rules)
     model = train(mbconv, reference.initial, data, dist, batch_size=8)
     assert model.get_layer("dw").kernel.value.sharding.spec[2] == "model"
+    assert_same_weights(model, reference.trained)
+
+
+def test_mobilenet_trains_like_one_device():
+    """Regression: MobileNetV3Small under `auto_rules`' default `replicate_below` trains as on one device.
+
+    Measured (jax 0.10.2, XLA:CPU, two SGD steps of 8 images): its units of depthwise kernels under
+    4,096 weights were kept whole, and the weights ended 0.129 from the one-device run on 2x4 (0.022 on
+    4x2), the depthwise kernels furthest; with those units `keep_split`, 1.2e-7 on both.
+    """
+    build = CONVNETS["MobileNetV3Small"]
+    data = images(16)
+    reference = Reference(build, data, batch_size=8)
+    with kml.dry_build(build) as model:
+        rules = kml.auto_rules(model, mesh())  # the default replicate_below
+    model = train(build, reference.initial, data, kml.ModelParallel(mesh(), rules), batch_size=8)
     assert_same_weights(model, reference.trained)
