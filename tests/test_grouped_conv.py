@@ -230,6 +230,44 @@ def test_a_depthwise_conv_between_projections_has_its_channels_split(mixer, mesh
     assert "kernel gradient right" in rules.match("mixer/conv1d_kernel").note
 
 
+@pytest.mark.parametrize("mesh_name", MIXER_MESHES)
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_the_default_replicate_below_keeps_the_depthwise_conv_split(mixer, mesh_name):
+    """Regression: under the default `replicate_below` the 128-weight conv kernel (and its unit) was whole.
+
+    The rules written for it are `keep_split`: `kml.ModelParallel` splits it as `replicate_below=0` does,
+    and says why in the resolution's reasons (as for the tiny Qwen 3.5 config's 512-weight kernel).
+    """
+    mesh = kml.Mesh(**MIXER_MESHES[mesh_name])
+    with kml.dry_build(MIXERS[mixer][0]) as model:
+        rules = kml.auto_rules(model, mesh, batch=_mixer_data()[0][:16], optimizer="adam")
+        dist = kml.ModelParallel(mesh, rules)
+        resolved = {v.path: dist.resolve(v.path, tuple(v.shape), v.dtype) for v in model.weights}
+    for layer, axes in {**MIXERS[mixer][1], "conv1d": ("model", None)}.items():
+        path = "mixer/conv1d_kernel" if layer == "conv1d" else f"mixer/{layer}/kernel"
+        assert resolved[path].axes == axes, path
+        assert rules.match(path).keep_split is any(axes), path
+    assert "split anyway: the planner keeps it split" in resolved["mixer/conv1d_kernel"].reasons[0]
+
+
+def test_a_keep_split_rule_is_split_however_small_and_names_only_its_own_patterns():
+    rules = kml.LayoutRules(
+        [(r".*dw/kernel", (None, None, "model", None)), (r".*head/kernel", (None, "model"))],
+        suggested=True,
+        keep_split=[r".*dw/kernel"],
+    )
+    dist = kml.ModelParallel(kml.Mesh(data=2, model=4), rules)
+    assert dist.resolve("net/dw/kernel", (3, 3, 16, 1)).axes == (None, None, "model", None)
+    assert dist.resolve("net/head/kernel", (16, 8)).axes == (None, None)  # suggested, small: whole
+    with pytest.raises(kml.InvalidRuleError) as error:
+        kml.LayoutRules([(r".*dw/kernel", (None, "model"))], keep_split=[r".*dw/kernels", r".*x"])
+    assert str(error.value) == (
+        "LayoutRules: keep_split names 2 pattern(s) that are none of these rules' (1 rules), e.g. "
+        "'.*dw/kernels'. Received: keep_split=['.*dw/kernels', '.*x']. Fix: name the patterns exactly "
+        "as given in the rules."
+    )
+
+
 def test_with_the_batch_alone_the_depthwise_conv_is_not_split():
     rules = _mixer_rules("sliced", kml.Mesh(data=8, model=1))
     assert rules.match("mixer/conv1d_kernel").axes == (None, None)
