@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _compat
+from . import _grouped_scan
 from ._axes import Axes, shards_of
 from ._errors import GroupedConvWarning, LayoutMismatchWarning, UnmatchedRuleWarning
 from ._format import format_axes
@@ -145,7 +146,7 @@ def _mismatch_messages(
 
 
 def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tuple[tuple[str, str], ...]:
-    """`(path, class name)` of each Keras layer running a grouped convolution that XLA would train wrongly.
+    """`(path, class name)` of each layer running a grouped convolution that XLA would train wrongly.
 
     That is every such layer (see `kml.GroupedConvWarning`) when a mesh axis
     other than the batch axis is larger than 1, except the ones the planner
@@ -154,6 +155,8 @@ def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tupl
     channels and XLA computes the kernel gradient right. A rule of the
     user's own that splits such a kernel is not trusted: a kernel split
     alone, with its input whole, still gets the wrong gradient (measured).
+    Keras's conv layers are found by their class; a model with custom layers is also
+    traced (`_grouped_scan`), for the convolutions those run themselves.
     """
     others = {
         axis
@@ -161,14 +164,46 @@ def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tupl
         if axis != distribution.batch_dim_name and size > 1
     }
     found = []
-    for path, cls, kernel, dim in _grouped_convs(model):
-        if others and kernel is not None:
-            entry = distribution.resolve(kernel.path, tuple(kernel.shape), kernel.dtype, warn=False)
-            named = set(_axis_names(entry.axes[dim])) if len(entry.axes) > dim else set()
-            if entry.rule is not None and entry.rule.suggested and others <= named:
-                continue
+    layers = _grouped_convs(model)
+    for path, cls, kernel, dim in layers:
+        if others and kernel is not None and _split_by_planner(distribution, kernel, others, dim):
+            continue
         found.append((path, cls))
+    if others and _has_custom_layers(model):
+        seen = {kernel.path for _, _, kernel, _ in layers if kernel is not None}
+        by_path = {v.path: v for v in model.weights}
+        for kernel_path in sorted(_grouped_scan.grouped_kernels(model) - seen):
+            kernel = by_path.get(kernel_path)
+            if kernel is None or not _split_by_planner(distribution, kernel, others, None):
+                found.append(_owner(model, kernel_path))
     return tuple(found)
+
+
+def _split_by_planner(distribution: Distributes, kernel: Any, others: set[str], dim: int | None) -> bool:
+    """Whether a suggested rule splits `kernel` over every axis of `others`, on `dim` (any for `None`)."""
+    entry = distribution.resolve(kernel.path, tuple(kernel.shape), kernel.dtype, warn=False)
+    if entry.rule is None or not entry.rule.suggested:
+        return False
+    dims = range(len(entry.axes)) if dim is None else [dim] if dim < len(entry.axes) else []
+    return any(others <= set(_axis_names(entry.axes[d])) for d in dims)
+
+
+def _has_custom_layers(model: keras.Model) -> bool:
+    """Whether a layer of `model` is not one of Keras's own (a custom one may convolve by itself)."""
+    return any(not type(layer).__module__.startswith("keras.") for layer in _compat.sublayers(model))
+
+
+def _owner(model: keras.Model, kernel_path: str) -> tuple[str, str]:
+    """`(path, class name)` of the innermost layer holding the variable `kernel_path`."""
+    holders = [
+        layer
+        for layer in _compat.sublayers(model)
+        if kernel_path.startswith((getattr(layer, "path", None) or layer.name) + "/")
+    ]
+    if not holders:
+        return kernel_path.rpartition("/")[0] or kernel_path, "custom layer"
+    layer = max(holders, key=lambda layer: len(getattr(layer, "path", None) or layer.name))
+    return getattr(layer, "path", None) or layer.name, type(layer).__name__
 
 
 def _axis_names(entry: Any) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ Imports run one way, 1 → 6: no stage imports a later one
 (`tests/test_planning.py` holds the module order).
 """
 
+from ..core._grouped_scan import abstract_batch as abstract_batch
 from ._candidates import Candidate as Candidate
 from ._candidates import CostTable as CostTable
 from ._candidates import UnitCosts as UnitCosts
@@ -54,7 +55,6 @@ from ._search import search as search
 from ._trace import Node as Node
 from ._trace import Trace as Trace
 from ._trace import Use as Use
-from ._trace import abstract_batch as abstract_batch
 from ._trace import trace_model as trace_model
 from ._units import Member as Member
 from ._units import Unit as Unit

@@ -36,6 +36,7 @@ import keras
 from .. import _compat
 from ..core._errors import InvalidOptionError, InvalidRuleError, MemoryBudgetError
 from ..core._format import format_bytes
+from ..core._grouped_scan import abstract_batch
 from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
 from ..core._policy import LayoutPolicy, resolve_policy
@@ -45,7 +46,7 @@ from ._costs import CostTable, cost_units
 from ._layers import auto_named
 from ._ledger import Ledger, Setting
 from ._search import explain, plan_cost, search
-from ._trace import Trace, abstract_batch, trace_model
+from ._trace import Trace, trace_model
 
 __all__ = ["STRATEGIES", "auto_rules", "plan_rules", "smallest"]
 

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from .. import _compat
+from ..core._grouped_scan import abstract_value
 
 __all__ = ["Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
 
@@ -134,44 +135,6 @@ class Trace:
         return True
 
 
-def abstract_batch(model: keras.Model) -> Any:
-    """Abstract inputs for a model when no batch is given: its input spec with a batch of 2, or `None`."""
-    import jax
-
-    inputs = _compat.input_structure(model)
-    if inputs is None:
-        try:
-            inputs = model.inputs
-        except (AttributeError, ValueError):
-            inputs = None
-    if isinstance(inputs, (list, tuple)) and len(inputs) == 1 and isinstance(model, keras.Sequential):
-        inputs = inputs[0]  # a Sequential model takes its one input bare
-    if inputs is not None:
-        try:
-            return keras.tree.map_structure(
-                lambda t: jax.ShapeDtypeStruct(
-                    tuple(2 if d is None else d for d in t.shape), np.dtype(t.dtype or "float32")
-                ),
-                inputs,
-            )
-        except (AttributeError, TypeError):
-            return None
-    shapes = _compat.build_shapes(model)
-    if len(shapes) == 1:
-        (shape,) = shapes.values()
-        if isinstance(shape, (tuple, list)) and all(isinstance(d, int) or d is None for d in shape):
-            return jax.ShapeDtypeStruct(tuple(2 if d is None else d for d in shape), np.dtype("float32"))
-    return None
-
-
-def _abstract(value: Any) -> Any:
-    import jax
-
-    return jax.ShapeDtypeStruct(
-        tuple(value.shape), np.dtype(getattr(value, "dtype", None) or np.asarray(value).dtype)
-    )
-
-
 def trace_model(model: keras.Model, batch: Any) -> Trace:
     """Traces `model`'s forward pass on `batch` (arrays or shapes) into a `Trace`."""
     import jax
@@ -186,9 +149,9 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
 
     with _compat.lora_off(model):  # LoRA kernels read as their base kernel (the adapters follow it)
         closed = jax.make_jaxpr(forward)(
-            [_abstract(v) for v in trainable],
-            [_abstract(v) for v in non_trainable],
-            keras.tree.map_structure(_abstract, batch),
+            [abstract_value(v) for v in trainable],
+            [abstract_value(v) for v in non_trainable],
+            keras.tree.map_structure(abstract_value, batch),
         )
     jaxpr = closed.jaxpr
     # Only adapters that train make their kernel trained (a layer frozen after `enable_lora` has none).
@@ -226,9 +189,9 @@ def _trace_losses(model: keras.Model, batch: Any, trainable: list, non_trainable
 
     with _compat.lora_off(model):
         closed, (outs, losses) = jax.make_jaxpr(forward, return_shape=True)(
-            [_abstract(v) for v in trainable],
-            [_abstract(v) for v in non_trainable],
-            keras.tree.map_structure(_abstract, batch),
+            [abstract_value(v) for v in trainable],
+            [abstract_value(v) for v in non_trainable],
+            keras.tree.map_structure(abstract_value, batch),
         )
     if not losses:
         return None
@@ -261,9 +224,9 @@ def trace_step(model: keras.Model, batch: Any) -> Trace:
         return jax.grad(loss)(train)
 
     closed = jax.make_jaxpr(step)(
-        [_abstract(v) for v in trainable],
-        [_abstract(v) for v in non_trainable],
-        keras.tree.map_structure(_abstract, batch),
+        [abstract_value(v) for v in trainable],
+        [abstract_value(v) for v in non_trainable],
+        keras.tree.map_structure(abstract_value, batch),
     )
     return _flat(closed.jaxpr, [v.path for v in trainable + non_trainable], keep_uses=False)
 
