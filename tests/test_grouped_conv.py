@@ -118,7 +118,7 @@ def test_plan_warns_for_grouped_convolutions_on_a_2d_mesh(make, path, cls):
     assert "4x too large" in message
     assert "kml.Mesh(data=8)" in message
     assert "'/output' rule" in message
-    assert "cannot be detected" in message
+    assert "found by tracing the model on its input spec" in message
     assert plan.grouped_conv_warning == message
     assert message in plan.to_dict()["warnings"]
     assert plan.to_dict()["grouped_convolutions"] == [{"layer": path, "class": cls}]
@@ -266,6 +266,36 @@ def test_a_keep_split_rule_is_split_however_small_and_names_only_its_own_pattern
         "'.*dw/kernels'. Received: keep_split=['.*dw/kernels', '.*x']. Fix: name the patterns exactly "
         "as given in the rules."
     )
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_a_custom_layers_depthwise_conv_left_whole_warns_at_plan_and_fit(mixer):
+    """Regression: a custom layer's grouped conv, found by no class, gave no warning (as Qwen 3.5's).
+
+    The model is traced (abstractly, on its input spec) for the convolutions its custom layers run. Left
+    whole (no rule), `mixer` warns at plan time and when `fit` starts; planned, it is split and does not.
+    """
+    mesh = kml.Mesh(data=2, model=4)
+    dist = kml.ModelParallel(mesh, kml.LayoutRules([]))
+    with dist.scope():
+        model = MIXERS[mixer][0]()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = dist.plan(model)
+    assert plan.grouped_convs == (("mixer", "ConvMixer"),)
+    assert [str(w.message) for w in caught if w.category is kml.GroupedConvWarning] == [
+        plan.grouped_conv_warning
+    ]
+    x, y = _mixer_data()
+    with (
+        dist.scope(),
+        pytest.raises(kml.GroupedConvWarning, match=r"^fit: Grouped convolutions in 'mixer' \(Conv"),
+    ):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # warnings are errors: raised at the start
+    with kml.dry_build(MIXERS[mixer][0]) as planned:
+        rules = kml.auto_rules(planned, mesh)  # the default replicate_below: `keep_split`
+    assert kml.dry_plan(MIXERS[mixer][0], kml.ModelParallel(mesh, rules)).grouped_convs == ()
 
 
 def test_with_the_batch_alone_the_depthwise_conv_is_not_split():

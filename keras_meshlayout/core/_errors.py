@@ -183,9 +183,10 @@ class GroupedConvWarning(MeshLayoutWarning):
 
     Issued by `dist.plan(model)`, and by `model.fit` when it starts, for Keras
     `DepthwiseConv1D`/`DepthwiseConv2D`, `SeparableConv1D`/`SeparableConv2D` and
-    `Conv1D`/`Conv2D`/`Conv3D` with `groups > 1` when a mesh axis other than the
-    batch axis is larger than 1, except those `kml.auto_rules` split over their
-    channels together with their input (a convolution unit of the planner).
+    `Conv1D`/`Conv2D`/`Conv3D` with `groups > 1` (and custom layers, below) when a
+    mesh axis other than the batch axis is larger than 1, except those `kml.auto_rules`
+    split over their channels together with their input (a convolution unit of the
+    planner), which `replicate_below` leaves split (`Rule.keep_split`).
     A rule of your own that splits such a kernel still gets the warning: a
     kernel split with its input whole gets the same wrong gradient (measured).
 
@@ -203,7 +204,8 @@ class GroupedConvWarning(MeshLayoutWarning):
     and its kernel's channel dimension), which makes the gradient exact.
 
     A custom layer that calls `keras.ops.depthwise_conv` or
-    `jax.lax.conv_general_dilated(..., feature_group_count=...)` itself cannot
-    be recognised by its class and gets no warning, although it has the same
-    problem (keras-hub's Qwen3.5 gated delta-net is one).
+    `jax.lax.conv_general_dilated(..., feature_group_count=...)` itself (keras-hub's
+    Qwen3.5 gated delta-net is one) is found by tracing the model's forward pass on
+    its input spec, abstractly, once per model; a model that cannot be traced so (a
+    subclassed model never called) gets no warning for such layers.
     """

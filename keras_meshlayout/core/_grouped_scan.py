@@ -111,10 +111,9 @@ def _scan(jaxpr: Any, held: dict[Any, str]) -> set[str]:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "conv_general_dilated" and eqn.params.get("feature_group_count", 1) > 1:
-            path = held.get(eqn.invars[1])
-            if path is not None:
-                found.add(path)
-        elif name in _VIEWS and eqn.invars and eqn.invars[0] in held:
+            if _in(eqn.invars[1], held):
+                found.add(held[eqn.invars[1]])
+        elif name in _VIEWS and eqn.invars and _in(eqn.invars[0], held):
             held[eqn.outvars[0]] = held[eqn.invars[0]]
         for inner in _inner_jaxprs(eqn):
             inner_held = {v: held[o] for o, v in zip(eqn.invars, inner.invars, strict=False) if _in(o, held)}

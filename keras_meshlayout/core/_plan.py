@@ -335,7 +335,8 @@ def grouped_conv_message(
         f"axis, e.g. {example}; or split each such layer's channels over {', '.join(map(repr, others))}, "
         f"both its input (an '/output' rule on the layer feeding it) and its kernel's channel dimension. "
         f"Custom layers that call keras.ops.depthwise_conv (or a lax convolution with "
-        f"feature_group_count > 1) themselves have the same problem but cannot be detected."
+        f"feature_group_count > 1) themselves are found by tracing the model on its input spec; one "
+        f"that cannot be traced so (a subclassed model never called) cannot be checked."
     )
 
 

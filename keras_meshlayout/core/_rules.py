@@ -185,7 +185,7 @@ class LayoutRules(keras.distribution.LayoutMap):
         if mesh is not None:
             self._store.meshes.append(mesh)
         items = rules.items() if isinstance(rules, Mapping) else rules
-        kept = frozenset(keep_split)
+        kept = tuple(dict.fromkeys(keep_split))  # in the order given, for the error
         for entry in items:
             if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
                 raise InvalidRuleError(
