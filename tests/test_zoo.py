@@ -5,7 +5,7 @@ constructor: every keras-hub text backbone of `hub_models.ROWS` at a realistic
 vocabulary : hidden ratio (1,024 rows at hidden 64, as `benchmarks/planner_zoo.py`),
 pooled under a small classifier head; keras.applications convnets (`weights=None`,
 32 × 32 images) and keras-hub's ResNet; a keras-hub vision transformer; and one
-LoRA (`enable_lora(4)`) and one int8 (`quantize("int8")`) Llama. Each is planned
+LoRA (`enable_lora(4)`) and one int8 (`quantize("int8")`) Llama, one block deep. Each is planned
 with Adam for one batch on data=2 × model=4 (`replicate_below=0`: at these
 sizes the policy's threshold would keep kernels whole that are millions of
 elements in the real models) and checked for:
@@ -150,7 +150,10 @@ def vit() -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(10, name="head")(pooled), name="classifier")
 
 
+#: The adapter rows' Llama, one block deep: what an adapter or an int8 kernel adds is per block, and
+#: the second block compiled the same again (int8: 24 s of compile at two blocks).
 _LLAMA = _wide(next(row for row in ROWS if row.name == "LlamaBackbone"))
+_LLAMA = dataclasses.replace(_LLAMA, config=dict(_LLAMA.config, num_layers=1))
 
 
 def lora_llama() -> keras.Model:
