@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import time
 
 import keras
 import numpy as np
@@ -286,9 +285,13 @@ def test_the_smallest_patch_embedding_plan_sends_what_its_units_predict(patch_sm
 
 
 @pytest.mark.parametrize("name", list(CONVNETS), ids=list(CONVNETS))
-def test_convnets_near_the_tensor_parallel_ideal_and_the_fully_sharded_floor(name):
-    """No budget ≤ 1.5× the TP ideal (was 4.00×); the smallest budget plan ≤ 1.10× the floor (was ~7.9×)."""
-    x, _ = images()
+def test_convnets_near_the_tensor_parallel_ideal(name):
+    """No budget, under the default policy, ≤ 1.5× the TP ideal (was 4.00×).
+
+    The smallest budget plan of each of these convnets ≤ 1.10× the fully sharded floor (was ~7.9×),
+    its search in seconds (ResNet50's took minutes), is `tests/test_zoo.py`'s
+    (`test_smallest_budget_plan_near_the_fully_sharded_floor`, the same call on the same batch).
+    """
     with kml.dry_build(CONVNETS[name]) as model:
         rules = kml.auto_rules(model, mesh())  # the default replicate_below: small blocks stay whole
         total = per_device = 0
@@ -298,19 +301,6 @@ def test_convnets_near_the_tensor_parallel_ideal_and_the_fully_sharded_floor(nam
             total += count
             per_device += count // math.prod(MESH[a] for a in axes if a)
         assert per_device <= 1.5 * total / MESH["model"], per_device / (total / MESH["model"])
-        start = time.perf_counter()
-        # replicate_below=0, as tests/test_styles.py: the smallest plan splits the small kernels too.
-        with pytest.raises(kml.MemoryBudgetError) as error:
-            kml.auto_rules(model, mesh(), replicate_below=0, memory_budget=1, batch=x, optimizer="adam")
-        budget = error.value.smallest_bytes
-        smallest = kml.auto_rules(
-            model, mesh(), replicate_below=0, memory_budget=budget, batch=x, optimizer="adam"
-        )
-        took = time.perf_counter() - start
-        trainable = sum(math.prod(v.shape) for v in model.trainable_weights)
-        floor = (16 * trainable + 4 * (total - trainable)) / 8  # Adam: parameter, gradient, 2 slots
-    assert smallest.cost.state_bytes <= 1.10 * floor, smallest.cost.state_bytes / floor
-    assert took < 60, took  # ResNet50 took minutes before: seconds now (2.4 s measured idle)
 
 
 @pytest.mark.parametrize("below", [0, None], ids=["replicate_below=0", "default-replicate_below"])

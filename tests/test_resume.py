@@ -23,11 +23,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -108,10 +110,27 @@ def reference() -> dict[str, list[np.ndarray]]:
     return {"initial": initial, "trained": weights(model)}
 
 
-def crash_then_resume(make_callback, crash_at: int, resume_on: str, reference) -> keras.Model:
+MESHES = ("2x4", "1x8")
+
+
+def crash_then_resume(
+    make_callback, crash_at: int, reference, backup: Path, meshes: tuple[str, ...] = MESHES
+) -> dict[str, tuple[keras.Model, Path]]:
+    """One run on 2×4 crashed at `crash_at`, then resumed on each mesh from its own copy of the backup.
+
+    `make_callback(directory)` makes the backup callback. The crashed run is the same for every
+    mesh it resumes on, so it runs once: each resume reads a copy of the backups it left (each
+    resume deletes the directory it read once fit completes). Returns each mesh's resumed model
+    and the directory it resumed from.
+    """
     with pytest.raises(RuntimeError, match="crash at step"):
-        fit("2x4", reference["initial"], [make_callback(), Crash(crash_at)])
-    return fit(resume_on, reference["initial"], [make_callback()])
+        fit("2x4", reference["initial"], [make_callback(backup), Crash(crash_at)])
+    resumed = {}
+    for mesh in meshes:
+        directory = backup.with_name(f"{backup.name}-{mesh}")
+        shutil.copytree(backup, directory, symlinks=True)
+        resumed[mesh] = fit(mesh, reference["initial"], [make_callback(directory)]), directory
+    return resumed
 
 
 def assert_same(model: keras.Model, expected: list[np.ndarray], atol: float) -> None:
@@ -123,17 +142,17 @@ def assert_same(model: keras.Model, expected: list[np.ndarray], atol: float) -> 
 TOLERANCE = {"2x4": 1e-6, "1x8": 1e-5}
 
 
-@pytest.mark.parametrize("resume_on", ["2x4", "1x8"])
-def test_backup_and_restore_per_epoch_resumes_exactly(resume_on, reference, tmp_path):
-    """Killed in the middle of epoch 2: the rerun restores epoch 1's end and runs epoch 2 again."""
-    model = crash_then_resume(
-        lambda: keras.callbacks.BackupAndRestore(tmp_path / "backup", save_freq="epoch"),
+def test_backup_and_restore_per_epoch_resumes_exactly(reference, tmp_path):
+    """Killed in the middle of epoch 2: each rerun restores epoch 1's end and runs epoch 2 again."""
+    resumed = crash_then_resume(
+        lambda directory: keras.callbacks.BackupAndRestore(directory, save_freq="epoch"),
         crash_at=STEPS + 3,
-        resume_on=resume_on,
         reference=reference,
+        backup=tmp_path / "backup",
     )
-    assert_same(model, reference["trained"], TOLERANCE[resume_on])
-    assert not (tmp_path / "backup").exists(), "deleted once fit completes"
+    for mesh, (model, directory) in resumed.items():
+        assert_same(model, reference["trained"], TOLERANCE[mesh])
+        assert not directory.exists(), f"{mesh}: deleted once fit completes"
 
 
 @pytest.mark.xfail(
@@ -143,13 +162,14 @@ def test_backup_and_restore_per_epoch_resumes_exactly(resume_on, reference, tmp_
     "batch, so batches 1-2 of epoch 2 are trained on twice (26 optimizer steps instead of 24).",
 )
 def test_backup_and_restore_every_n_batches_resumes_exactly(reference, tmp_path):
-    model = crash_then_resume(
-        lambda: keras.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=2),
+    resumed = crash_then_resume(
+        lambda directory: keras.callbacks.BackupAndRestore(directory, save_freq=2),
         crash_at=STEPS + 3,
-        resume_on="2x4",
         reference=reference,
+        backup=tmp_path / "backup",
+        meshes=("2x4",),
     )
-    assert_same(model, reference["trained"], 1e-6)
+    assert_same(resumed["2x4"][0], reference["trained"], 1e-6)
 
 
 CRASHES = {
@@ -162,19 +182,19 @@ CRASHES = {
 FREQ = {"mid-epoch": 5, "epoch end": 4, "first epoch": 2}
 
 
-@pytest.mark.parametrize("resume_on", ["2x4", "1x8"])
 @pytest.mark.parametrize("crash", list(CRASHES))
-def test_resumable_checkpoint_resumes_exactly_mid_epoch(crash, resume_on, reference, tmp_path):
-    backup = tmp_path / "backup"
-    model = crash_then_resume(
-        lambda: kml.ResumableCheckpoint(backup, save_freq=FREQ[crash]),
+def test_resumable_checkpoint_resumes_exactly_mid_epoch(crash, reference, tmp_path):
+    """Resumed on the same mesh and on 1×8, each from a copy of the crashed run's backups."""
+    resumed = crash_then_resume(
+        lambda directory: kml.ResumableCheckpoint(directory, save_freq=FREQ[crash]),
         crash_at=CRASHES[crash],
-        resume_on=resume_on,
         reference=reference,
+        backup=tmp_path / "backup",
     )
-    assert_same(model, reference["trained"], TOLERANCE[resume_on])
-    assert not backup.exists()
-    assert model._initial_epoch is None, "a later fit on this model starts at epoch 0 again"
+    for mesh, (model, directory) in resumed.items():
+        assert_same(model, reference["trained"], TOLERANCE[mesh])
+        assert not directory.exists(), mesh
+        assert model._initial_epoch is None, f"{mesh}: a later fit on this model starts at epoch 0 again"
 
 
 def test_resumable_checkpoint_with_several_steps_per_execution(reference, tmp_path):
@@ -557,15 +577,13 @@ def test_resume_into_a_model_with_other_random_layers_is_refused(tmp_path):
 STORAGES = {"h5": ("h5", "h5"), "h5 then orbax": ("h5", "orbax"), "orbax then h5": ("orbax", "h5")}
 
 
-@pytest.mark.parametrize("resume_on", ["2x4", "1x8"])
 @pytest.mark.parametrize("storages", list(STORAGES))
-def test_resumable_checkpoint_resumes_exactly_mid_epoch_from_either_storage(
-    storages, resume_on, reference, tmp_path
-):
+def test_resumable_checkpoint_resumes_exactly_mid_epoch_from_either_storage(storages, reference, tmp_path):
     """Backed up with h5 (as earlier versions did) or Orbax, resumed by a callback that writes either.
 
     "h5 then orbax" is a run backed up by an earlier version and resumed by this one, whose
     next backups are written with Orbax. (Orbax alone is every other test of this module.)
+    Resumed on the same mesh and on 1×8, each from a copy of the crashed run's backups.
     """
     before, after = STORAGES[storages]
     backup = tmp_path / "backup"
@@ -578,9 +596,12 @@ def test_resumable_checkpoint_resumes_exactly_mid_epoch_from_either_storage(
     manifest = json.loads((backup / "latest" / "manifest.json").read_text())
     assert manifest["format"] == (2 if before == "orbax" else 1)
     assert manifest["training"] == {"epoch": 1, "batch": 2, "step": STEPS + 2}
-    model = fit(resume_on, reference["initial"], [kml.ResumableCheckpoint(backup, 5, storage=after)])
-    assert_same(model, reference["trained"], TOLERANCE[resume_on])
-    assert not backup.exists()
+    for mesh in MESHES:
+        directory = tmp_path / f"backup-{mesh}"
+        shutil.copytree(backup, directory, symlinks=True)
+        model = fit(mesh, reference["initial"], [kml.ResumableCheckpoint(directory, 5, storage=after)])
+        assert_same(model, reference["trained"], TOLERANCE[mesh])
+        assert not directory.exists(), mesh
 
 
 def test_resume_with_dropout_on_h5_is_bit_exact(random_reference, tmp_path):
@@ -597,17 +618,16 @@ def test_resume_with_dropout_on_h5_is_bit_exact(random_reference, tmp_path):
         assert np.array_equal(np.asarray(variable.value), want), variable.path
 
 
-@pytest.mark.parametrize("resume_on", ["2x4", "1x8"])
-def test_resumable_checkpoint_saving_in_the_background_resumes_exactly(resume_on, reference, tmp_path):
-    backup = tmp_path / "backup"
-    model = crash_then_resume(
-        lambda: kml.ResumableCheckpoint(backup, save_freq=5, asynchronous=True),
+def test_resumable_checkpoint_saving_in_the_background_resumes_exactly(reference, tmp_path):
+    resumed = crash_then_resume(
+        lambda directory: kml.ResumableCheckpoint(directory, save_freq=5, asynchronous=True),
         crash_at=CRASHES["mid-epoch"],
-        resume_on=resume_on,
         reference=reference,
+        backup=tmp_path / "backup",
     )
-    assert_same(model, reference["trained"], TOLERANCE[resume_on])
-    assert not backup.exists(), "the last background save is waited for, then deleted"
+    for mesh, (model, directory) in resumed.items():
+        assert_same(model, reference["trained"], TOLERANCE[mesh])
+        assert not directory.exists(), f"{mesh}: the last background save is waited for, then deleted"
 
 
 def test_a_background_save_in_flight_when_fit_ends_completes(reference, tmp_path):
