@@ -122,13 +122,17 @@ def _reduced_only(trace: Trace, value: int, memo: dict[int, bool]) -> bool:
     if value not in memo:
         memo[value] = False  # a cycle cannot happen in a trace; this only stops a revisit
         readers = trace.consumers.get(value, ())
-        memo[value] = bool(readers) and value not in trace.outputs and all(
-            trace.nodes[r].primitive in REDUCTIONS
-            or (
-                trace.nodes[r].primitive in ELEMENTWISE
-                and all(_reduced_only(trace, out, memo) for out in trace.nodes[r].outputs)
+        memo[value] = (
+            bool(readers)
+            and value not in trace.outputs
+            and all(
+                trace.nodes[r].primitive in REDUCTIONS
+                or (
+                    trace.nodes[r].primitive in ELEMENTWISE
+                    and all(_reduced_only(trace, out, memo) for out in trace.nodes[r].outputs)
+                )
+                for r in readers
             )
-            for r in readers
         )
     return memo[value]
 
