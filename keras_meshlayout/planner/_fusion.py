@@ -75,8 +75,11 @@ def fused(trace: Trace) -> set[int]:
     `model.quantize("int8")` Dense layers: the float kernel is never written out).
     """
     weights = _from_weights(trace)
+    written = _written_dequantised(trace, weights)
     found = set()
     for node, value, readers, primitives in _elementwise_reads(trace):
+        if value in written:
+            continue  # a dequantised kernel XLA:CPU writes out for a matmul it cannot fuse it into
         if all(v < 0 or v in weights for v in node.inputs) and all(
             _fusing(p) or p == "dot_general" for p in primitives
         ):
@@ -86,6 +89,52 @@ def fused(trace: Trace) -> set[int]:
         elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
             found.add(value)
     return found
+
+
+def _written_dequantised(trace: Trace, weights: set[int]) -> set[int]:
+    """The dequantised kernels (functions of the weights that read an integer one) XLA:CPU writes out.
+
+    XLA:CPU computes a dequantised kernel (an int8 kernel times or over its scale) inside the
+    matmul that reads it only where that matmul is fused with its readers into one reduction
+    (`_reduced_only`): a backward matmul whose input gradient only feeds a bias gradient.
+    Any other matmul reads it from a buffer of the float kernel's shard, written just before.
+    Measured on `quantize("int8")` Dense layers (MLP 256 -> 1024 -> 1024 -> 256, 8x1): the
+    input gradient of the 1024 -> 256 kernel reads a written float32 [1024, 256] (1 MiB, the
+    step's largest temporary); that of the 1024 x 1024 kernel, read only by the first layer's
+    bias gradient, is one fusion with the int8 kernel and its scale as operands.
+    """
+    quantised = {v for v in trace.variables if not trace.dtypes[v].startswith(("float", "bfloat"))}
+    for node in trace.nodes:
+        if any(v in quantised for v in node.inputs) and all(v < 0 or v in weights for v in node.inputs):
+            quantised.update(node.outputs)
+    reduced: dict[int, bool] = {}
+    found = set()
+    for node in trace.nodes:
+        if node.primitive != "dot_general":
+            continue
+        if not all(_reduced_only(trace, v, reduced) for v in node.outputs):
+            found.update(v for v in node.inputs if v in quantised and v not in trace.variables)
+    return found
+
+
+def _reduced_only(trace: Trace, value: int, memo: dict[int, bool]) -> bool:
+    """Whether `value` is read, through element-wise operations alone, only by reductions (not an output)."""
+    if value not in memo:
+        memo[value] = False  # a cycle cannot happen in a trace; this only stops a revisit
+        readers = trace.consumers.get(value, ())
+        memo[value] = (
+            bool(readers)
+            and value not in trace.outputs
+            and all(
+                trace.nodes[r].primitive in REDUCTIONS
+                or (
+                    trace.nodes[r].primitive in ELEMENTWISE
+                    and all(_reduced_only(trace, out, memo) for out in trace.nodes[r].outputs)
+                )
+                for r in readers
+            )
+        )
+    return memo[value]
 
 
 def fused_on_tpu(trace: Trace) -> set[int]:
