@@ -283,7 +283,9 @@ def main() -> None:
         json.loads(
             subprocess.run(
                 [sys.executable, __file__, "--style", style], check=True, capture_output=True, text=True
-            ).stdout.strip().splitlines()[-1]
+            )
+            .stdout.strip()
+            .splitlines()[-1]
         )
         for style in BUILDERS
     ]
