@@ -47,7 +47,9 @@ class ExpertGathers:
         projection backward (in bfloat16 from float32), its gradient all-reduced once over the
         whole batch (the columns' partial sums added first), each row projection's output
         all-reduced forward over the whole batch (and sliced to each device's tokens) and its
-        gradient gathered backward (in bfloat16); no kernel is gathered and no kernel gradient
+        gradient gathered backward (in bfloat16; twice, for each of the two products that read it,
+        where the forward pass reads the kernel after its last attention, `_kept_for_backward`:
+        the last layer's bank); no kernel is gathered and no kernel gradient
         is summed (each device computes its shard's from all tokens). The bytes are net of the
         kernels' gradient all-reduces, which the tensor-parallel wire holds; they replace those
         kernels' gathers. Measured with libtpu
@@ -71,8 +73,9 @@ class ExpertGathers:
         wire += sum(self._gather(use.inputs, use.dtype) for _, use in columns)  # backward, per projection
         for variable, use in rows:
             output = self._whole(use.output, use.dtype) / shards[variable.path]
+            again = 2 if self._kept_for_backward(variable) else 1
             wire += wire_bytes("all-reduce", output, self.d)
-            wire += self._gather(use.output, use.dtype, shards[variable.path])
+            wire += again * self._gather(use.output, use.dtype, shards[variable.path])
         return wire, frozenset(kernels)
 
     def _bank_sides(
