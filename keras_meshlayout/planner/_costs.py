@@ -266,14 +266,12 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         two_d_axes: dict[str, Axes] = {}
         tp_state = two_d_state = 0
         gathers: dict[str, float] = {}
-        shards_of: dict[str, int] = {}
         kernels: list[keras.Variable] = []
         by_path = {v.path: v for v in variables}
         for variable in variables:
             axes = self.tp_axes[variable.path]
             shards = self.m if self.model_axis in axes else self._expert_shards(axes)
             tp_axes[variable.path] = axes
-            shards_of[variable.path] = shards
             tp_state += self._state(variable, shards, variable.trainable)
             add_wire(tp_wire, self.batch_axis, self._grad_sync(variable, shards))
             spread = self._two_d(variable, axes, by_path)
@@ -318,28 +316,10 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         tp_total = self._lora_traffic(by_path, tp_axes, tp_wire)
         options = [replicated, candidate(layout, tp_axes, tp_state, tp_total)]
         if self.d > 1 and two_d_axes != tp_axes:
-            batch = self._bank_gathers(name, variables, two_d_axes, shards_of, gathers)
+            batch = self.bank_gathers(name, variables, two_d_axes, gathers)
             two_d_wire = self._lora_traffic(by_path, two_d_axes, plus_wire(tp_wire, self.batch_axis, batch))
             options.append(candidate("2-D", two_d_axes, two_d_state, two_d_wire))
         return self._offered(name, options, {p: self.proposal.notes[p] for p in tp_axes}, by_path)
-
-    def _bank_gathers(
-        self,
-        name: str,
-        variables: list[keras.Variable],
-        axes: Mapping[str, Axes],
-        shards: Mapping[str, int],
-        gathers: Mapping[str, float],
-    ) -> float:
-        """The 2-D candidate's gathers over the batch axis: of its kernels, or an expert bank's tokens.
-
-        XLA:TPU gathers the tokens of an expert bank instead of its kernels where `token_gathers` says.
-        """
-        tokens = self.token_gathers(variables, axes, shards) if name in self.proposal.expert_units else None
-        if tokens is None:
-            return sum(gathers.values())
-        wire, kernels = tokens
-        return wire + sum(amount for path, amount in gathers.items() if path not in kernels)
 
     def _offered(self, name: str, options: list[Candidate], notes: dict, paths: Mapping) -> UnitCosts:
         """The unit and its candidates, replicated first; without it for a grouped conv's on a 2-D mesh.

@@ -23,13 +23,38 @@ __all__ = ["ExpertGathers"]
 
 
 class ExpertGathers:
-    """A mixin of `_candidates.Bytes`, whose mesh (`d`, `batch_axis`), `compiler`, traced `uses`,
-    `_activation_value` and `_grad_sync` it reads."""
+    """A mixin of `_candidates.Bytes`, whose mesh (`d`, `m`, the axes), `proposal`, `compiler`, traced
+    `uses`, `_activation_value`, `_grad_sync` and `_kept_for_backward` it reads."""
 
     d: int
+    m: int
+    model_axis: str
+    proposal: Any
+    tp_axes: Mapping[str, Axes]
+    axis_sizes: Mapping[str, int]
     compiler: str
     batch_axis: str | None
     uses: Mapping[str, tuple[Any, ...]]
+
+    def bank_gathers(
+        self,
+        name: str,
+        variables: Sequence[keras.Variable],
+        axes: Mapping[str, Axes],
+        gathers: Mapping[str, float],
+    ) -> float:
+        """A 2-D candidate's gathers over the batch axis: of its kernels (`gathers`), or a bank's tokens.
+
+        XLA:TPU gathers the tokens of an expert bank instead of its kernels where `token_gathers` says.
+        """
+        tokens = None
+        if name in self.proposal.expert_units:
+            shards = {v.path: self._unit_shards(self.tp_axes[v.path]) for v in variables}
+            tokens = self.token_gathers(variables, axes, shards)
+        if tokens is None:
+            return sum(gathers.values())
+        wire, kernels = tokens
+        return wire + sum(amount for path, amount in gathers.items() if path not in kernels)
 
     def token_gathers(
         self, variables: Sequence[keras.Variable], axes: Mapping[str, Axes], shards: Mapping[str, int]
@@ -77,6 +102,13 @@ class ExpertGathers:
             wire += wire_bytes("all-reduce", output, self.d)
             wire += again * self._gather(use.output, use.dtype, shards[variable.path])
         return wire, frozenset(kernels)
+
+    def _unit_shards(self, axes: Axes) -> int:
+        """How many ways a bank weight is split over the model axis, or else the mesh's expert axis."""
+        if self.model_axis in axes:
+            return self.m
+        axis = self.proposal.expert_axis
+        return self.axis_sizes.get(axis, 1) if axis is not None and axis in axes else 1
 
     def _bank_sides(
         self, variables: Sequence[keras.Variable], axes: Mapping[str, Axes]
