@@ -327,6 +327,71 @@ def test_fully_sharded_transformer_bytes_and_peak_follow_xla_tpu(split):
     assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(1.0, abs=0.10)
 
 
+#: A 2-layer keras-hub Mixtral (hidden 256, intermediate 512, 4 experts, top 2, 8 rows x 64 tokens)
+#: fully sharded on v5e 2x4 -> predicted / XLA:TPU's peak (libtpu 0.0.42.1). Its bytes per axis are
+#: within 2%: `data` 1.0006 (`data=2,model=4`) and 0.9957 (`data=8`), were 1.208 and 1.873 while the
+#: expert kernels were costed as gathered (XLA:TPU gathers the 512 tokens instead, `_expert_gathers`),
+#: `data×model` 1.000, was 1.331 (the output table over both axes, gathered once in bfloat16).
+MOE_FSDP_PEAKS = {"2x4": 0.434, "8x1": 0.480}
+#: `model` on `data=2,model=4`: 0.977, the routing's per-token collectives over the experts (ten
+#: `(256, 2)` all-reduces and an all-to-all a layer) and the router kernels' update gathered back
+#: over them (about 86 KB of the 83 KB missing), not modelled, as in `AGREEMENT`'s moe row.
+MOE_FSDP_BYTES = {"model": (0.977, 0.005)}
+
+
+@functools.cache
+def _fully_sharded_mixtral(split: str) -> Compiled:
+    """The small Mixtral planned fully sharded and compiled by XLA:TPU, once per mesh."""
+    build = functools.partial(_hub_lm, "MixtralBackbone", 256, 512, layers=2, num_experts=4, top_k=2)
+    data, model = FSDP_MESHES[split]
+    mesh = kml.Mesh(data=data, model=model, target="tpu-v5e:2x4")
+    x = {n: jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32") for n in ("token_ids", "padding_mask")}
+    y = jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32")
+    with kml.dry_build(build) as lm:
+        rules = plan_rules(lm, mesh, batch=x, optimizer="adam", fully_sharded=True)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return Compiled(
+        rules, kml.compile_step(build, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
+    )
+
+
+@pytest.mark.parametrize("split", sorted(FSDP_MESHES), ids=sorted(FSDP_MESHES))
+def test_a_fully_sharded_moe_sends_what_xla_tpu_compiles_gathering_its_tokens(split):
+    """An expert bank whose gate and up kernels are split over `data` on their intermediate dimension,
+    each shard at least the block's input for the whole batch: XLA:TPU gathers the 512 tokens (in
+    bfloat16) instead of the kernels, all-reduces the output projection's partial sums over `data`
+    and gathers their gradient back; no kernel is gathered, no kernel gradient summed."""
+    rules, step = _fully_sharded_mixtral(split)
+    layouts = {c.unit.rpartition("/")[2]: c.layout for c in rules.cost.choices}
+    assert layouts["experts"] == "2-D"
+    measured = {axis: b for axis, b in step.comm.wire_bytes_by_axis.items() if b > 64}  # not scalar sums
+    predicted = {axis: b for axis, b in rules.cost.wire_bytes_by_axis.items() if b > 64}
+    assert set(predicted) == set(measured)
+    for axis in measured:
+        expected, tolerance = MOE_FSDP_BYTES.get(axis, (1.0, 0.02))
+        assert predicted[axis] / measured[axis] == pytest.approx(expected, abs=tolerance), (
+            axis,
+            predicted,
+            measured,
+        )
+    gathers = {t.shape for t in step.comm.transfers if t.kind == "all-gather" and "experts" in t.layer}
+    assert gathers <= {(512, 256), (1, 512, 256), (4 // FSDP_MESHES[split][1], 512, 256)}, gathers
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the peak of the fully sharded Mixtral is 0.434 (2x4) and 0.480 (8x1) of XLA:TPU's: XLA:TPU "
+    "leaves 8.0 MB (2x4) and 8.1 MB (8x1) of temporaries in HBM where the walk, its transient far under "
+    "v5e's on-chip 64 MiB, keeps them all on chip (`_tpu_memory.in_hbm`); not yet understood",
+)
+@pytest.mark.parametrize("split", sorted(FSDP_MESHES), ids=sorted(FSDP_MESHES))
+def test_the_peak_of_a_fully_sharded_moe_follows_xla_tpu(split):
+    rules, step = _fully_sharded_mixtral(split)
+    ratio = rules.cost.peak_bytes / step.peak_bytes
+    assert ratio == pytest.approx(MOE_FSDP_PEAKS[split], abs=0.01)  # the measured miss, pinned
+    assert ratio == pytest.approx(1.0, abs=0.10)
+
+
 def test_a_windowed_reduce_scatter_is_counted_once_per_run_of_its_loop():
     """From about 2,048 tokens per device over `data=8`, XLA:TPU reduce-scatters a fully sharded kernel's
     gradient as a windowed einsum (and gathers the first kernel so, forward): a loop whose body (4

@@ -207,11 +207,14 @@ class BatchGathers:
         """A kernel split over the batch axis alone, on its input features: its gathers and input gradient.
 
         XLA:CPU gathers it once forward, its input gradient as `_input_gradient` says. XLA:TPU
-        gathers it once in bfloat16 (`gathers_per_step`), and, while XLA:CPU would gather it again,
-        also gathers the output gradient (in bfloat16) and moves the input gradient (an all-to-all
-        in float32): measured on v5e `data=8`, a Dense MLP, at 2, 8 and 32 rows per device, not at
-        128 or 512 (predicted 0.996–0.997 of the compiled bytes); its gradient's all-reduce (counted
-        with the weight) is a windowed reduce-scatter from `WINDOWED_ROWS` rows (`windowed_sync`).
+        gathers it in bfloat16 (`gathers_per_step`), and, where the output gradient of the whole
+        batch holds fewer elements than the kernel, also gathers that (in bfloat16) and moves the
+        input gradient (an all-to-all in float32): measured on v5e `data=8`, a Dense MLP 64→512→64,
+        at 2, 8 and 32 rows per device, not at 128 or 512 (predicted 0.996–0.997 of the compiled
+        bytes), and not for a keras-hub Mixtral's output table (256×1024, 512 tokens; XLA:CPU's
+        rule, `_regathered`, said it did: 1.043 of the compiled `data` bytes on `data=8`); its
+        gradient's all-reduce (counted with the weight) is a windowed reduce-scatter from
+        `WINDOWED_ROWS` rows (`windowed_sync`).
         """
         size, d = nbytes(kernel), self.d
         if self.compiler != "tpu":
@@ -219,7 +222,7 @@ class BatchGathers:
         share = self.gathered_share(kernel)
         count = self.gathers_per_step(layer, kernel, size, "whole")
         wire = count * wire_bytes("all-gather", size * share, d) + self.windowed_sync(kernel, 1)
-        if not self._regathered(layer, kernel, size, "whole"):
+        if use.from_input or math.prod(use.output) >= math.prod(kernel.shape):
             return wire
         output = self._activation(use.output, use.dtype) * d * share
         moved = wire_bytes("all-to-all", self._summed(use.inputs, use.dtype), d)

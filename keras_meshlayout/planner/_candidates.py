@@ -25,6 +25,7 @@ from ..core._shape_checks import is_weight_matrix
 from ..report._collectives import wire_bytes
 from ._batch_gathers import BatchGathers, nbytes
 from ._batch_sums import batch_sums
+from ._expert_gathers import ExpertGathers
 from ._layers import followers
 from ._ledger import Proposal
 from ._trace import _PASS, Trace
@@ -112,7 +113,7 @@ def candidate(
     return Candidate(layout, frozen_axes, int(state), frozen(wire), frozen(notes or {}))
 
 
-class Bytes(BatchGathers):
+class Bytes(BatchGathers, ExpertGathers):
     """The byte counts every cost reads: the mesh, the traced uses, the memory model."""
 
     def __init__(

@@ -265,7 +265,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         tp_axes: dict[str, Axes] = {}
         two_d_axes: dict[str, Axes] = {}
         tp_state = two_d_state = 0
-        gathers = 0.0
+        gathers: dict[str, float] = {}
         kernels: list[keras.Variable] = []
         by_path = {v.path: v for v in variables}
         for variable in variables:
@@ -292,7 +292,7 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
                     count = 0 if self.compiler == "tpu" else count
             two_d_axes[variable.path] = spread
             if spread != axes:
-                gathers += self.two_d_gathers(variable, shards, count, gathered)
+                gathers[variable.path] = self.two_d_gathers(variable, shards, count, gathered)
                 two_d_state += self._state(variable, shards * self.d, variable.trainable)
             else:
                 two_d_state += self._state(variable, shards, variable.trainable)
@@ -316,7 +316,8 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         tp_total = self._lora_traffic(by_path, tp_axes, tp_wire)
         options = [replicated, candidate(layout, tp_axes, tp_state, tp_total)]
         if self.d > 1 and two_d_axes != tp_axes:
-            two_d_wire = self._lora_traffic(by_path, two_d_axes, plus_wire(tp_wire, self.batch_axis, gathers))
+            batch = self.bank_gathers(name, variables, two_d_axes, gathers)
+            two_d_wire = self._lora_traffic(by_path, two_d_axes, plus_wire(tp_wire, self.batch_axis, batch))
             options.append(candidate("2-D", two_d_axes, two_d_state, two_d_wire))
         return self._offered(name, options, {p: self.proposal.notes[p] for p in tp_axes}, by_path)
 
