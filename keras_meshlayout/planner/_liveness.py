@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 from ..core._axes import Axes
 from . import _tpu_memory
-from ._fusion import ELEMENTWISE, fused, fused_on_tpu, laid_out
+from ._fusion import ELEMENTWISE, fused, fused_on_tpu, laid_out, shared_constants
 from ._propagate import Specs, itemsize
 from ._trace import Trace
 
@@ -57,6 +57,9 @@ def transient_peak(
     for value in buffers:
         _add(starts, written[value], sizes[value])
         _add(frees, last.get(value, written[value]), sizes[value])
+    for first, final, value in shared_constants(trace, not_written) if held else ():
+        _add(starts, first, sizes[value])
+        _add(frees, final, sizes[value])
     for value, (first, final) in specs.gathered.items():
         _add(starts, first, specs.bytes(value))
         _add(frees, final, specs.bytes(value))
