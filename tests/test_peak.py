@@ -70,10 +70,9 @@ CASES = [
         np.zeros((32, 256), "float32"),
         id="int8-2x4",
     ),
-    # Was 0.880 (a Keras MultiHeadAttention encoder block): XLA:CPU writes the pooled cotangent
-    # broadcast over the tokens for the bias gradient's sum, and each layer norm's scale and inverse
-    # deviation broadcast from the forward pass to the sums of the backward one, never their product
-    # (planner/_fusion.py `_reduced_across_broadcast`, `shared_broadcasts`, `_of_broadcasts`); 1.028 since.
+    # Was 0.880 (a Keras MultiHeadAttention encoder block): XLA:CPU writes a layer norm's backward
+    # input that broadcasts its scale along the normalised features it sums over, and the pooled
+    # cotangent broadcast over the tokens (planner/_fusion.py `_reduced_across_broadcast`); 0.928 since.
     pytest.param(build_encoder, (2, 4), np.zeros((32, 16), "int32"), id="mha-2x4"),
     # Regression: the 1024 -> 256 kernel's dequantised float copy, written out for its input gradient's
     # matmul (1 MiB, the step's largest temporary), was not predicted: 0.615 (planner/_fusion.py).

@@ -11,13 +11,12 @@ against the compiler's buffer assignment (`XLA_FLAGS=--xla_dump_to=DIR`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 
 from ._propagate import REDUCTIONS
 from ._trace import LITERALS, Node, Trace
 
-__all__ = ["ELEMENTWISE", "fused", "fused_on_tpu", "laid_out", "shared_broadcasts", "shared_constants"]
+__all__ = ["ELEMENTWISE", "fused", "fused_on_tpu", "laid_out", "shared_constants"]
 
 
 #: Operations XLA fuses into their readers: element-wise arithmetic, casts, broadcasts, reshapes.
@@ -89,102 +88,33 @@ def fused(trace: Trace) -> set[int]:
             found.add(value)  # the zeros a scatter-add starts from: written into its result
         elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
             found.add(value)
-        elif all(_fusing(p) for p in primitives) and _of_broadcasts(trace, node):
-            found.add(value)  # an outer product (a scale times a row's statistic): recomputed in each reader
     return found - _reduced_across_broadcast(trace, found)
-
-
-def _of_broadcasts(trace: Trace, node: Node) -> bool:
-    """Whether `node` is a cheap element-wise operation whose every operand it broadcasts (is smaller)."""
-    size = math.prod(trace.shapes[node.outputs[0]])
-    operands = [v for v in node.inputs if v >= 0]
-    return (
-        node.primitive not in _EXPENSIVE
-        and len(node.outputs) == 1
-        and bool(operands)
-        and all(math.prod(trace.shapes[v]) < size for v in operands)
-    )
 
 
 def _reduced_across_broadcast(trace: Trace, fused_values: set[int]) -> set[int]:
     """The fused inputs of reductions XLA:CPU writes out: a broadcast in them varies along a reduced dim.
 
     XLA:CPU's reduction fusions do not broadcast an operand along the dimensions they sum
-    over, so the element-wise input of such a reduction is a buffer the reduction reads, unless
-    every such broadcast is one the forward pass also makes (`shared_broadcasts`: that one buffer).
-    Measured on a Keras encoder block (2x4): the pooled cotangent broadcast over the tokens is
-    summed over the batch for a bias gradient, and is written as a full-size buffer (the walk had
-    fused it: with the rule below, 0.880 of the compiled peak).
+    over, so the element-wise input of such a reduction is a buffer the reduction reads.
+    Measured on a Keras encoder block (2x4): a layer norm's backward sums the cotangent times
+    its scale (which varies along the normalised features) over the features, and the pooled
+    cotangent broadcast over the tokens is summed over the batch for the bias gradient; each is
+    written as a full-size buffer (the walk had fused them: 0.880 of the compiled peak).
     """
     found = set()
-    for node, tree, offending in _reductions_across(trace, fused_values):
-        if any(_shared_use(trace, operand, node.inputs[0], tree) is None for operand in offending):
-            found.add(node.inputs[0])
-    return found
-
-
-def shared_broadcasts(trace: Trace, fused_values: set[int]) -> list[tuple[int, int, int]]:
-    """The broadcasts XLA:CPU writes once for the forward pass and a reduction: `(first, last, value)` each.
-
-    A reduction that sums over a dimension along which its fused input broadcasts a smaller
-    operand (`_reduced_across_broadcast`) reads that broadcast from a buffer of its input's shape
-    (`value`'s); where the forward pass broadcasts the same operand to that shape, XLA merges the
-    two into one buffer, alive from the forward's use on. Measured on a Keras encoder block (2x4):
-    each layer norm's scale and inverse deviation, broadcast over the tokens and the features
-    respectively, are two f32[16, 16, 64] buffers from the forward pass to the sums of the
-    backward one (0.928 of the compiled peak without them).
-    """
-    found: dict[tuple[int, tuple[int, ...]], tuple[int, int, int]] = {}
-    for node, tree, offending in _reductions_across(trace, fused_values):
-        value = node.inputs[0]
-        firsts = [_shared_use(trace, operand, value, tree) for operand in offending]
-        if any(first is None for first in firsts):
-            continue  # written as the reduction's input (`_reduced_across_broadcast`)
-        for operand, first in zip(offending, firsts, strict=True):
-            key = (operand, trace.shapes[value])
-            start, last, _ = found.get(key, (first, node.index, value))
-            found[key] = (min(start, first), max(last, node.index), value)
-    return list(found.values())
-
-
-def _reductions_across(
-    trace: Trace, fused_values: set[int]
-) -> Iterator[tuple[Node, set[int], list[int | None]]]:
-    """Each reduction whose fused input broadcasts along a reduced dimension: `(node, tree, operands)`.
-
-    `tree` holds the nodes of the input's fusion (`_fused_tree`), `operands` the broadcast ones
-    (`None` for an explicit `broadcast_in_dim`).
-    """
     for node in trace.nodes:
         if node.primitive not in REDUCTIONS or not node.inputs or node.inputs[0] not in fused_values:
             continue
         axes = set(node.params.get("axes", ()))
-        offending = _broadcast_along(trace, node.inputs[0], axes, fused_values)
-        if offending:
-            yield node, _fused_tree(trace, node.inputs[0], fused_values), offending
+        if _broadcast_along(trace, node.inputs[0], axes, fused_values):
+            found.add(node.inputs[0])
+    return found
 
 
-def _shared_use(trace: Trace, operand: int | None, value: int, tree: set[int]) -> int | None:
-    """The first node outside `tree` that broadcasts `operand` to `value`'s shape, or `None`."""
-    if operand is None:
-        return None
-    uses = [
-        reader
-        for reader in trace.consumers.get(operand, ())
-        if reader not in tree
-        and trace.nodes[reader].primitive in ELEMENTWISE
-        and trace.shapes[trace.nodes[reader].outputs[0]] == trace.shapes[value]
-    ]
-    return min(uses, default=None)
-
-
-def _broadcast_along(trace: Trace, value: int, axes: set[int], fused_values: set[int]) -> list[int | None]:
-    """The operands `value`'s fused expression broadcasts that vary along one of `axes`.
-
-    Each is the smaller operand of an element-wise operation, or `None` for a `broadcast_in_dim`.
-    """
+def _broadcast_along(trace: Trace, value: int, axes: set[int], fused_values: set[int]) -> bool:
+    """Whether `value`'s fused expression broadcasts an operand that varies along one of `axes`."""
     shape = trace.shapes[value]
-    pending, seen, found = [value], set(), []
+    pending, seen = [value], set()
     while pending:
         current = pending.pop()
         if current in seen or current not in trace.producer:
@@ -195,7 +125,7 @@ def _broadcast_along(trace: Trace, value: int, axes: set[int], fused_values: set
             operand = trace.shapes[node.inputs[0]] if node.inputs[0] >= 0 else ()
             dims = node.params["broadcast_dimensions"]
             if any(size > 1 and d in axes for size, d in zip(operand, dims, strict=False)):
-                found.append(None)
+                return True
             continue
         if node.primitive not in ELEMENTWISE or trace.shapes[current] != shape:
             continue
@@ -203,10 +133,10 @@ def _broadcast_along(trace: Trace, value: int, axes: set[int], fused_values: set
             small = trace.shapes[operand]
             if len(small) == len(shape) and small != shape:  # broadcast implicitly over its 1s
                 if any(small[d] > 1 for d in axes if d < len(small)):
-                    found.append(operand)
+                    return True
             elif operand in fused_values:
                 pending.append(operand)
-    return found
+    return False
 
 
 def _written_dequantised(trace: Trace, weights: set[int]) -> set[int]:

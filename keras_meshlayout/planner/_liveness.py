@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 from ..core._axes import Axes
 from . import _tpu_memory
-from ._fusion import ELEMENTWISE, fused, fused_on_tpu, laid_out, shared_broadcasts, shared_constants
+from ._fusion import ELEMENTWISE, fused, fused_on_tpu, laid_out, shared_constants
 from ._propagate import Specs, copied_operands, itemsize
 from ._trace import Trace
 
@@ -61,8 +61,7 @@ def transient_peak(
     for value in buffers:
         _add(starts, written[value], sizes[value])
         _add(frees, last.get(value, written[value]), sizes[value])
-    shared = [*shared_constants(trace, not_written), *shared_broadcasts(trace, not_written)] if held else []
-    for first, final, value in shared:
+    for first, final, value in shared_constants(trace, not_written) if held else ():
         _add(starts, first, sizes[value])
         _add(frees, final, sizes[value])
     for value, (first, final) in specs.gathered.items():
