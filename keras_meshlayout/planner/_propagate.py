@@ -29,7 +29,7 @@ from ..core._axes import Axes, entry_axes
 from ._grower import ELEMENTWISE
 from ._trace import Node, Trace, trace_body
 
-__all__ = ["REDUCTIONS", "Specs", "itemsize"]
+__all__ = ["REDUCTIONS", "Specs", "copied_operands", "itemsize"]
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -232,11 +232,7 @@ class Specs:
         if getattr(numbers, "lhs_spec", None) is None:
             return 0
         rank = len(numbers.lhs_spec)
-        copies = 0
-        if tuple(numbers.lhs_spec[:2]) != (0, rank - 1):
-            copies += self.bytes(node.inputs[0]) if node.inputs[0] >= 0 else 0
-        if tuple(numbers.rhs_spec[:2]) != (rank - 1, rank - 2):
-            copies += self.bytes(node.inputs[1]) if node.inputs[1] >= 0 else 0
+        copies = sum(self.bytes(v) for v in copied_operands(node))
         if tuple(numbers.out_spec[:2]) != (0, rank - 1):
             copies += self.bytes(node.outputs[0])
         return copies
@@ -284,6 +280,20 @@ class Specs:
                 elif node.primitive in ("convert_element_type", "transpose", "reshape", "copy"):
                     stack.extend(node.outputs)
         return found
+
+
+def copied_operands(node: Node) -> list[int]:
+    """The operands XLA:CPU copies into its own layout before the convolution `node` (`Specs`)."""
+    numbers = node.params.get("dimension_numbers")
+    if node.primitive != "conv_general_dilated" or getattr(numbers, "lhs_spec", None) is None:
+        return []
+    rank = len(numbers.lhs_spec)
+    copied = []
+    if tuple(numbers.lhs_spec[:2]) != (0, rank - 1) and node.inputs[0] >= 0:
+        copied.append(node.inputs[0])
+    if tuple(numbers.rhs_spec[:2]) != (rank - 1, rank - 2) and node.inputs[1] >= 0:
+        copied.append(node.inputs[1])
+    return copied
 
 
 def itemsize(dtype: str) -> int:

@@ -21,8 +21,10 @@ import numpy as np
 from .. import _compat
 from ..core._grouped_scan import abstract_value
 
-__all__ = ["Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
+__all__ = ["LITERALS", "Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
 
+#: The node parameter that holds, per operand, its scalar literal's value (`None` for a value).
+LITERALS = "kml_literals"
 #: Operations a weight passes through unchanged on its way to being used (a cast under mixed precision).
 _PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
 
@@ -358,9 +360,11 @@ class _Builder:
             outs = [self.new(v.aval) for v in eqn.outvars]
             for var, value in zip(eqn.outvars, outs, strict=True):
                 self.env[var] = value
-            self.nodes.append(
-                Node(len(self.nodes), eqn.primitive.name, tuple(args), tuple(outs), dict(eqn.params))
-            )
+            params = dict(eqn.params)
+            literals = tuple(_scalar(a) for a in eqn.invars)
+            if any(v is not None for v in literals):
+                params[LITERALS] = literals
+            self.nodes.append(Node(len(self.nodes), eqn.primitive.name, tuple(args), tuple(outs), params))
         return [self.read(v) for v in jaxpr.outvars]
 
 
@@ -378,6 +382,16 @@ _CALLS = (
     "checkpoint",
     "custom_lin",
 )
+
+
+def _scalar(atom: Any) -> float | None:
+    """A scalar literal operand's value, else `None`."""
+    if type(atom).__name__ != "Literal" or np.size(atom.val) != 1:
+        return None
+    try:
+        return float(np.asarray(atom.val).reshape(()))
+    except (TypeError, ValueError):
+        return None
 
 
 def _inner_jaxpr(eqn: Any) -> Any:
