@@ -78,6 +78,11 @@ class Generation:
         hbm_alignment: The alignment of each of a program's temporary buffers in HBM, where
             it costs bytes (`planner._tpu_memory.aligned_bytes`): 16 KiB on v5p (libtpu's
             `xla_jf_program_hbm_alignment_in_kib`); 0 where none was measured (v4, v5e, v6e).
+        reduced_gather_bytes: The largest copy XLA:TPU gathers over a group of
+            `planner._one_weight.REDUCED_GROUP` devices or more as an all-reduce of a zero-padded
+            buffer (twice an all-gather's bytes; a larger one is all-gathered): 8 MiB on v5e
+            (8 MiB reduced, 16 MiB gathered, over 64 and 256 devices), unbounded on v5p (reduced
+            up to 1 GiB over 64), both libtpu 0.0.42.1; v5e's kept for v4 and v6e (not measured).
     """
 
     name: str
@@ -93,6 +98,7 @@ class Generation:
     chip_config: str | None = None
     on_chip_bytes: int = 64 * 2**20
     hbm_alignment: int = 0
+    reduced_gather_bytes: float = 8 * 2**20
 
 
 _TORUS_2D = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
@@ -129,6 +135,7 @@ GENERATIONS: Mapping[str, Generation] = {
             50e9 / 8,
             on_chip_bytes=0,
             hbm_alignment=16 * 1024,
+            reduced_gather_bytes=math.inf,
         ),
         Generation(
             "tpu-v6e",

@@ -163,6 +163,9 @@ class Bytes(BatchGathers, ExpertGathers):
     replicate_below: int = 0
     #: The compiler the traffic follows: `"tpu"` on a TPU target (`_peak.compiler_of`), else `"cpu"`.
     compiler: str = "cpu"
+    #: The largest copy XLA:TPU gathers over `_one_weight.REDUCED_GROUP` devices or more as an
+    #: all-reduce (`core._targets.Generation.reduced_gather_bytes`); 0: none (no TPU target).
+    reduced_gathers: float = 0.0
 
     def merged_input_grads(self, uses: Sequence[Any]) -> set[int]:
         """The nodes of `uses` whose input-gradient all-reduce XLA:TPU folds into another's.

@@ -90,18 +90,21 @@ def cost_units(
     optimizer: str | keras.optimizers.Optimizer | None,
     replicate_below: int = 0,
     compiler: str = "cpu",
+    reduced_gathers: float = 0.0,
 ) -> CostTable:
     """Every unit of `proposal` with its candidate layouts, costed on `trace`'s batch.
 
     A weight matrix with fewer than `replicate_below` elements gets no layout
     but replicated: the policy keeps it whole when the rules run. `compiler`
     (`"tpu"` on a TPU target, `_peak.compiler_of`) picks the formulas that differ
-    between XLA:CPU and XLA:TPU (`Bytes.merged_input_grads`).
+    between XLA:CPU and XLA:TPU (`Bytes.merged_input_grads`); `reduced_gathers` is the target
+    generation's `Generation.reduced_gather_bytes` (`Bytes.reduced_gathers`).
     """
     coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
     coster.grouped = grouped_kernels(trace)
     coster.replicate_below = replicate_below
     coster.compiler = compiler
+    coster.reduced_gathers = reduced_gathers
     whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
     units = tuple(coster.units())
     return CostTable(units, coster.activation_reserve(), whole_after, frozenset(coster.gathered_kernels()))

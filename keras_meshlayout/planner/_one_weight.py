@@ -26,6 +26,10 @@ from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, froze
 from ._layers import idle_axes, lookup_table, tied_table
 from ._tables_2d import no_budget_choice
 
+#: The devices over both axes from which XLA:TPU gathers a small kernel as an all-reduce
+#: (`OneWeightCosts._gathers_over_both`): 64 measured so (v5e 8×8, v5p 4×4×4), 32 not.
+REDUCED_GROUP = 64
+
 __all__ = ["OneWeightCosts"]
 
 #: What leads a weight read element-wise on to its reader, changing only its shape or type.
@@ -348,13 +352,23 @@ class OneWeightCosts(Bytes):
         XLA:CPU: one, of the kernel (measured on 2×4 and 4×2). XLA:TPU gathers it in bfloat16, and
         again for the backward pass unless `_kept_for_backward` (`gathers_per_step`): measured with
         libtpu 0.0.42.1 on a keras-hub Mixtral's output table on v5e `data=2,model=4`, gathered
-        once (predicted in float32 it was 1.33 of the compiled `data×model` bytes).
+        once (predicted in float32 it was 1.33 of the compiled `data×model` bytes). Over
+        `REDUCED_GROUP` devices or more, a bfloat16 copy of at most the generation's
+        `reduced_gathers` bytes is not all-gathered: each device writes its shard into zeros and
+        the copy is all-reduced over both axes (twice the bytes). Measured with a Dense head
+        split over both axes, 512 × 1024 to 4096 × 131072: on v5p 4×4×4 (`data=8,model=8`,
+        `16×4`, `4×16`, `32×2`) always, and Mixtral 8×7 B's output table there (predicted as an
+        all-gather it was 0.500 of the compiled `data×model` bytes); on v5e 8×8 and 16×16 up to
+        8 MiB, not from 16 MiB (Mixtral's 262 MB table on `data=32,model=8`); over 32 devices
+        or fewer (v5e 4×8, v5p 4×4×2, 2×2×2) all-gathered.
         """
         shards = self.d * self.m
         if self.compiler != "tpu":
             return wire_bytes("all-gather", size, shards)
         count = self.gathers_per_step(owner, variable, size, "whole")
-        return count * wire_bytes("all-gather", size * self.gathered_share(variable), shards)
+        gathered = size * self.gathered_share(variable)
+        reduced = shards >= REDUCED_GROUP and gathered <= self.reduced_gathers
+        return count * wire_bytes("all-reduce" if reduced else "all-gather", gathered, shards)
 
     def _input_gradient_gathers(self, variable: keras.Variable, use) -> dict[str, float]:
         """What a kernel split over both axes on its input features sends for its input gradient.

@@ -164,6 +164,13 @@ def compiler_of(mesh: Any) -> str:
     return "tpu" if getattr(mesh, "target", None) is not None else "cpu"
 
 
+def reduced_gather_bytes_of(mesh: Any) -> float:
+    """The largest copy XLA:TPU gathers over 64 devices or more as an all-reduce, on `mesh`'s TPU
+    generation (`Generation.reduced_gather_bytes`); 0 (none) without a target."""
+    target = getattr(mesh, "target", None)
+    return 0.0 if target is None else target.generation.reduced_gather_bytes
+
+
 def chip_of(mesh: Any) -> _tpu_memory.Chip:
     """The walk's figures of `mesh`'s TPU generation: on-chip memory, HBM alignment (`_tpu_memory`).
 
