@@ -359,6 +359,7 @@ PLANNER_ORDER = [
     "_lora",
     "_quantized",
     "_batch_gathers",
+    "_expert_gathers",
     "_candidates",
     "_tables_2d",
     "_conv_costs",
