@@ -190,6 +190,14 @@ def auto_rules(
     )  # fmt: skip
 
 
+def _check_model_axis(mesh: keras.distribution.DeviceMesh, model_axis: str) -> None:
+    if model_axis not in mesh.axis_names:
+        raise InvalidRuleError(
+            f"auto_rules: model_axis={model_axis!r} is not an axis of the mesh, which has axes "
+            f"{tuple(mesh.axis_names)}. Fix: pass model_axis= one of them."
+        )
+
+
 def plan_rules(
     model: keras.Model,
     mesh: keras.distribution.DeviceMesh,
@@ -211,11 +219,7 @@ def plan_rules(
     `batch_axis` (and the model axis where it divides), a table over both axes: the plan
     `auto_rules` falls back to when nothing else fits. `memory_budget` is then only checked.
     """
-    if model_axis not in mesh.axis_names:
-        raise InvalidRuleError(
-            f"auto_rules: model_axis={model_axis!r} is not an axis of the mesh, which has axes "
-            f"{tuple(mesh.axis_names)}. Fix: pass model_axis= one of them."
-        )
+    _check_model_axis(mesh, model_axis)
     size = mesh_axis_sizes(mesh)[model_axis]
     if batch_axis is None:
         batch_axis = next((axis for axis in mesh.axis_names if axis != model_axis), None)
