@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import sys
+from collections.abc import Callable
 from typing import NamedTuple
 
 import hub_models
@@ -304,13 +305,8 @@ def test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent(name, split):
 FSDP_MESHES = {"2x4": (2, 4), "8x1": (8, 1)}
 
 
-@pytest.mark.parametrize("split", sorted(FSDP_MESHES), ids=sorted(FSDP_MESHES))
-def test_fully_sharded_transformer_bytes_and_peak_follow_xla_tpu(split):
-    """XLA:TPU gathers a fully sharded kernel in bfloat16 for the forward pass and, unless the forward
-    pass reads it after the last attention (the last layer's feed-forward, the output table), again for
-    the backward pass; the weights' gradients are all-reduced over `data` at these sizes. Bytes per
-    axis within 2%, the peak within 10% (measured 0.998-0.999 on hidden 256)."""
-    build = functools.partial(_hub_lm, "Llama3Backbone", 128, 256, layers=2)
+def _fully_sharded(build: Callable[[], keras.Model], split: str) -> Compiled:
+    """`build`'s fully sharded plan on v5e 2x4 split as `split`, and its step compiled by XLA:TPU."""
     data, model = FSDP_MESHES[split]
     mesh = kml.Mesh(data=data, model=model, target="tpu-v5e:2x4")
     x = {n: jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32") for n in ("token_ids", "padding_mask")}
@@ -318,7 +314,18 @@ def test_fully_sharded_transformer_bytes_and_peak_follow_xla_tpu(split):
     with kml.dry_build(build) as lm:
         rules = plan_rules(lm, mesh, batch=x, optimizer="adam", fully_sharded=True)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    step = kml.compile_step(build, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
+    return Compiled(
+        rules, kml.compile_step(build, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
+    )
+
+
+@pytest.mark.parametrize("split", sorted(FSDP_MESHES), ids=sorted(FSDP_MESHES))
+def test_fully_sharded_transformer_bytes_and_peak_follow_xla_tpu(split):
+    """XLA:TPU gathers a fully sharded kernel in bfloat16 for the forward pass and, unless the forward
+    pass reads it after the last attention (the last layer's feed-forward, the output table), again for
+    the backward pass; the weights' gradients are all-reduced over `data` at these sizes. Bytes per
+    axis within 2%, the peak within 10% (measured 0.998-0.999 on hidden 256)."""
+    rules, step = _fully_sharded(functools.partial(_hub_lm, "Llama3Backbone", 128, 256, layers=2), split)
     measured = {axis: b for axis, b in step.comm.wire_bytes_by_axis.items() if b > 64}  # not scalar sums
     predicted = {axis: b for axis, b in rules.cost.wire_bytes_by_axis.items() if b > 64}
     assert set(predicted) == set(measured)
@@ -343,16 +350,7 @@ MOE_FSDP_BYTES = {"model": (0.977, 0.005)}
 def _fully_sharded_mixtral(split: str) -> Compiled:
     """The small Mixtral planned fully sharded and compiled by XLA:TPU, once per mesh."""
     build = functools.partial(_hub_lm, "MixtralBackbone", 256, 512, layers=2, num_experts=4, top_k=2)
-    data, model = FSDP_MESHES[split]
-    mesh = kml.Mesh(data=data, model=model, target="tpu-v5e:2x4")
-    x = {n: jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32") for n in ("token_ids", "padding_mask")}
-    y = jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32")
-    with kml.dry_build(build) as lm:
-        rules = plan_rules(lm, mesh, batch=x, optimizer="adam", fully_sharded=True)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return Compiled(
-        rules, kml.compile_step(build, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
-    )
+    return _fully_sharded(build, split)
 
 
 @pytest.mark.parametrize("split", sorted(FSDP_MESHES), ids=sorted(FSDP_MESHES))
