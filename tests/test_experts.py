@@ -86,11 +86,27 @@ MESHES = {
     "2x4": {"data": 2, "model": 4},
     "4x2": {"data": 4, "model": 2},
     "2x2x2": {"data": 2, "expert": 2, "model": 2},  # the banks on the expert axis (issue 21, item 5)
+    "2x4x1": {"data": 2, "expert": 4, "model": 1},  # one `choose_mesh` ranks: no model axis to speak of
 }
-AGREEMENT = [("MixtralBackbone", "2x2x2"), ("QwenMoeBackbone", "2x4"), ("Qwen3MoeBackbone", "4x2")]
+#: Measured 2026-12-03 (jax 0.10.2, XLA:CPU; the same on XLA:TPU v5e at hidden 512: 'data' 1.156,
+#: 'expert' 0.596, 1 MB over 'data×expert'): with the model axis of size 1 nothing but the banks is
+#: laid out over `expert`, and XLA's sharding propagation spreads the token table's look-up and its
+#: gradient over it (collective-permutes over 'data×expert', an all-reduce of the table's gradient
+#: over 'expert'), which the costs do not predict. `choose_mesh` ranks such splits on that prediction.
+_NO_MODEL_AXIS = (
+    "'data' 1.053 (327,708 predicted, 311,196 compiled), 'expert' 0.820 (74,496 vs 90,880) and 16,512 "
+    "bytes over 'data×expert' not predicted: XLA spreads the token look-up over the otherwise unused "
+    "expert axis"
+)
+AGREEMENT = [
+    ("MixtralBackbone", "2x2x2"),
+    ("QwenMoeBackbone", "2x4"),
+    ("Qwen3MoeBackbone", "4x2"),
+    pytest.param("MixtralBackbone", "2x4x1", marks=pytest.mark.xfail(strict=True, reason=_NO_MODEL_AXIS)),
+]
 
 
-@pytest.mark.parametrize(("name", "mesh_name"), AGREEMENT, ids=[f"{n}-{m}" for n, m in AGREEMENT])
+@pytest.mark.parametrize(("name", "mesh_name"), AGREEMENT, ids=lambda value: value)
 def test_expert_parallel_prediction_matches_the_compiled_step(name, mesh_name):
     """Predicted bytes per axis = the compiled step's ± 2%, the batch axis exactly (the router's
     gathers and its load-balancing loss's all-reduces included); on `data × expert × model` the

@@ -70,6 +70,7 @@ from ._candidates import (
     second_axis,
 )
 from ._conv_costs import ConvCosts
+from ._expert_costs import ExpertCosts
 from ._grouped import grouped_kernels
 from ._kv_costs import KeyValueCosts
 from ._layers import owners as layer_owners
@@ -110,7 +111,7 @@ def cost_units(
     return CostTable(units, coster.activation_reserve(), whole_after, frozenset(coster.gathered_kernels()))
 
 
-class _Coster(ConvCosts, KeyValueCosts, TableCosts):
+class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
     """Builds the `CostTable` of one `Proposal` (private: only `cost_units` uses it)."""
 
     #: The kernels grouped convolutions read (`_grouped.grouped_kernels`): never replicated on a 2-D mesh.
@@ -409,68 +410,6 @@ class _Coster(ConvCosts, KeyValueCosts, TableCosts):
         for axis, amount in self.lora_wire({path: axes[path] for path in unit if path in axes}).items():
             add_wire(out, axis, amount)
         return out
-
-    def _expert_shards(self, axes: Axes) -> int:
-        """How many ways an expert bank's weight split over the mesh's expert axis is sharded (else 1)."""
-        axis = self.proposal.expert_axis
-        return self.axis_sizes[axis] if axis is not None and axis in axes else 1
-
-    def _expert_traffic(self, variables: list[keras.Variable], wire: dict[str, float]) -> None:
-        """The all-reduces of an expert bank split on its expert dimension, added to `wire`.
-
-        They run over the axis the bank is split over: the expert axis where the mesh has one
-        (measured on XLA:CPU, a keras-hub Mixtral on `data=2,expert=2,model=2`), else the model axis.
-
-        Measured on XLA:CPU (keras-hub Mixtral, QwenMoe, Qwen3Moe on 2×4 and
-        4×2): forward, the batched projection over the experts (`eti,eih->eth`)
-        gives each device its experts' outputs, and their weighted sum over
-        the experts is one all-reduce of `(tokens, hidden)`; backward, each
-        projection that reads the block's input (`th,ehm->etm`) all-reduces
-        that input's gradient, and the gradient of the chosen experts'
-        weights (`top_k`'s `(tokens, k)`) is all-reduced once.
-        """
-        axis = self.proposal.expert_axis or self.model_axis
-        size = self.axis_sizes[axis]
-        uses = [use for v in variables for use in self.uses.get(v.path, ()) if use.kind == "matmul"]
-        merged = self.merged_input_grads([use for use in uses if 0 not in use.batch and not use.from_input])
-        for variable in variables:
-            for use in self.uses.get(variable.path, ()):
-                if use.kind != "matmul":
-                    continue
-                if 0 in use.batch:
-                    summed = math.prod(use.output[1:]) / self.d * max(np.dtype(use.dtype).itemsize, 4)
-                    add_wire(wire, axis, wire_bytes("all-reduce", summed, size))
-                    for choices in self._routing_choices(self.trace.nodes[use.node].outputs[0]):
-                        add_wire(wire, axis, wire_bytes("all-reduce", choices, size))
-                elif not use.from_input and use.node not in merged:
-                    summed = self._summed(use.inputs, use.dtype)
-                    add_wire(wire, axis, wire_bytes("all-reduce", summed, size))
-
-    def _routing_choices(self, value: int) -> list[float]:
-        """Per-device bytes of the `top_k` weights that scale the experts' outputs `value`, if found."""
-        for index in self.trace.consumers.get(value, ()):
-            node = self.trace.nodes[index]
-            if node.primitive != "mul":
-                continue
-            for operand in node.inputs:
-                top_k = self._upstream(operand, "top_k") if operand != value else None
-                if top_k is not None:
-                    return [math.prod(self.trace.shapes[top_k.outputs[0]]) / self.d * 4]
-        return []
-
-    def _upstream(self, value: int, primitive: str, limit: int = 32):
-        """The nearest node of `primitive` that `value` is computed from, within `limit` nodes."""
-        stack, seen = [value], set()
-        while stack and len(seen) < limit:
-            current = stack.pop(0)
-            if current < 0 or current in seen or current not in self.trace.producer:
-                continue
-            seen.add(current)
-            node = self.trace.nodes[self.trace.producer[current]]
-            if node.primitive == primitive:
-                return node
-            stack.extend(node.inputs)
-        return None
 
     def _splits_further(self, variable: keras.Variable, axes: Axes) -> bool:
         """Whether a 1-D weight split over the model axis alone divides over both axes too."""
