@@ -366,6 +366,7 @@ PLANNER_ORDER = [
     "_one_weight",
     "_kv_costs",
     "_table_costs",
+    "_expert_costs",
     "_costs",
     "_tpu_memory",
     "_fusion",
