@@ -1,9 +1,10 @@
-"""XLA:TPU's batch-axis traffic of a 2-D expert bank whose tokens it gathers instead of its kernels.
+"""The batch-axis traffic of a 2-D expert bank whose tokens XLA gathers instead of its kernels.
 
 `ExpertGathers` is the part of `_candidates.Bytes` that says, for an expert bank split on its
 experts over the model (or expert) axis and on one more dimension over the batch axis (the
-`2-D` candidate), whether XLA:TPU gathers the kernels (`_batch_gathers`) or the tokens, and
-what the second sends.
+`2-D` candidate), whether XLA gathers the kernels (`_batch_gathers`) or the tokens, and
+what the second sends: measured on XLA:TPU and XLA:CPU, which differ in the dtype and in how
+often they gather.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class ExpertGathers:
     ) -> float:
         """A 2-D candidate's gathers over the batch axis: of its kernels (`gathers`), or a bank's tokens.
 
-        XLA:TPU gathers the tokens of an expert bank instead of its kernels where `token_gathers` says.
+        XLA gathers the tokens of an expert bank instead of its kernels where `token_gathers` says.
         """
         tokens = None
         if name in self.proposal.expert_units:
@@ -59,9 +60,9 @@ class ExpertGathers:
     def token_gathers(
         self, variables: Sequence[keras.Variable], axes: Mapping[str, Axes], shards: Mapping[str, int]
     ) -> tuple[float, frozenset[str]] | None:
-        """What a 2-D expert bank sends over the batch axis where XLA:TPU gathers its tokens; which kernels.
+        """What a 2-D expert bank sends over the batch axis where XLA gathers its tokens; which kernels.
 
-        `None` where XLA:TPU gathers the kernels.
+        `None` where XLA gathers the kernels.
 
         A bank kernel split over the batch axis on an output dimension (a column: `th,ehm->etm`
         with `m` split) whose shard on one device (`shards`: its split over the experts) is at
@@ -82,23 +83,32 @@ class ExpertGathers:
         tokens) fully sharded on v5e `data=8` and `data=2,model=4`; at intermediate 256 the
         column kernels are split on their contracted hidden dimension and the kernels are
         gathered (`_batch_gathers`), as for a Llama 3 whose kernels are smaller than its tokens.
+
+        XLA:CPU (jax 0.10.2; the small keras-hub Mixtral of `tests/hub_models.py` fully sharded on
+        `data=2,model=2` and `data=4,model=1`, one and two layers) gathers the tokens too, but in
+        float32 and once (kept for the backward pass), sums each column projection's input
+        gradient on its own, and gathers a row projection's output gradient once.
         """
-        if self.compiler != "tpu" or self.batch_axis is None or self.d < 2:
+        if self.batch_axis is None or self.d < 2:
             return None
         columns, rows = self._bank_sides(variables, axes)
         if not any(nbytes(v) / shards[v.path] >= self._whole(use.inputs, use.dtype) for v, use in columns):
             return None
+        tpu = self.compiler == "tpu"
         kernels = {v.path: v for v, _ in columns + rows}
         wire = -sum(self._grad_sync(v, shards[path]) for path, v in kernels.items())
         inputs = {self._activation_value(use): use for _, use in columns}
         for use in inputs.values():
             wire += self._gather(use.inputs, use.dtype)  # forward, shared by the projections reading it
+        # The input's gradient: XLA:TPU adds the columns' partial sums first, XLA:CPU sums each.
+        for use in inputs.values() if tpu else [use for _, use in columns]:
             if not use.from_input:
                 wire += wire_bytes("all-reduce", self._whole(use.inputs, use.dtype), self.d)
-        wire += sum(self._gather(use.inputs, use.dtype) for _, use in columns)  # backward, per projection
+        if tpu:  # XLA:TPU gathers the tokens again for each projection backward; XLA:CPU keeps them
+            wire += sum(self._gather(use.inputs, use.dtype) for _, use in columns)
         for variable, use in rows:
             output = self._whole(use.output, use.dtype) / shards[variable.path]
-            again = 2 if self._kept_for_backward(variable) else 1
+            again = 2 if tpu and self._kept_for_backward(variable) else 1
             wire += wire_bytes("all-reduce", output, self.d)
             wire += again * self._gather(use.output, use.dtype, shards[variable.path])
         return wire, frozenset(kernels)
@@ -130,7 +140,8 @@ class ExpertGathers:
         return math.prod(shape) * np.dtype(dtype).itemsize
 
     def _gather(self, shape: Sequence[int], dtype: str, shards: int = 1) -> float:
-        """An all-gather over the batch axis of an activation of the whole batch, float32 sent as bfloat16."""
+        """An all-gather over the batch axis of an activation of the whole batch (XLA:TPU: float32 sent as
+        bfloat16)."""
         itemsize = np.dtype(dtype).itemsize
-        share = 2 / itemsize if itemsize > 2 else 1.0
+        share = 2 / itemsize if itemsize > 2 and self.compiler == "tpu" else 1.0
         return wire_bytes("all-gather", self._whole(shape, dtype) * share / shards, self.d)
