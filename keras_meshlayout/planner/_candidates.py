@@ -166,6 +166,9 @@ class Bytes(BatchGathers, ExpertGathers):
     #: The largest copy XLA:TPU gathers over `_one_weight.REDUCED_GROUP` devices or more as an
     #: all-reduce (`core._targets.Generation.reduced_gather_bytes`); 0: none (no TPU target).
     reduced_gathers: float = 0.0
+    #: XLA:TPU's router kernels of split expert banks, by path, and how many shards of the bank's axis
+    #: their gradients are summed in over the batch axis (`_expert_costs.ExpertCosts.router_shards`).
+    router_shards: Mapping[str, int] = MappingProxyType({})
 
     def merged_input_grads(self, uses: Sequence[Any]) -> set[int]:
         """The nodes of `uses` whose input-gradient all-reduce XLA:TPU folds into another's.
@@ -240,6 +243,8 @@ class Bytes(BatchGathers, ExpertGathers):
         if variable.path in self.lora_base or variable.path not in self.used:
             return 0.0
         read = nbytes(variable) * self.sums.reads.get(variable.path, 0.0) * self._gradient_width(variable)
+        if shards == 1:  # a replicated router's gradient, which XLA:TPU sums in its bank's shards
+            shards = self.router_shards.get(variable.path, 1)
         return wire_bytes("all-reduce", read / shards, self.d)
 
     def _gradient_width(self, variable: keras.Variable) -> float:

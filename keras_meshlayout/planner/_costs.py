@@ -106,6 +106,7 @@ def cost_units(
     coster.replicate_below = replicate_below
     coster.compiler = compiler
     coster.reduced_gathers = reduced_gathers
+    coster.router_shards = coster.tpu_router_shards()
     whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
     units = tuple(coster.units())
     return CostTable(units, coster.activation_reserve(), whole_after, frozenset(coster.gathered_kernels()))
@@ -162,7 +163,8 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
             add_wire(fixed_wire, self.batch_axis, 2 * wire_bytes("all-gather", gathered, self.d))
         # A router's `top_k` gathers its operand over the batch axis; an auxiliary loss all-reduces
         # its reductions over the batch (`_batch_sums`).
-        for routed in self.sums.routed:
+        # XLA:TPU routes each expert bank's tokens in the bank's shards: no gather (`_expert_costs`).
+        for routed in () if self.router_shards else self.sums.routed:
             add_wire(fixed_wire, self.batch_axis, wire_bytes("all-gather", routed, self.d))
         for reduced in self.sums.reduced:
             add_wire(fixed_wire, self.batch_axis, wire_bytes("all-reduce", reduced, self.d))
