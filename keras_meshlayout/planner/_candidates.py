@@ -167,7 +167,7 @@ class Bytes(BatchGathers, ExpertGathers):
     #: all-reduce (`core._targets.Generation.reduced_gather_bytes`); 0: none (no TPU target).
     reduced_gathers: float = 0.0
     #: XLA:TPU's router kernels of split expert banks, by path, and how many shards of the bank's axis
-    #: their gradients are summed in over the batch axis (`_expert_costs.ExpertCosts.router_shards`).
+    #: their gradients are summed in over the batch axis (`_expert_costs.ExpertCosts.tpu_router_shards`).
     router_shards: Mapping[str, int] = MappingProxyType({})
 
     def merged_input_grads(self, uses: Sequence[Any]) -> set[int]:

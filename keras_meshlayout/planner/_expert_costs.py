@@ -3,7 +3,8 @@
 The mixin of `_costs._Coster` for the banks `_experts.expert_banks` splits: the
 all-reduces of the experts' outputs and of their inputs' gradients over the axis the
 banks are split over, the gradient of the routing weights, and on XLA:TPU the router
-kernels' update, which it computes in the banks' shards and gathers back. Measured
+kernels' update, which it computes in the banks' shards and gathers back, and the routers'
+gradients, summed over the batch axis in those shards (`tpu_router_shards`). Measured
 against the compiled HLO on XLA:CPU (`tests/test_experts.py`) and XLA:TPU
 (`tests/test_targets.py`).
 """
