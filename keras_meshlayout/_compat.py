@@ -62,6 +62,12 @@ JAX:
 - `jax._src.hardware_utils.num_available_tpu_chips_and_device_id`: whether this machine
   has TPU chips (if not, libtpu, installed for TPU targets, is kept quiet).
 - `jax._src.interpreters.partial_eval.dce_jaxpr`: dead-code elimination of a jaxpr.
+
+Python:
+
+- `threading._register_atexit`: a function run as the interpreter exits, before the
+  thread pools of `concurrent.futures` shut down (an `atexit` function runs after, when
+  Orbax, which writes through them, can no longer finish a background save).
 """
 
 from __future__ import annotations
@@ -391,6 +397,13 @@ def tpu_chips_attached() -> int:
     from jax._src import hardware_utils
 
     return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+
+
+def at_exit_before_thread_pools(function: Callable[[], Any]) -> None:
+    """Runs `function` as the interpreter exits, while `concurrent.futures` still takes work."""
+    import threading
+
+    threading._register_atexit(function)
 
 
 def backends_started() -> bool:

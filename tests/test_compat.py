@@ -343,6 +343,13 @@ def _backends_are_initialized():
     assert _compat.backends_started() is True
 
 
+def _register_atexit():
+    import inspect
+    import threading
+
+    assert list(inspect.signature(threading._register_atexit).parameters) == ["func", "arg", "kwargs"]
+
+
 def _tpu_chips_attached():
     chips = _compat.tpu_chips_attached()
     tpus = [device for device in jax.devices() if device.platform == "tpu"]
@@ -419,6 +426,7 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
         "whether TPU chips are attached",
         _tpu_chips_attached,
     ),
+    ("threading._register_atexit", "a background save finished at exit", _register_atexit),
 ]
 
 

@@ -128,8 +128,8 @@ def crash_then_resume(
         fit("2x4", reference["initial"], [crashed, Crash(crash_at)])
     # A background save the crash left in flight finishes before the copies are taken, as it would
     # before a restarted process reads the directory (copying while it wrote raced with its renames).
-    if getattr(crashed, "_pending", None) is not None:
-        crashed._wait_for_save()
+    if isinstance(crashed, kml.ResumableCheckpoint):
+        crashed.wait()
     resumed = {}
     for mesh in meshes:
         directory = backup.with_name(f"{backup.name}-{mesh}")
@@ -330,6 +330,8 @@ CHILD = """
             self.steps = 0
 
         def on_train_batch_begin(self, batch, logs=None):
+            if kill_at and self.steps == kill_at + 2 and kill == "exception, save in flight":
+                raise RuntimeError(f"crash at step {{self.steps + 1}}")
             if kill_at and self.steps == kill_at and kill == "mid-epoch":
                 (work / "marker").touch()
                 time.sleep(120)
@@ -352,19 +354,21 @@ CHILD = """
 
     if kill_at and kill in ("between the renames", "after moving into place"):
         os.replace = replace_then_die
-    if kill_at and kill == "save in flight":
+    if kill_at and kill in ("save in flight", "exception, save in flight"):
         from keras_meshlayout.checkpoint import _orbax_store
 
         finish = _orbax_store.finish
 
-        def finish_or_hang(write):
-            # The fault: SIGKILL while a background save after step kill_at writes its files.
+        def finish_slowly(write):
+            # The background save after step kill_at is still writing its files when the run dies:
+            # SIGKILL (the parent sends it once the marker is there), or fit raising on a slow disk.
             if hang.steps >= kill_at:
-                (work / "marker").touch()
-                time.sleep(120)
+                if kill == "save in flight":
+                    (work / "marker").touch()
+                time.sleep(120 if kill == "save in flight" else 2)
             finish(write)
 
-        _orbax_store.finish = finish_or_hang
+        _orbax_store.finish = finish_slowly
     if kind == "backup_and_restore":
         backup = keras.callbacks.BackupAndRestore(work / "backup", save_freq="epoch")
     elif kind == "resumable_async":
@@ -441,17 +445,49 @@ def test_training_killed_with_sigkill_resumes_exactly(
         }
         assert left == expected[kill]
 
+    rerun_to_the_end(command, tmp_path, model_kind, reference, random_reference)
+
+
+def rerun_to_the_end(command, work: Path, model_kind: str, reference, random_reference) -> None:
+    """Runs the child again, undisturbed: it resumes and ends with the uninterrupted run's weights."""
     rerun = subprocess.run([*command, "0"], env=child_env(), capture_output=True, text=True, timeout=180)
     assert rerun.returncode == 0, rerun.stderr
     assert f"iterations {EPOCHS * STEPS}" in rerun.stdout
-    final = np.load(tmp_path / "final.npz")
+    final = np.load(work / "final.npz")
     if model_kind == "mlp":
         for i, want in enumerate(reference["trained"]):
             np.testing.assert_allclose(final[f"arr_{i}"], want, atol=1e-6, rtol=0)
     else:  # bit for bit
         expected = random_reference["Sequential with Dropout"][0]
         assert all(np.array_equal(final[f"arr_{i}"], want) for i, want in enumerate(expected))
-    assert not (tmp_path / "backup").exists(), "deleted at the end, with whatever the kill left"
+    assert not (work / "backup").exists(), "deleted at the end, with whatever the kill left"
+
+
+def test_a_script_dying_of_an_exception_finishes_its_background_save_first(
+    reference, random_reference, tmp_path
+):
+    """`fit` raises while a background backup is being written: the process exits once it is in
+    place (its thread, a daemon, was stopped at exit, and the run resumed 3 steps earlier)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(CHILD).format(rules=RULES, batch=BATCH, steps=STEPS, epochs=EPOCHS))
+    np.savez(tmp_path / "initial.npz", *reference["initial"])
+    kill_at = STEPS + 3  # backups after steps 3, 6, 9 and 12 (slow); fit raises before step 14
+    command = [
+        sys.executable,
+        str(script),
+        str(tmp_path),
+        "resumable_async",
+        "mlp",
+        "exception, save in flight",
+    ]
+    first = subprocess.run(
+        [*command, str(kill_at)], env=child_env(), capture_output=True, text=True, timeout=180
+    )
+    assert first.returncode == 1 and "RuntimeError: crash at step 14" in first.stderr, first.stderr
+    assert "finishing the background save of" in first.stderr, first.stderr
+    manifest = json.loads((tmp_path / "backup" / "latest" / "manifest.json").read_text())
+    assert manifest["training"] == {"epoch": 1, "batch": 4, "step": 12}
+    rerun_to_the_end(command, tmp_path, "mlp", reference, random_reference)
 
 
 # -- random layers: the seed generators' state is part of the backup (issue 13) --------------

@@ -315,6 +315,21 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             value = value.addressable_data(0)
         return int(np.asarray(value))
 
+    def wait(self) -> None:
+        """Blocks until the backup being written in the background (`asynchronous=True`), if any, is in place.
+
+        `fit` waits for it before it returns; call this after a `fit` that raised, before
+        copying or reading `directory` from elsewhere. (A process that exits waits for it too,
+        up to 10 minutes.)
+
+        Raises:
+            CheckpointError: That backup could not be written; the one before it is intact.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+            self._failures = 0
+
     def _wait_for_save(self) -> None:
         pending, self._pending = self._pending, None
         if pending is None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import keras
 import numpy as np
 
+from .. import _compat
 from ..core._errors import CheckpointError, InvalidOptionError
 from ..core._progress import spinner
 from . import _atomic, _manifest, _orbax_store, _rng  # _orbax_store imports no Orbax until it is used
@@ -284,6 +287,7 @@ class BackgroundSave:
             raise
         self._thread = threading.Thread(target=self._complete, name=f"kml-save-{target.name}", daemon=True)
         _BACKGROUND[_key(target)] = self
+        _finish_at_exit()
         self._thread.start()
 
     def _complete(self) -> None:
@@ -371,6 +375,53 @@ _BACKGROUND: dict[str, BackgroundSave] = {}
 
 def _key(target: Path) -> str:
     return os.path.abspath(target)
+
+
+#: How long a process that is exiting waits for its background saves before leaving them unfinished.
+EXIT_DEADLINE_S = 600.0
+
+
+def _finish_at_exit() -> None:
+    """Registers (once) the wait at interpreter exit for the background saves still under way.
+
+    A script whose `fit` raised would otherwise exit with its last backup half written (its
+    thread is a daemon, stopped at exit) and resume from the one before, losing the steps since.
+    """
+    global _EXIT_REGISTERED
+    if not _EXIT_REGISTERED:
+        _compat.at_exit_before_thread_pools(finish_background_saves)
+        _EXIT_REGISTERED = True
+
+
+_EXIT_REGISTERED = False
+
+
+def finish_background_saves(deadline_s: float | None = None) -> list[Path]:
+    """Waits for every background save of this process, up to `deadline_s` in all; returns those left.
+
+    Run at interpreter exit. Errors are not raised here (each save's previous checkpoint is intact,
+    and the process is leaving); a save still running at the deadline is named on stderr and left
+    to be removed by the next save or load.
+    """
+    deadline = time.monotonic() + (EXIT_DEADLINE_S if deadline_s is None else deadline_s)
+    left = []
+    for pending in list(_BACKGROUND.values()):
+        if pending._thread.is_alive():
+            print(
+                f"keras_meshlayout: finishing the background save of {pending.target} before exiting.",
+                file=sys.stderr,
+                flush=True,
+            )
+        pending._thread.join(max(0.0, deadline - time.monotonic()))
+        if pending._thread.is_alive():
+            left.append(pending.target)
+            print(
+                f"keras_meshlayout: the background save of {pending.target} did not finish in time "
+                "and is abandoned; the checkpoint before it is intact.",
+                file=sys.stderr,
+                flush=True,
+            )
+    return left
 
 
 def wait_for_background_saves(target: Path) -> None:
