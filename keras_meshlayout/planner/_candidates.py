@@ -158,6 +158,8 @@ class Bytes(BatchGathers, ExpertGathers):
         #: axes its devices differ along, so on `model=1` just the batch axis.
         pair = [a for a in axis_sizes if a in (self.batch_axis, self.model_axis)]
         self.both = "×".join([a for a in pair if axis_sizes[a] > 1] or pair)
+        #: Each expert bank's routers, by the bank's paths (`_expert_costs.ExpertCosts._routers`).
+        self.routers_of: dict[tuple[str, ...], list[keras.Variable]] = {}
 
     #: Weight matrices with fewer elements are kept whole by the policy when the rules run.
     replicate_below: int = 0

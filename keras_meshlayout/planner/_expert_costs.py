@@ -95,7 +95,16 @@ class ExpertCosts:
         return {router.path: size for variables in banks.values() for router in self._routers(variables)}
 
     def _routers(self, variables: list[keras.Variable]) -> list[keras.Variable]:
-        """The replicated kernels whose projections give the logits the bank's routing `top_k` reads."""
+        """The replicated kernels whose projections give the logits the bank's routing `top_k` reads.
+
+        Found once per bank (each of its candidates is costed with them).
+        """
+        key = tuple(v.path for v in variables)
+        if key not in self.routers_of:
+            self.routers_of[key] = self._find_routers(variables)
+        return self.routers_of[key]
+
+    def _find_routers(self, variables: list[keras.Variable]) -> list[keras.Variable]:
         by_node = {use.node: path for path, uses in self.uses.items() for use in uses if use.kind == "matmul"}
         weights = {v.path: v for v in self.model.trainable_weights}
         found: dict[str, keras.Variable] = {}
