@@ -66,7 +66,12 @@ class BatchGathers:
         64→512→64 and 32→256→128 on 2×4 and 2×2, each on both sides of that line: twice at 32
         rows per device on 2×4 and 128 on 2×2, once at 36 and 136 for the first, 16 / 20 and
         64 / 72 for the second; it was 0.860–0.876 of the compiled bytes
-        when counted once; `tests/test_batch_gathers.py`). Over 4 devices or more the rule above.
+        when counted once; `tests/test_batch_gathers.py`). Over 4 devices or more the rule above,
+        except for a kernel gathered whole (split over the batch axis alone, or `model=1`) whose
+        output feeds another matmul: kept (one-layer keras-hub Llama on `data=4` and `data=8` and
+        Mixtral on `data=4`, `model=1`, every attention and feed-forward kernel gathered once; they
+        were costed at 1.29x and 1.10x the compiled bytes); over `data=4,model=2` the same Llama's
+        query, output and feed-forward shards are gathered again, as the rule says.
         `tests/test_budget.py` and `tests/test_mesh_choice.py` hold this against the compiled
         HLO. XLA:TPU (libtpu 0.0.42.1, v5e 2×4, 4×2 and 8×1, a two-layer Dense MLP, 2 to 512
         rows per device) gathers a kernel in bfloat16 (`gathered_share`) whatever its size: one
@@ -123,6 +128,8 @@ class BatchGathers:
             local_in = self._activation(inputs, dtype) / (self.m if side == "row" else 1)
             local_out = self._activation(output, dtype) / (self.m if side == "column" else 1)
             largest, largest_out = max(largest, local_in, local_out), max(largest_out, local_out)
+        if self.d >= 4 and (side == "whole" or self.m == 1) and self._feeds_matmul(kernel.path):
+            return False  # gathered whole, feeding the next layer: kept (keras-hub Llama on data=4,8)
         if self.d < 4:
             if side == "row":  # its output on one device at most its gathered copy's 1/model: again
                 return largest_out * self.m <= gathered and not self._feeds_matmul(kernel.path)
