@@ -149,6 +149,27 @@ def test_a_fully_sharded_moe_sends_what_xla_cpu_compiles_gathering_its_tokens():
     assert gathered and gathered.isdisjoint(kernels), gathered  # the tokens and an output's gradient
 
 
+def test_fully_sharded_on_a_model_axis_of_one_device_splits_weights_over_the_expert_axis():
+    """Fully sharded on `data=2,expert=2,model=1` (a split `choose_mesh` ranks), the expert axis serves
+    as the model axis: every weight split over both, predicted exactly. Split over `data` alone, XLA:CPU
+    spread the weights over the free expert axis (1.20x the predicted bytes, 52,896 of them over both
+    axes, not predicted) and each device held 1.36x the state."""
+    mixtral = MOE["MixtralBackbone"]
+    build = functools.partial(
+        hub_models.build_classifier, dataclasses.replace(mixtral, config=dict(mixtral.config, num_layers=1))
+    )
+    mesh = kml.Mesh(data=2, expert=2, model=1, devices=jax.devices()[:4])
+    with kml.dry_build(build) as model:
+        x, y = hub_models.inputs_for(model), np.zeros(hub_models.BATCH, "int32")
+        rules = plan_rules(model, mesh, batch=x, optimizer="adam", fully_sharded=True, replicate_below=0)
+        axes = {v.path: rules.match(v.path).axes for v in model.weights if "layer_0/self_attention/" in v.path}
+    assert set(axes.values()) >= {("data", "expert", None), ("expert", None, "data")}, axes
+    report, state = compiled_step(build, kml.ModelParallel(mesh, rules, replicate_below=0), x, y)
+    assert rules.cost.wire_bytes_by_axis == pytest.approx(report.wire_bytes_by_axis, rel=1e-9)
+    assert set(report.wire_bytes_by_axis) == {"data", "expert", "data×expert"}
+    assert rules.cost.state_bytes == state == 512_344  # 696,920 split over `data` alone
+
+
 class RoutedExperts(keras.layers.Layer):
     """A user's mixture-of-experts layer: a router, `top_k`, every expert for every token, an aux loss.
 
