@@ -162,7 +162,9 @@ def test_fully_sharded_on_a_model_axis_of_one_device_splits_weights_over_the_exp
     with kml.dry_build(build) as model:
         x, y = hub_models.inputs_for(model), np.zeros(hub_models.BATCH, "int32")
         rules = plan_rules(model, mesh, batch=x, optimizer="adam", fully_sharded=True, replicate_below=0)
-        axes = {v.path: rules.match(v.path).axes for v in model.weights if "layer_0/self_attention/" in v.path}
+        axes = {
+            v.path: rules.match(v.path).axes for v in model.weights if "layer_0/self_attention/" in v.path
+        }
     assert set(axes.values()) >= {("data", "expert", None), ("expert", None, "data")}, axes
     report, state = compiled_step(build, kml.ModelParallel(mesh, rules, replicate_below=0), x, y)
     assert rules.cost.wire_bytes_by_axis == pytest.approx(report.wire_bytes_by_axis, rel=1e-9)
