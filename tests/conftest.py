@@ -99,6 +99,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_tensor_parallel_bytes_follow_xla_tpu_within_2_percent",  # one XLA:TPU compile each, 5-15 s
         "test_under_bfloat16_xla_tpu_moves_activations_in_bfloat16",
         "test_on_two_slices_the_batch_axis_sends_its_share_between_slices_as_predicted",  # 1-3 s each
+        "test_fully_sharded_kernels_cross_slices_in_float32_as_predicted",  # 1-3 s each
         "test_v5p_and_v6e_send_what_the_planner_predicts",
         "test_fully_sharded_transformer_bytes_and_peak_follow_xla_tpu",  # a 2-layer Llama 3 compiled, each
         "test_a_windowed_reduce_scatter_is_counted_once_per_run_of_its_loop",  # an MLP at 16,384 rows

@@ -18,6 +18,7 @@ import pytest
 
 import keras_meshlayout as kml
 from keras_meshlayout.planner._auto import plan_rules
+from keras_meshlayout.planner._mesh_splits import float32_across_slices
 
 
 def build() -> keras.Model:
@@ -36,14 +37,21 @@ def brute_force(options, batch, *, target=None, budget=None):
     whose peak follows XLA:TPU)."""
     costs = {}
     for option in options:
-        sizes = option.axis_sizes
-        mesh = kml.Mesh(**sizes) if target is None else kml.Mesh(**sizes, target=target)
-        with kml.dry_build(build) as model:
-            rules = plan_rules(
-                model, mesh, batch=batch, optimizer="adam", memory_budget=budget, fully_sharded=option.fsdp
-            )
-        costs[option.spec, option.fsdp] = (rules.cost.wire_bytes, rules.cost.peak_bytes)
+        rules = plan_alone(option, batch, target=target, budget=budget)
+        # Between slices XLA:TPU sends the bfloat16 gathers in float32: their share there again.
+        extra = float32_across_slices(rules.cost.cast_gather_bytes_by_axis, option.axis_sizes, target)
+        costs[option.spec, option.fsdp] = (rules.cost.wire_bytes + sum(extra.values()), rules.cost.peak_bytes)
     return costs
+
+
+def plan_alone(option, batch, *, target=None, budget=None) -> kml.LayoutRules:
+    """The plan of `option`'s mesh made on its own (emulated devices or the target's)."""
+    sizes = option.axis_sizes
+    mesh = kml.Mesh(**sizes) if target is None else kml.Mesh(**sizes, target=target)
+    with kml.dry_build(build) as model:
+        return plan_rules(
+            model, mesh, batch=batch, optimizer="adam", memory_budget=budget, fully_sharded=option.fsdp
+        )
 
 
 def predicted(options):
@@ -286,9 +294,17 @@ def test_on_two_slices_the_batch_axis_is_costed_over_the_dcn_and_the_choice_agre
     usable = [o for o in choice.alternatives if o.excluded is None]
     assert predicted(usable) == brute_force(usable, batch, target=target, budget=target.hbm_bytes)
     for option in usable:
-        # (2 - 1) / (data - 1) of the data axis's bytes; a group over both axes spans all 8 chips
+        # (2 - 1) / (data - 1) of the data axis's bytes; a group over both axes spans all 8 chips;
+        # a fully sharded plan's bfloat16 gathers go in float32 between slices: that share again.
         sent = option.wire_bytes_by_axis
-        dcn = sent["data"] / (option.axis_sizes["data"] - 1) + sent.get("data×model", 0.0) / 7
+        cast = plan_alone(
+            option, batch, target=target, budget=target.hbm_bytes
+        ).cost.cast_gather_bytes_by_axis
+        assert bool(cast) == option.fsdp, option.spec
+        extra = cast.get("data", 0.0) / (option.axis_sizes["data"] - 1)
+        dcn = (
+            (sent["data"] - extra) / (option.axis_sizes["data"] - 1) + extra + sent.get("data×model", 0.0) / 7
+        )
         assert option.dcn_wire_bytes == pytest.approx(dcn)
         assert option.step_seconds == pytest.approx(
             option.flops_per_device / target.peak_flops

@@ -79,7 +79,7 @@ class Generation:
             it costs bytes (`planner._tpu_memory.aligned_bytes`): 16 KiB on v5p (libtpu's
             `xla_jf_program_hbm_alignment_in_kib`); 0 where none was measured (v4, v5e, v6e).
         reduced_gather_bytes: The largest copy XLA:TPU gathers over a group of
-            `planner._one_weight.REDUCED_GROUP` devices or more as an all-reduce of a zero-padded
+            `planner._batch_gathers.REDUCED_GROUP` devices or more as an all-reduce of a zero-padded
             buffer (twice an all-gather's bytes; a larger one is all-gathered): 8 MiB on v5e
             (8 MiB reduced, 16 MiB gathered, over 64 and 256 devices), unbounded on v5p (reduced
             up to 1 GiB over 64), both libtpu 0.0.42.1; v5e's kept for v4 and v6e (not measured).

@@ -17,13 +17,18 @@ import numpy as np
 from ..report._collectives import wire_bytes
 from ._trace import Trace, Use
 
-__all__ = ["WINDOWED_ROWS", "WINDOWED_SIZES", "BatchGathers", "nbytes"]
+__all__ = ["REDUCED_GROUP", "WINDOWED_ROWS", "WINDOWED_SIZES", "BatchGathers", "nbytes"]
 
 #: The rows (tokens) a projection contracts from which XLA:TPU reduce-scatters the gradient of its kernel
 #: split over a batch axis of `WINDOWED_SIZES` devices as a windowed einsum (`BatchGathers.windowed_sync`).
 WINDOWED_ROWS = 16384
 #: The batch-axis sizes where that was measured (2: never windowed; 16 and more: not measured).
 WINDOWED_SIZES = (4, 8)
+
+
+#: The devices over both axes from which XLA:TPU gathers a small kernel as an all-reduce
+#: (`OneWeightCosts._gathers_over_both`): 64 measured so (v5e 8×8, v5p 4×4×4), 32 not.
+REDUCED_GROUP = 64
 
 
 def nbytes(variable: keras.Variable) -> int:
@@ -39,6 +44,7 @@ class BatchGathers:
     d: int
     m: int
     compiler: str
+    reduced_gathers: float
     trace: Trace
     uses: Mapping[str, tuple[Use, ...]]
 
@@ -181,6 +187,29 @@ class BatchGathers:
             return 0.0
         gradient = summed * self.d / (2 * (self.d - 1))  # the summed gradient's bytes on one device
         return gradient * (self.d + 1) / self.d - summed
+
+    def cast_gathers(
+        self, owner: keras.layers.Layer | None, kernel: keras.Variable, shards: int, over_both: bool = False
+    ) -> float:
+        """Of a whole kernel's gathers over `shards` devices, what XLA:TPU sends cast to bfloat16.
+
+        They are `Candidate.cast`: between the slices of a multi-slice target XLA:TPU sends them in
+        float32 (measured with libtpu 0.0.42.1 on two v5e 2×2 slices, a fully sharded MLP). A copy
+        gathered over both axes as an all-reduce (`gathered_as_all_reduce`) is not counted.
+        """
+        share = self.gathered_share(kernel)
+        if share == 1 or (over_both and self.gathered_as_all_reduce(kernel)):
+            return 0.0
+        count = self.gathers_per_step(owner, kernel, nbytes(kernel), "whole")
+        return count * wire_bytes("all-gather", nbytes(kernel) * share, shards)
+
+    def gathered_as_all_reduce(self, kernel: keras.Variable) -> bool:
+        """Whether XLA:TPU gathers a kernel over both axes as an all-reduce of its shard written into
+        zeros (`_one_weight.OneWeightCosts._gathers_over_both`): a bfloat16 copy of at most the
+        generation's `reduced_gathers` bytes, over `REDUCED_GROUP` devices or more."""
+        gathered = nbytes(kernel) * self.gathered_share(kernel)
+        over = self.d * self.m >= REDUCED_GROUP
+        return self.compiler == "tpu" and over and gathered <= self.reduced_gathers
 
     def gathered_share(self, variable: keras.Variable) -> float:
         """The share of a kernel's bytes an all-gather over the batch axis sends: on XLA:TPU a float32

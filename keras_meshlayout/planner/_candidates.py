@@ -45,6 +45,9 @@ class Candidate:
         wire: Bytes each device sends per step for it, by mesh axis.
         notes: Per variable path, how this layout splits it, where that differs
             from the unit's own note.
+        cast: Of `wire`, by axis, the all-gathers of float32 kernels that XLA:TPU casts to
+            bfloat16 first (`gathered_share`); between the slices of a multi-slice target it
+            sends them in float32 (`_mesh_splits.network_bytes`).
     """
 
     layout: str
@@ -52,6 +55,7 @@ class Candidate:
     state: int
     wire: Mapping[str, float]
     notes: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    cast: Mapping[str, float] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def total(self) -> float:
@@ -108,9 +112,11 @@ def candidate(
     state: int,
     wire: Mapping[str, float],
     notes: Mapping[str, str] | None = None,
+    cast: Mapping[str, float] | None = None,
 ) -> Candidate:
     frozen_axes = frozen({p: tuple(a) for p, a in axes.items()})
-    return Candidate(layout, frozen_axes, int(state), frozen(wire), frozen(notes or {}))
+    kept = {axis: amount for axis, amount in (cast or {}).items() if amount}
+    return Candidate(layout, frozen_axes, int(state), frozen(wire), frozen(notes or {}), frozen(kept))
 
 
 class Bytes(BatchGathers, ExpertGathers):
@@ -165,7 +171,7 @@ class Bytes(BatchGathers, ExpertGathers):
     replicate_below: int = 0
     #: The compiler the traffic follows: `"tpu"` on a TPU target (`_peak.compiler_of`), else `"cpu"`.
     compiler: str = "cpu"
-    #: The largest copy XLA:TPU gathers over `_one_weight.REDUCED_GROUP` devices or more as an
+    #: The largest copy XLA:TPU gathers over `_batch_gathers.REDUCED_GROUP` devices or more as an
     #: all-reduce (`core._targets.Generation.reduced_gather_bytes`); 0: none (no TPU target).
     reduced_gathers: float = 0.0
     #: XLA:TPU's router kernels of split expert banks, by path, and how many shards of the bank's axis

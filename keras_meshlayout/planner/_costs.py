@@ -272,6 +272,7 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
         two_d_axes: dict[str, Axes] = {}
         tp_state = two_d_state = 0
         gathers: dict[str, float] = {}
+        cast = 0.0  # of `gathers`, those XLA:TPU casts to bfloat16 (`Candidate.cast`)
         kernels: list[keras.Variable] = []
         by_path = {v.path: v for v in variables}
         for variable in variables:
@@ -288,6 +289,8 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
                 side = self.side(variable.path, self.tp_axes[variable.path])
                 count = self.gathers_per_step(owner, variable, gathered, side) if side else 1
                 gathered *= self.gathered_share(variable)
+                if self.gathered_share(variable) < 1 and name not in self.proposal.expert_units:
+                    cast += count * wire_bytes("all-gather", gathered, self.d)
             elif self._splits_further(variable, axes):
                 # A column bias beside its 2-D kernel: its model-axis shards split again over the
                 # batch axis, gathered over it where read (measured on XLA:CPU, 2×4 and 4×2; XLA:TPU
@@ -324,7 +327,8 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
         if self.d > 1 and two_d_axes != tp_axes:
             batch = self.bank_gathers(name, variables, two_d_axes, gathers)
             two_d_wire = self._lora_traffic(by_path, two_d_axes, plus_wire(tp_wire, self.batch_axis, batch))
-            options.append(candidate("2-D", two_d_axes, two_d_state, two_d_wire))
+            cast_wire = {self.batch_axis: cast}
+            options.append(candidate("2-D", two_d_axes, two_d_state, two_d_wire, cast=cast_wire))
         return self._offered(name, options, {p: self.proposal.notes[p] for p in tp_axes}, by_path)
 
     def _offered(self, name: str, options: list[Candidate], notes: dict, paths: Mapping) -> UnitCosts:

@@ -60,7 +60,13 @@ from ..core._targets import Target, parse_target
 from ._auto import plan_rules
 from ._experts import EXPERT_AXIS, expert_counts
 from ._flops import device_flops, step_flops
-from ._mesh_splits import comm_seconds, factorizations, network_bytes, slices_excluded
+from ._mesh_splits import (
+    comm_seconds,
+    factorizations,
+    float32_across_slices,
+    network_bytes,
+    slices_excluded,
+)
 from ._trace import trace_model, trace_step
 
 if TYPE_CHECKING:
@@ -406,8 +412,11 @@ def _costed(step: _Step, sizes: dict[str, int], target: Target | None, rules: An
     peak = cost.peak_bytes if cost.peak_bytes is not None else cost.memory_bytes
     # Every axis, and the groups over several (a table over both axes sends on "data×model").
     by_axis = {axis: 0.0 for axis in sizes} | {a: float(b) for a, b in cost.wire_bytes_by_axis.items()}
+    extra = float32_across_slices(cost.cast_gather_bytes_by_axis, sizes, target)
+    for label, amount in extra.items():  # the bfloat16 gathers' share between slices, in float32
+        by_axis[label] = by_axis.get(label, 0.0) + amount
     flops = device_flops(step.flops, step.trace, _layouts(step.model, rules, sizes), sizes, step.axes[0])
-    ici, dcn = network_bytes(by_axis, sizes, target)
+    ici, dcn = network_bytes(by_axis, sizes, target, across=extra)
     compute = comm = dcn_seconds = None
     if target is not None:
         compute = flops / target.peak_flops

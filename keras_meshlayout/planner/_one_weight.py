@@ -26,10 +26,6 @@ from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, froze
 from ._layers import idle_axes, lookup_table, tied_table
 from ._tables_2d import no_budget_choice
 
-#: The devices over both axes from which XLA:TPU gathers a small kernel as an all-reduce
-#: (`OneWeightCosts._gathers_over_both`): 64 measured so (v5e 8×8, v5p 4×4×4), 32 not.
-REDUCED_GROUP = 64
-
 __all__ = ["OneWeightCosts"]
 
 #: What leads a weight read element-wise on to its reader, changing only its shape or type.
@@ -305,6 +301,7 @@ class OneWeightCosts(Bytes):
         add_wire(wire, self.batch_axis, self._grad_sync(variable, 1))
         uses = self.uses.get(variable.path, ())
         both = dict(wire)  # split over every axis: the same gradient all-reduce, gathers over both
+        cast = cast_both = {}  # of `wire` and `both`, the gathers cast to bfloat16 on XLA:TPU
         if not uses and len(shape) > 1 and self._sliced(variable.path):
             return self._sliced_unit(variable)
         if not uses and len(shape) == 1:
@@ -324,11 +321,13 @@ class OneWeightCosts(Bytes):
         ):
             (use,) = uses
             add_wire(both, self.both, self._gathers_over_both(owner, variable, size))
+            cast_both = {self.both: self.cast_gathers(owner, variable, d * m, over_both=True)}
             for axis, amount in self._input_gradient_gathers(variable, use).items():
                 add_wire(both, axis, amount)
             when = "before its projection"
             if d >= m:
                 add_wire(wire, self.batch_axis, self._whole_kernel_gathers(owner, variable, use))
+                cast = {self.batch_axis: self.cast_gathers(owner, variable, d)}
             else:
                 wire = None if shape[0] % m else self._permuted_kernel(size, use)
             how = f"gathered over {self.batch_axis!r} {when}"
@@ -340,7 +339,7 @@ class OneWeightCosts(Bytes):
         if wire is not None:
             axes = {variable.path: (self.batch_axis, *rest)}
             state = self._state(variable, d, variable.trainable)
-            candidates.append(candidate("fully sharded", axes, state, wire))
+            candidates.append(candidate("fully sharded", axes, state, wire, cast=cast))
             notes[variable.path] = f"split over {self.batch_axis!r}, {how}; its gradient reduced over it"
         if m > 1 and shape[0] % (d * m) == 0:
             # Measured on XLA:CPU (2×4 and 4×2): one all-gather over both axes per read, the
@@ -351,7 +350,7 @@ class OneWeightCosts(Bytes):
                 f"both {when}; its gradient reduced over {self.batch_axis!r}"
             )
             state = self._state(variable, d * m, variable.trainable)
-            candidates.append(candidate("fully sharded", axes, state, both, {variable.path: note}))
+            candidates.append(candidate("fully sharded", axes, state, both, {variable.path: note}, cast_both))
         if len(candidates) == 1:
             return None
         return UnitCosts(variable.path, tuple(candidates), frozen(notes))
@@ -365,7 +364,7 @@ class OneWeightCosts(Bytes):
         again for the backward pass unless `_kept_for_backward` (`gathers_per_step`): measured with
         libtpu 0.0.42.1 on a keras-hub Mixtral's output table on v5e `data=2,model=4`, gathered
         once (predicted in float32 it was 1.33 of the compiled `data×model` bytes). Over
-        `REDUCED_GROUP` devices or more, a bfloat16 copy of at most the generation's
+        `_batch_gathers.REDUCED_GROUP` devices or more, a bfloat16 copy of at most the generation's
         `reduced_gathers` bytes is not all-gathered: each device writes its shard into zeros and
         the copy is all-reduced over both axes (twice the bytes). Measured with a Dense head
         split over both axes, 512 × 1024 to 4096 × 131072: on v5p 4×4×4 (`data=8,model=8`,
@@ -379,7 +378,7 @@ class OneWeightCosts(Bytes):
             return wire_bytes("all-gather", size, shards)
         count = self.gathers_per_step(owner, variable, size, "whole")
         gathered = size * self.gathered_share(variable)
-        reduced = shards >= REDUCED_GROUP and gathered <= self.reduced_gathers
+        reduced = self.gathered_as_all_reduce(variable)
         return count * wire_bytes("all-reduce" if reduced else "all-gather", gathered, shards)
 
     def _input_gradient_gathers(self, variable: keras.Variable, use) -> dict[str, float]:

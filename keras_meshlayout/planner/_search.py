@@ -60,6 +60,9 @@ class PlanCost:
         peak_bytes: The predicted per-device peak of one training step (`memory_bytes`), or
             `None` when the step's gradient could not be traced (then `activation_bytes` is
             only the outputs of the traced projections and look-ups).
+        cast_gather_bytes_by_axis: Of `wire_bytes_by_axis`, the all-gathers of float32 weights
+            that XLA:TPU casts to bfloat16 first (on a TPU target); between the slices of a
+            multi-slice target they go in float32, twice these bytes (`kml.choose_mesh`).
     """
 
     wire_bytes_by_axis: Mapping[str, float]
@@ -68,6 +71,7 @@ class PlanCost:
     budget: int | None
     choices: tuple[UnitChoice, ...]
     peak_bytes: int | None = None
+    cast_gather_bytes_by_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def wire_bytes(self) -> float:
@@ -179,11 +183,14 @@ def plan_cost(
 ) -> PlanCost:
     """The public prediction of the plan that takes candidate `chosen[i]` for unit `i`."""
     wire: dict[str, float] = {}
+    cast: dict[str, float] = {}
     choices = []
     for unit, index in zip(table.units, chosen, strict=True):
         candidate = unit.candidates[index]
         for axis, amount in candidate.wire.items():
             wire[axis] = wire.get(axis, 0.0) + amount
+        for axis, amount in candidate.cast.items():
+            cast[axis] = cast.get(axis, 0.0) + amount
         if len(unit.candidates) > 1:
             why = explain(unit, index)
             choices.append(UnitChoice(unit.name, candidate.layout, candidate.state, candidate.total, why))
@@ -194,4 +201,5 @@ def plan_cost(
         budget=budget,
         choices=tuple(choices),
         peak_bytes=None if peak is None else peak.peak,
+        cast_gather_bytes_by_axis=cast,
     )
