@@ -194,11 +194,16 @@ class BatchGathers:
         """Of a whole kernel's gathers over `shards` devices, what XLA:TPU sends cast to bfloat16.
 
         They are `Candidate.cast`: between the slices of a multi-slice target XLA:TPU sends them in
-        float32 (measured with libtpu 0.0.42.1 on two v5e 2×2 slices, a fully sharded MLP). A copy
-        gathered over both axes as an all-reduce (`gathered_as_all_reduce`) is not counted.
+        float32 (measured with libtpu 0.0.42.1 on two v5e 2×2 slices, a fully sharded MLP). None for
+        a weight of one dimension (gathered in float32), a copy gathered over both axes as an
+        all-reduce (`gathered_as_all_reduce`), or a kernel split over a batch axis smaller than
+        the model axis (moved to the model axis instead, `OneWeightCosts._permuted_kernel`).
         """
         share = self.gathered_share(kernel)
-        if share == 1 or (over_both and self.gathered_as_all_reduce(kernel)):
+        alone_permuted = not over_both and self.d < self.m
+        if share == 1 or len(kernel.shape) < 2 or alone_permuted:
+            return 0.0
+        if over_both and self.gathered_as_all_reduce(kernel):
             return 0.0
         count = self.gathers_per_step(owner, kernel, nbytes(kernel), "whole")
         return count * wire_bytes("all-gather", nbytes(kernel) * share, shards)

@@ -282,23 +282,11 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
             tp_state += self._state(variable, shards, variable.trainable)
             add_wire(tp_wire, self.batch_axis, self._grad_sync(variable, shards))
             spread = self._two_d(variable, axes, by_path)
-            owner = owners.get(id(variable))
-            gathered = nbytes(variable) / shards
-            count = 0
-            if spread != axes and variable.path not in self.lora_base:  # an adapter's: `_lora_traffic`
-                side = self.side(variable.path, self.tp_axes[variable.path])
-                count = self.gathers_per_step(owner, variable, gathered, side) if side else 1
-                gathered *= self.gathered_share(variable)
-                if self.gathered_share(variable) < 1 and name not in self.proposal.expert_units:
-                    cast += count * wire_bytes("all-gather", gathered, self.d)
-            elif self._splits_further(variable, axes):
-                # A column bias beside its 2-D kernel: its model-axis shards split again over the
-                # batch axis, gathered over it where read (measured on XLA:CPU, 2×4 and 4×2; XLA:TPU
-                # sends none for it, measured on v5e 2×4 and 4×2).
-                count = self._elementwise_gathers(variable.path)
-                if count:
-                    spread = ((self.model_axis, self.batch_axis),)
-                    count = 0 if self.compiler == "tpu" else count
+            spread, count, gathered, cast_here = self._two_d_gathers_of(
+                variable, axes, spread, owners.get(id(variable)), shards
+            )
+            if name not in self.proposal.expert_units:  # a bank's: `bank_gathers`
+                cast += cast_here
             two_d_axes[variable.path] = spread
             if spread != axes:
                 gathers[variable.path] = self.two_d_gathers(variable, shards, count, gathered)
@@ -327,9 +315,37 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
         if self.d > 1 and two_d_axes != tp_axes:
             batch = self.bank_gathers(name, variables, two_d_axes, gathers)
             two_d_wire = self._lora_traffic(by_path, two_d_axes, plus_wire(tp_wire, self.batch_axis, batch))
-            cast_wire = {self.batch_axis: cast}
-            options.append(candidate("2-D", two_d_axes, two_d_state, two_d_wire, cast=cast_wire))
+            cast_by_axis = {self.batch_axis: cast}
+            options.append(candidate("2-D", two_d_axes, two_d_state, two_d_wire, cast=cast_by_axis))
         return self._offered(name, options, {p: self.proposal.notes[p] for p in tp_axes}, by_path)
+
+    def _two_d_gathers_of(
+        self,
+        variable: keras.Variable,
+        axes: Axes,
+        spread: Axes,
+        owner: keras.layers.Layer | None,
+        shards: int,
+    ) -> tuple[Axes, int, float, float]:
+        """One weight of a unit in its 2-D candidate: its axes there, how often it is gathered over the
+        batch axis, the bytes of one gather's copy, and of the gathers' bytes those cast to bfloat16
+        first (`Candidate.cast`)."""
+        gathered, count, cast = nbytes(variable) / shards, 0, 0.0
+        if spread != axes and variable.path not in self.lora_base:  # an adapter's: `_lora_traffic`
+            side = self.side(variable.path, self.tp_axes[variable.path])
+            count = self.gathers_per_step(owner, variable, gathered, side) if side else 1
+            gathered *= self.gathered_share(variable)
+            if self.gathered_share(variable) < 1:
+                cast = count * wire_bytes("all-gather", gathered, self.d)
+        elif self._splits_further(variable, axes):
+            # A column bias beside its 2-D kernel: its model-axis shards split again over the
+            # batch axis, gathered over it where read (measured on XLA:CPU, 2×4 and 4×2; XLA:TPU
+            # sends none for it, measured on v5e 2×4 and 4×2).
+            count = self._elementwise_gathers(variable.path)
+            if count:
+                spread = ((self.model_axis, self.batch_axis),)
+                count = 0 if self.compiler == "tpu" else count
+        return spread, count, gathered, cast
 
     def _offered(self, name: str, options: list[Candidate], notes: dict, paths: Mapping) -> UnitCosts:
         """The unit and its candidates, replicated first; without it for a grouped conv's on a 2-D mesh.

@@ -216,6 +216,19 @@ def lora(layer: str, which: str, axes: tuple) -> str:
     )
 
 
+def fully_sharded(batch_axis: str, how: str) -> str:
+    """A weight outside every unit split over the batch axis (`_one_weight`'s fully sharded candidate)."""
+    return f"split over {batch_axis!r}, {how}; its gradient reduced over it"
+
+
+def fully_sharded_over_both(shards: int, batch_axis: str, model_axis: str, when: str) -> str:
+    """The same weight split over the batch and model axes together."""
+    return (
+        f"split {shards} ways over {batch_axis!r} and {model_axis!r}, gathered over "
+        f"both {when}; its gradient reduced over {batch_axis!r}"
+    )
+
+
 def lora_sharded(batch_axis: str, model_axis: str, shards: int) -> str:
     """A LoRA adapter `a` split further than its head_dim-split kernel, gathered where used."""
     return (

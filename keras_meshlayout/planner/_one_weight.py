@@ -301,7 +301,6 @@ class OneWeightCosts(Bytes):
         add_wire(wire, self.batch_axis, self._grad_sync(variable, 1))
         uses = self.uses.get(variable.path, ())
         both = dict(wire)  # split over every axis: the same gradient all-reduce, gathers over both
-        cast = cast_both = {}  # of `wire` and `both`, the gathers cast to bfloat16 on XLA:TPU
         if not uses and len(shape) > 1 and self._sliced(variable.path):
             return self._sliced_unit(variable)
         if not uses and len(shape) == 1:
@@ -321,13 +320,11 @@ class OneWeightCosts(Bytes):
         ):
             (use,) = uses
             add_wire(both, self.both, self._gathers_over_both(owner, variable, size))
-            cast_both = {self.both: self.cast_gathers(owner, variable, d * m, over_both=True)}
             for axis, amount in self._input_gradient_gathers(variable, use).items():
                 add_wire(both, axis, amount)
             when = "before its projection"
             if d >= m:
                 add_wire(wire, self.batch_axis, self._whole_kernel_gathers(owner, variable, use))
-                cast = {self.batch_axis: self.cast_gathers(owner, variable, d)}
             else:
                 wire = None if shape[0] % m else self._permuted_kernel(size, use)
             how = f"gathered over {self.batch_axis!r} {when}"
@@ -339,18 +336,17 @@ class OneWeightCosts(Bytes):
         if wire is not None:
             axes = {variable.path: (self.batch_axis, *rest)}
             state = self._state(variable, d, variable.trainable)
+            cast = {self.batch_axis: self.cast_gathers(owner, variable, d)}
             candidates.append(candidate("fully sharded", axes, state, wire, cast=cast))
-            notes[variable.path] = f"split over {self.batch_axis!r}, {how}; its gradient reduced over it"
+            notes[variable.path] = _notes.fully_sharded(self.batch_axis, how)
         if m > 1 and shape[0] % (d * m) == 0:
             # Measured on XLA:CPU (2×4 and 4×2): one all-gather over both axes per read, the
             # gradient all-reduced whole over the batch axis, as replicated.
             axes = {variable.path: ((self.batch_axis, self.model_axis), *rest)}
-            note = (
-                f"split {d * m} ways over {self.batch_axis!r} and {self.model_axis!r}, gathered over "
-                f"both {when}; its gradient reduced over {self.batch_axis!r}"
-            )
+            note = _notes.fully_sharded_over_both(d * m, self.batch_axis, self.model_axis, when)
             state = self._state(variable, d * m, variable.trainable)
-            candidates.append(candidate("fully sharded", axes, state, both, {variable.path: note}, cast_both))
+            cast = {self.both: self.cast_gathers(owner, variable, d * m, over_both=True)}
+            candidates.append(candidate("fully sharded", axes, state, both, {variable.path: note}, cast))
         if len(candidates) == 1:
             return None
         return UnitCosts(variable.path, tuple(candidates), frozen(notes))
