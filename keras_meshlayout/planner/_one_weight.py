@@ -198,7 +198,11 @@ class OneWeightCosts(Bytes):
         gradient is reduced as vocab-parallel's. With a block as large as the
         activations or more (1×, 4× and 8× up to 128K rows measured, in
         `_moved_rows`) XLA moves the activations instead; where between the
-        two it switches is not pinned, so neither is offered there.
+        two it switches is not pinned, so neither is offered there. With a model axis of one
+        device (the table split over the batch axis alone) XLA gathers the table instead where the
+        whole batch's looked-up rows outweigh it (keras-hub Llama on `data=4,model=1`, a 128 × 64
+        table: its rows moved at 8 rows of 8 tokens, the table gathered at 32 and 128 rows, where
+        moving the rows was costed at twice the compiled table's bytes).
         """
         d, m, rows = self.d, self.m, variable.shape[0]
         size = nbytes(variable)
@@ -206,15 +210,16 @@ class OneWeightCosts(Bytes):
             return None
         axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
         state = self._state(variable, d * m, variable.trainable)
-        if size / m >= looked_up:
-            return self._moved_rows(variable, axes, state)
-        if 4 * size / m > looked_up:
-            return None
+        if not (m == 1 and looked_up * d > size):
+            if size / m >= looked_up:
+                return self._moved_rows(variable, axes, state)
+            if 4 * size / m > looked_up:
+                return None
         wire = plus_wire(vocab_wire, self.batch_axis, wire_bytes("all-gather", size / m, d))
         note = {
             variable.path: f"embedding: vocabulary split {d * m} ways over {self.model_axis!r} and "
-            f"{self.batch_axis!r}, gathered over {self.batch_axis!r} for the look-up, one all-reduce "
-            f"over {self.model_axis!r} forward"
+            f"{self.batch_axis!r}, gathered over {self.batch_axis!r} for the look-up"
+            + (f", one all-reduce over {self.model_axis!r} forward" if m > 1 else "")
         }
         return candidate("fully sharded", axes, state, wire, note)
 
