@@ -198,11 +198,12 @@ class OneWeightCosts(Bytes):
         gradient is reduced as vocab-parallel's. With a block as large as the
         activations or more (1×, 4× and 8× up to 128K rows measured, in
         `_moved_rows`) XLA moves the activations instead; where between the
-        two it switches is not pinned, so neither is offered there. With a model axis of one
-        device (the table split over the batch axis alone) XLA gathers the table instead where the
-        whole batch's looked-up rows outweigh it (keras-hub Llama on `data=4,model=1`, a 128 × 64
-        table: its rows moved at 8 rows of 8 tokens, the table gathered at 32 and 128 rows, where
-        moving the rows was costed at twice the compiled table's bytes).
+        two it switches is not pinned, so neither is offered there, unless the whole batch's
+        looked-up rows outweigh the table: then XLA gathers the block (a 2-layer keras-hub Llama,
+        128 × 64 table, 8 tokens a row: on `data=4,model=1` its rows moved at 8 rows, the table
+        gathered at 32 and 128, where moving the rows was costed at twice the compiled bytes; on
+        `4×2` moved at 16 rows, the block gathered at 32, `data×model` costed at 10.8x; on `2×4`
+        gathered at 32 and 128 rows, as before).
         """
         d, m, rows = self.d, self.m, variable.shape[0]
         size = nbytes(variable)
@@ -210,7 +211,7 @@ class OneWeightCosts(Bytes):
             return None
         axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
         state = self._state(variable, d * m, variable.trainable)
-        if not (m == 1 and looked_up * d > size):
+        if looked_up * d <= size:
             if size / m >= looked_up:
                 return self._moved_rows(variable, axes, state)
             if 4 * size / m > looked_up:
