@@ -615,6 +615,19 @@ SLICES = {
 }
 
 
+def _on_two_slices(spec: str, fully_sharded: bool) -> tuple:
+    """The MLP planned for two v5e 2x2 slices split as `spec`, and its step compiled by XLA:TPU:
+    `(target, axis sizes, rules, step)`."""
+    target = kml.parse_target("tpu-v5e:2x2:slices=2")
+    sizes = {axis: int(size) for axis, size in (part.split("=") for part in spec.split(","))}
+    mesh = kml.Mesh(**sizes, target=target)
+    batch = jax.ShapeDtypeStruct((64, 64), "float32")
+    with kml.dry_build(_mlp) as model:
+        rules = plan_rules(model, mesh, batch=batch, optimizer="adam", fully_sharded=fully_sharded)
+    step = kml.compile_step(_mlp, kml.ModelParallel(mesh, rules), batch, batch, optimizer="adam")
+    return target, sizes, rules, step
+
+
 @pytest.mark.parametrize("spec", sorted(SLICES), ids=sorted(SLICES))
 def test_on_two_slices_the_batch_axis_sends_its_share_between_slices_as_predicted(spec):
     """The data axis is laid over the slices: its all-reduces run as a reduce-scatter within each
@@ -622,13 +635,7 @@ def test_on_two_slices_the_batch_axis_sends_its_share_between_slices_as_predicte
     ring's bytes is (slices - 1) / (devices - 1)), and the planner's split of them matches."""
     from keras_meshlayout.planner._mesh_splits import network_bytes
 
-    target = kml.parse_target("tpu-v5e:2x2:slices=2")
-    sizes = {axis: int(size) for axis, size in (part.split("=") for part in spec.split(","))}
-    mesh = kml.Mesh(**sizes, target=target)
-    batch = jax.ShapeDtypeStruct((64, 64), "float32")
-    with kml.dry_build(_mlp) as model:
-        rules = kml.auto_rules(model, mesh, batch=batch, optimizer="adam")
-    step = kml.compile_step(_mlp, kml.ModelParallel(mesh, rules), batch, batch, optimizer="adam")
+    target, sizes, rules, step = _on_two_slices(spec, fully_sharded=False)
     ici, dcn = network_bytes(rules.cost.wire_bytes_by_axis, sizes, target)
     measured = step.comm.wire_bytes_by_network
     assert {t.axes for t in step.comm.transfers if t.network == "dcn"} == {("data",)}
@@ -654,13 +661,7 @@ FULLY_SHARDED_SLICES = {
 def test_fully_sharded_kernels_cross_slices_in_float32_as_predicted(spec):
     from keras_meshlayout.planner._mesh_splits import float32_across_slices, network_bytes
 
-    target = kml.parse_target("tpu-v5e:2x2:slices=2")
-    sizes = {axis: int(size) for axis, size in (part.split("=") for part in spec.split(","))}
-    mesh = kml.Mesh(**sizes, target=target)
-    batch = jax.ShapeDtypeStruct((64, 64), "float32")
-    with kml.dry_build(_mlp) as model:
-        rules = plan_rules(model, mesh, batch=batch, optimizer="adam", fully_sharded=True)
-    step = kml.compile_step(_mlp, kml.ModelParallel(mesh, rules), batch, batch, optimizer="adam")
+    target, sizes, rules, step = _on_two_slices(spec, fully_sharded=True)
     cast = rules.cost.cast_gather_bytes_by_axis
     assert set(cast) == {"data"} and 0 < cast["data"] < rules.cost.wire_bytes_by_axis["data"]
     extra = float32_across_slices(cast, sizes, target)
