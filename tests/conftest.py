@@ -66,6 +66,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_nan_state_is_not_backed_up_and_the_restart_starts_from_the_last_finite_one",
         "test_a_failed_save_then_a_good_one_resets_the_count",
         "test_a_damaged_latest_backup_falls_back_to_the_one_before",
+        "test_a_background_save_past_the_exit_deadline_is_named_and_left",
     ),
     "test_checkpoint_processes.py": (  # one launcher run of 2 processes × 4 devices; a save and 6 loads
         "test_a_load_without_rollback_frees_each_value_before_reading_its_replacement",
