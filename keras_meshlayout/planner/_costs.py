@@ -334,8 +334,9 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
         if spread != axes and variable.path not in self.lora_base:  # an adapter's: `_lora_traffic`
             side = self.side(variable.path, self.tp_axes[variable.path])
             count = self.gathers_per_step(owner, variable, gathered, side) if side else 1
-            gathered *= self.gathered_share(variable)
-            if self.gathered_share(variable) < 1:
+            share = self.gathered_share(variable)
+            gathered *= share
+            if share < 1:
                 cast = count * wire_bytes("all-gather", gathered, self.d)
         elif self._splits_further(variable, axes):
             # A column bias beside its 2-D kernel: its model-axis shards split again over the
