@@ -687,3 +687,40 @@ def test_plan_mesh_auto_on_a_v5e_16x16_lists_the_alternatives_and_plans_the_best
     tight = lines(*AUTO_TIGHT)
     assert tight.returncode == 1 and len(tight.stderr.strip().splitlines()) == 1
     assert "no data × model split of 8 devices fits" in tight.stderr and "Fix:" in tight.stderr
+
+
+#: The Keras attention model planned and compiled on XLA:CPU's 2x4 mesh: its no-budget plan is
+#: predicted to peak at 242,893 bytes and compiles to 268,660 (predicted ÷ compiled 0.904).
+COMPILED = ("plan", "--mesh", "2x4", "--model", "models:attention", "--auto", "--optimizer", "adam",
+            "--compile", "--batch-size", "16", "--json")  # fmt: skip
+#: A budget the first plan is predicted to fit (242,893 ≤ 95% of it) and compiles over.
+OVER_ONCE_COMPILED = line(*COMPILED, "--memory-budget", "262000")
+#: No budget, and a device said to hold the predicted peak but not the compiled one.
+SMALL_DEVICE = line(*COMPILED, "--device-memory", "250000")
+
+
+def test_a_plan_compiled_over_its_budget_is_made_again_under_a_tighter_one(lines):
+    """Issue 21: a plan said to fit never exceeds the budget once compiled. `--compile` confirms the
+    budget plan; compiled over it, the plan is made again under a budget shrunk by the excess (the
+    first plan is in `"refits"`), and the one printed fits."""
+    result = lines(*OVER_ONCE_COMPILED)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    (first,) = data["refits"]
+    assert first["budget_bytes"] == 262_000 and first["predicted_peak_bytes"] <= 0.95 * 262_000
+    assert first["compiled_peak_bytes"] > 262_000
+    assert data["compiled"]["peak_bytes"] <= 262_000 and data["valid"] is True
+    assert data["memory"]["peak_bytes"] < first["predicted_peak_bytes"]
+
+
+def test_a_plan_that_fits_the_device_only_as_predicted_fails_once_compiled(lines):
+    """The predicted peak (242,893 B) fits 250,000 bytes of device memory; XLA's compiled one does not,
+    and `--compile` says so: exit 1, a line naming both figures and the fix."""
+    result = lines(*SMALL_DEVICE)
+    assert result.returncode == 1
+    data = json.loads(result.stdout)
+    assert data["valid"] is False and data["refits"] == []
+    message = result.stderr.strip().splitlines()[-1]  # after Keras's own warnings, if Python shows them
+    assert message.startswith("plan fails: the compiled training step needs 262.4 KiB per device")
+    assert "more than the 244.1 KiB of device memory" in message and "predicted to peak at 237.2 KiB" in message
+    assert "Fix:" in message

@@ -9,6 +9,7 @@ from `--rules FILE`, `--preset NAME` (the preset registry) or `--auto`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
@@ -27,7 +28,7 @@ from ._args import (
     fraction,
     positive_int,
 )
-from ._plan_compile import compile_for, mesh_target, platform_name
+from ._plan_compile import compile_for, compiled_failure, mesh_target, platform_name, refit
 from ._plan_inputs import (
     batch_spec,
     check_batch_size,
@@ -179,14 +180,55 @@ def _add_checks(plan: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plans the model on the mesh and prints it; returns the exit status (0: the plan is valid)."""
     from ..core._backend import emulate_devices
+    from ..core._memory import parse_bytes
 
     emulate_devices(args.emulate_devices)
+    build = load_builder(args.model)
+    budget = None if args.memory_budget is None else parse_bytes(args.memory_budget)
+    planned = _planned(args, build, budget)
+    refits: list = []
+    if args.compile and budget is not None:
+        planned, refits = refit(lambda tighter: _planned(args, build, tighter), planned, budget)
+    plan, peak, compiled = planned.plan, planned.peak, planned.compiled
+    messages = _messages(plan, planned.caught)
+    failure = _failure(args, plan, peak)
+    if failure is None and compiled is not None:
+        capacity = plan.memory(args.device_memory).capacity
+        failure = compiled_failure(compiled, peak, budget, capacity, refits)
+    note = None if budget is not None else plan.intended_replication(args.max_replicated_fraction)
+    if args.json:
+        _print_json(args, planned, messages, failure, note, refits)
+    else:
+        _print_table(planned, messages, note, full=args.full)
+        _print_refits(refits, budget)
+    if failure is not None:
+        print(f"plan fails: {failure}", file=sys.stderr)
+        return EXIT_PLAN_FAILS
+    if args.strict and messages:
+        print(f"plan fails: {len(messages)} warning(s) with --strict", file=sys.stderr)
+        return EXIT_PLAN_FAILS
+    return EXIT_OK
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """What one planning of the command gives: the rules, the dry plan, its peak and compiled step."""
+
+    choice: Any  # the `MeshChoice` of `--mesh auto`, else None
+    rules: Any
+    plan: Any
+    caught: list[warnings.WarningMessage]
+    peak: Any  # the predicted peak of one step (`--batch-size`), else None
+    compiled: Any  # the `CompiledStep` (`--compile`), else None
+
+
+def _planned(args: argparse.Namespace, build: Callable[[], Any], budget: int | None) -> _Planned:
+    """Plans (under `budget`, with `--auto`), predicts the peak and compiles, as the arguments ask."""
     from ..core._distribution import ModelParallel
     from ..core._dry import dry_plan
     from ..core._policy import DEFAULT_REPLICATE_BELOW, LayoutPolicy
 
-    build = load_builder(args.model)
-    choice = _choice(args, build)
+    choice = _choice(args, build, budget)
     mesh = choice.mesh if choice is not None else _parse_mesh(args.mesh, args.emulate_devices, args.target)
     check_optimizer(args.optimizer)
     replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
@@ -201,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     with spinner("plan", wanted=not args.json) as step:
         if args.auto:
             step("planning the layouts (kml.auto_rules: tracing the model, costing each unit)")
-        rules = choice.rules if choice is not None else _the_rules(args, build, mesh, policy)
+        rules = choice.rules if choice is not None else _the_rules(args, build, mesh, policy, budget)
         distribution = ModelParallel(mesh, rules, batch_axis=args.batch_axis, policy=policy)
         step("building the model without allocating its weights, and resolving every variable")
         with warnings.catch_warnings(record=True) as caught:
@@ -215,27 +257,25 @@ def run(args: argparse.Namespace) -> int:
         if args.compile:
             step(f"compiling the training step for {platform_name(mesh)} (XLA, ahead of time)")
             compiled = compile_for(build, distribution, args)
-    messages = _messages(plan, caught)
-    failure = _failure(args, plan, peak)
-    note = None if args.memory_budget is not None else plan.intended_replication(args.max_replicated_fraction)
-    if args.json:
-        _print_json(args, plan, rules, messages, failure, note, peak, compiled, choice)
-    else:
-        _print_table(plan, rules, messages, note, peak, full=args.full, compiled=compiled, choice=choice)
-    if failure is not None:
-        print(f"plan fails: {failure}", file=sys.stderr)
-        return EXIT_PLAN_FAILS
-    if args.strict and messages:
-        print(f"plan fails: {len(messages)} warning(s) with --strict", file=sys.stderr)
-        return EXIT_PLAN_FAILS
-    return EXIT_OK
+    return _Planned(choice, rules, plan, caught, peak, compiled)
 
 
-def _choice(args: argparse.Namespace, build: Callable[[], Any]) -> Any:
+def _print_refits(refits: list, budget: int | None) -> None:
+    """The plans `--compile` found over the `--memory-budget` once compiled, and planned again."""
+    for refit_ in refits:
+        _console().print(
+            f"compiled over the budget: the plan made under {format_bytes(refit_.budget)} (predicted peak "
+            f"{format_bytes(refit_.predicted_peak)}) compiled to {format_bytes(refit_.compiled_peak)}, over "
+            f"{format_bytes(budget)}; planned again under a budget smaller by that excess",
+            markup=False,
+        )
+
+
+def _choice(args: argparse.Namespace, build: Callable[[], Any], budget: int | None) -> Any:
     """With `--mesh auto`, the chosen mesh and its alternatives (the rules are then `--auto`'s)."""
     if args.mesh != AUTO:
         return None
-    choice = choose_for(args, build)
+    choice = choose_for(args, build, budget)
     args.auto = True
     return choice
 
@@ -260,7 +300,9 @@ def _failure(args: argparse.Namespace, plan: Any, peak: Any) -> str | None:
     return None
 
 
-def _the_rules(args: argparse.Namespace, build: Callable[[], Any], mesh: Any, policy: Any) -> Any:
+def _the_rules(
+    args: argparse.Namespace, build: Callable[[], Any], mesh: Any, policy: Any, budget: int | None
+) -> Any:
     """The rules from `--auto`, `--preset` or `--rules`; `None` (data parallelism) without any."""
     if args.auto:
         from ..core._dry import dry_build
@@ -275,7 +317,7 @@ def _the_rules(args: argparse.Namespace, build: Callable[[], Any], mesh: Any, po
                 mesh,
                 model_axis=args.model_axis,
                 batch_axis=args.batch_axis,
-                memory_budget=args.memory_budget,
+                memory_budget=budget,
                 batch=batch,
                 optimizer=args.optimizer,
                 policy=policy,
@@ -312,15 +354,15 @@ def _messages(plan: Any, caught: list[warnings.WarningMessage]) -> list[str]:
 
 def _print_json(
     args: argparse.Namespace,
-    plan: Any,
-    rules: Any,
+    planned: _Planned,
     messages: list[str],
     failure: str | None,
     note: str | None,
-    peak: Any,
-    compiled: Any = None,
-    choice: Any = None,
+    refits: list,
 ) -> None:
+    plan, rules, peak, compiled, choice = (
+        planned.plan, planned.rules, planned.peak, planned.compiled, planned.choice
+    )  # fmt: skip
     data = plan.to_dict()
     if choice is not None:
         # "mesh" (the plan's own: the chosen mesh's axis sizes) stays as every plan gives it.
@@ -339,6 +381,8 @@ def _print_json(
     }
     if compiled is not None:
         data["compiled"] = compiled.to_dict()
+        # The plans compiled over the --memory-budget and made again under a tighter one.
+        data["refits"] = [refit_.to_dict() for refit_ in refits]
     data["warnings"] = messages
     cost = getattr(rules, "cost", None)
     if cost is not None:
@@ -357,17 +401,10 @@ def _print_json(
     print(json.dumps(data, indent=2))
 
 
-def _print_table(
-    plan: Any,
-    rules: Any,
-    messages: list[str],
-    note: str | None,
-    peak: Any,
-    *,
-    full: bool = False,
-    compiled: Any = None,
-    choice: Any = None,
-) -> None:
+def _print_table(planned: _Planned, messages: list[str], note: str | None, *, full: bool = False) -> None:
+    plan, rules, peak, compiled, choice = (
+        planned.plan, planned.rules, planned.peak, planned.compiled, planned.choice
+    )  # fmt: skip
     console = _console()
     if choice is not None:
         console.print(choice)

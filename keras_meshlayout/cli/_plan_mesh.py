@@ -23,8 +23,8 @@ __all__ = ["AUTO", "choose_for"]
 AUTO = "auto"
 
 
-def choose_for(args: argparse.Namespace, build: Callable[[], Any]) -> Any:
-    """The `MeshChoice` for `--target` (or the local device count) on `--batch-size` rows."""
+def choose_for(args: argparse.Namespace, build: Callable[[], Any], budget: int | None) -> Any:
+    """The `MeshChoice` for `--target` (or the local device count) on `--batch-size` rows, within `budget`."""
     if args.batch_size is None:
         raise InputError(
             "--mesh auto needs --batch-size (and --sequence-length for token inputs): the meshes are "
@@ -43,6 +43,6 @@ def choose_for(args: argparse.Namespace, build: Callable[[], Any]) -> Any:
         batch = batch_spec(model, args.batch_size, args.sequence_length)
     devices = args.target if args.target is not None else jax.device_count()
     return choose_mesh(
-        build, devices, batch=batch, memory_budget=args.memory_budget, optimizer=args.optimizer,
+        build, devices, batch=batch, memory_budget=budget, optimizer=args.optimizer,
         axes=(args.batch_axis or "data", args.model_axis),
     )  # fmt: skip
