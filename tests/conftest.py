@@ -7,12 +7,37 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
+import shutil
+import tempfile
+
+import jax
 import keras
 import pytest
 
 import keras_meshlayout as kml
 
 kml.emulate_devices(8)
+
+# The processes the tests start (recipes, killed and resumed trainings, launched jobs, the command
+# line) compile the same small training steps again and again: they share JAX's persistent
+# compilation cache, one directory per test session, made by the first process (pytest, or xdist's
+# controller, whose environment the workers inherit) and removed when it ends. Every entry is
+# kept (no minimum compile time), and the cache is locked as processes write to it in parallel
+# (a maximum size turns the lock on). The test processes themselves compile afresh: what they read
+# of a compiled step (its HLO, its memory) is never read back from a cache.
+_COMPILE_CACHE = "JAX_COMPILATION_CACHE_DIR"
+_OWN_COMPILE_CACHE = _COMPILE_CACHE not in os.environ
+if _OWN_COMPILE_CACHE:
+    os.environ[_COMPILE_CACHE] = tempfile.mkdtemp(prefix="kml-tests-compile-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 * 2**30)
+jax.config.update("jax_enable_compilation_cache", False)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The process that made the compilation cache removes it."""
+    if _OWN_COMPILE_CACHE:
+        shutil.rmtree(os.environ[_COMPILE_CACHE], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
