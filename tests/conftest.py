@@ -24,7 +24,10 @@ kml.emulate_devices(8)
 # controller, whose environment the workers inherit) and removed when it ends. Every entry is
 # kept (no minimum compile time), and the cache is locked as processes write to it in parallel
 # (a maximum size turns the lock on). The test processes themselves compile afresh: what they read
-# of a compiled step (its HLO, its memory) is never read back from a cache.
+# of a compiled step (its HLO, its memory) is never read back from a cache. (A step compiled for
+# libtpu's compile-only TPU devices is written to the cache but cannot be read back: JAX warns,
+# "PjRtCompiler must be constructed with a Client"; no two processes the tests start compile the
+# same TPU step, and the test processes compile theirs without the cache.)
 _COMPILE_CACHE = "JAX_COMPILATION_CACHE_DIR"
 _OWN_COMPILE_CACHE = _COMPILE_CACHE not in os.environ
 if _OWN_COMPILE_CACHE:
