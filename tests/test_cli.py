@@ -724,3 +724,20 @@ def test_a_plan_that_fits_the_device_only_as_predicted_fails_once_compiled(lines
     assert message.startswith("plan fails: the compiled training step needs 262.4 KiB per device")
     assert "more than the 244.1 KiB of device memory" in message and "predicted to peak at 237.2 KiB" in message
     assert "Fix:" in message
+
+
+#: `--mesh auto` on this process's 8 devices, the choice compiled (it was ranked on abstract meshes).
+AUTO_COMPILED = line(
+    "plan", "--mesh", "auto", "--model", "models:attention", "--optimizer", "adam", "--compile",
+    "--batch-size", "16", "--json",
+)  # fmt: skip
+
+
+def test_the_mesh_chosen_for_the_local_devices_compiles_on_them(lines):
+    """Regression: `--mesh auto --compile` without `--target` failed with JAX's "AbstractMesh does not
+    implement devices": the choice is laid over the local devices before it is planned and compiled."""
+    result = lines(*AUTO_COMPILED)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["alternatives"][0]["axis_sizes"] == data["mesh"] and data["compiled"]["platform"] == "cpu"
+    assert data["compiled"]["peak_bytes"] == pytest.approx(data["memory"]["peak_bytes"], rel=0.1)

@@ -229,7 +229,9 @@ def _planned(args: argparse.Namespace, build: Callable[[], Any], budget: int | N
     from ..core._policy import DEFAULT_REPLICATE_BELOW, LayoutPolicy
 
     choice = _choice(args, build, budget)
-    mesh = choice.mesh if choice is not None else _parse_mesh(args.mesh, args.emulate_devices, args.target)
+    mesh = _parse_mesh(args.mesh, args.emulate_devices, args.target) if choice is None else choice.mesh
+    if mesh.is_abstract:  # `--mesh auto` ranked this process's device count: lay the choice over them
+        mesh = _parse_mesh(",".join(f"{k}={v}" for k, v in mesh.axis_sizes.items()), args.emulate_devices)
     check_optimizer(args.optimizer)
     replicate_below = DEFAULT_REPLICATE_BELOW if args.replicate_below is None else args.replicate_below
     policy = LayoutPolicy(on_indivisible=args.on_indivisible, replicate_below=replicate_below)
