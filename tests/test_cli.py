@@ -722,7 +722,8 @@ def test_a_plan_that_fits_the_device_only_as_predicted_fails_once_compiled(lines
     assert data["valid"] is False and data["refits"] == []
     message = result.stderr.strip().splitlines()[-1]  # after Keras's own warnings, if Python shows them
     assert message.startswith("plan fails: the compiled training step needs 262.4 KiB per device")
-    assert "more than the 244.1 KiB of device memory" in message and "predicted to peak at 237.2 KiB" in message
+    assert "more than the 244.1 KiB of device memory" in message
+    assert "predicted to peak at 237.2 KiB" in message
     assert "Fix:" in message
 
 
