@@ -22,8 +22,8 @@ __all__ = ["REDUCED_GROUP", "WINDOWED_ROWS", "WINDOWED_SIZES", "BatchGathers", "
 #: The rows (tokens) a projection contracts from which XLA:TPU reduce-scatters the gradient of its kernel
 #: split over a batch axis of `WINDOWED_SIZES` devices as a windowed einsum (`BatchGathers.windowed_sync`).
 WINDOWED_ROWS = 16384
-#: The batch-axis sizes where that was measured (2: never windowed; 16 and more: not measured).
-WINDOWED_SIZES = (4, 8)
+#: The batch-axis sizes where that was measured (2: never windowed; 32 and more: not measured).
+WINDOWED_SIZES = (4, 8, 16)
 
 
 #: The devices over both axes from which XLA:TPU gathers a small kernel as an all-reduce
@@ -163,7 +163,8 @@ class BatchGathers:
 
     def two_d_gathers(self, variable: keras.Variable, shards: int, count: int, gathered: float) -> float:
         """A kernel's `count` gathers of `gathered` bytes over the batch axis, plus `windowed_sync`."""
-        return count * wire_bytes("all-gather", gathered, self.d) + self.windowed_sync(variable, shards)
+        wire = count * wire_bytes("all-gather", gathered, self.d)
+        return wire + self.windowed_sync(variable, shards) + self.windowed_gather(variable, gathered)
 
     def windowed_sync(self, variable: keras.Variable, shards: int) -> float:
         """What XLA:TPU's windowed reduce-scatter of a kernel's gradient sends beyond its all-reduce (<= 0).
@@ -187,6 +188,22 @@ class BatchGathers:
             return 0.0
         gradient = summed * self.d / (2 * (self.d - 1))  # the summed gradient's bytes on one device
         return gradient * (self.d + 1) / self.d - summed
+
+    def windowed_gather(self, variable: keras.Variable, gathered: float) -> float:
+        """What XLA:TPU's windowed gather of a kernel read with the model's input sends beyond an all-gather.
+
+        Where its gradient is windowed (`windowed_sync`), a kernel whose projection reads the model's
+        input (no input gradient) is gathered forward by a windowed einsum too: `d + 1`
+        collective-permutes of its shard in place of the all-gather's `d - 1` (a Dense MLP's first
+        kernel at 16,384 rows, fully sharded: over `data=8` 9 permutes, over `data=16` 17).
+        """
+        if self.compiler != "tpu" or self.d not in WINDOWED_SIZES:
+            return 0.0
+        calls = self.calls(variable.path)
+        rows = max((math.prod(inputs[:-1]) for inputs, *_ in calls), default=0)
+        if rows < WINDOWED_ROWS or not any(from_input for *_, from_input, _ in calls):
+            return 0.0
+        return 2 * gathered / self.d
 
     def cast_gathers(
         self, owner: keras.layers.Layer | None, kernel: keras.Variable, shards: int, over_both: bool = False
@@ -263,6 +280,7 @@ class BatchGathers:
         share = self.gathered_share(kernel)
         count = self.gathers_per_step(layer, kernel, size, "whole")
         wire = count * wire_bytes("all-gather", size * share, d) + self.windowed_sync(kernel, 1)
+        wire += self.windowed_gather(kernel, size * share)
         if use.from_input or math.prod(use.output) >= math.prod(kernel.shape):
             return wire
         output = self._activation(use.output, use.dtype) * d * share

@@ -22,9 +22,9 @@ import numpy as np
 
 from ..report._collectives import wire_bytes
 from . import _notes
-from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes, plus_wire
+from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes
 from ._layers import idle_axes, lookup_table, tied_table
-from ._tables_2d import no_budget_choice
+from ._tables_2d import BothAxesTables, no_budget_choice
 
 __all__ = ["OneWeightCosts"]
 
@@ -33,7 +33,7 @@ _PASSED_ON = ("broadcast_in_dim", "reshape", "convert_element_type", "squeeze", 
 _ADDS = ("add", "add_any", "sub")
 
 
-class OneWeightCosts(Bytes):
+class OneWeightCosts(BothAxesTables, Bytes):
     """The candidates of units of one weight, over the byte counts of `Bytes`."""
 
     def _embedding_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:
@@ -143,19 +143,6 @@ class OneWeightCosts(Bytes):
         proposed = no_budget_choice(candidates, int(split_rows))
         return UnitCosts(getattr(owner, "path", variable.path), tuple(candidates), frozen(note), proposed)
 
-    def _shared_over_both(self, variable: keras.Variable, lookups: list) -> list[Candidate]:
-        """A shared table (look-ups only) split over both axes, larger than what each look-up reads.
-
-        As an untied table's `_moved_rows`, once per look-up (measured on
-        XLA:CPU, 2×4 and 4×2, 32K rows read twice).
-        """
-        d, m, rows = self.d, self.m, variable.shape[0]
-        looked_up = max(self._activation(use.output, use.dtype) for use in lookups)
-        if d <= 1 or rows % (d * m) or nbytes(variable) / m < looked_up:
-            return []
-        axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
-        return [self._moved_rows(variable, axes, self._state(variable, d * m, variable.trainable))]
-
     def _sharded_table(
         self, variable: keras.Variable, vocab_wire: Mapping[str, float], looked_up: float
     ) -> Candidate | None:
@@ -185,70 +172,6 @@ class OneWeightCosts(Bytes):
         }
         axes = {variable.path: (self.batch_axis, None)}
         return candidate("fully sharded", axes, self._state(variable, d, variable.trainable), wire, note)
-
-    def _both_axes_table(
-        self, variable: keras.Variable, vocab_wire: Mapping[str, float], looked_up: float
-    ) -> Candidate | None:
-        """A look-up table split on its vocabulary over the model axis, then the batch axis.
-
-        Each device holds `1/(model·batch)` of the table. Measured on XLA:CPU
-        (2×4 and 4×2) with a model-axis block of 1/32 of the looked-up
-        activations on a device: vocab-parallel, plus an all-gather of the
-        device's model-axis block over the batch axis before the look-up; the
-        gradient is reduced as vocab-parallel's. With a block as large as the
-        activations or more (1×, 4× and 8× up to 128K rows measured, in
-        `_moved_rows`) XLA moves the activations instead; where between the
-        two it switches is not pinned, so neither is offered there, unless the whole batch's
-        looked-up rows outweigh the table: then XLA gathers the block (a 2-layer keras-hub Llama,
-        128 × 64 table, 8 tokens a row: on `data=4,model=1` its rows moved at 8 rows, the table
-        gathered at 32 and 128, where moving the rows was costed at twice the compiled bytes; on
-        `4×2` moved at 16 rows, the block gathered at 32, `data×model` costed at 10.8x; on `2×4`
-        gathered at 32 and 128 rows, as before).
-        """
-        d, m, rows = self.d, self.m, variable.shape[0]
-        size = nbytes(variable)
-        if d <= 1 or rows % (d * m):
-            return None
-        axes = {variable.path: ((self.model_axis, self.batch_axis), None)}
-        state = self._state(variable, d * m, variable.trainable)
-        if looked_up * d <= size:
-            if size / m >= looked_up:
-                return self._moved_rows(variable, axes, state)
-            if 4 * size / m > looked_up:
-                return None
-        wire = plus_wire(vocab_wire, self.batch_axis, wire_bytes("all-gather", size / m, d))
-        note = {
-            variable.path: f"embedding: vocabulary split {d * m} ways over {self.model_axis!r} and "
-            f"{self.batch_axis!r}, gathered over {self.batch_axis!r} for the look-up"
-            + (f", one all-reduce over {self.model_axis!r} forward" if m > 1 else "")
-        }
-        return candidate("fully sharded", axes, state, wire, note)
-
-    def _moved_rows(self, variable: keras.Variable, axes: Mapping[str, tuple], state: int) -> Candidate:
-        """A large table split over both axes: the ids and looked-up rows move, never the table.
-
-        Measured on XLA:CPU (2×4 and 4×2, 2K to 128K rows, model-axis blocks
-        of 1× to 8× the looked-up activations on a device): the ids of the
-        whole batch are all-gathered over the batch axis, each device looks
-        up the ones in its rows, and the looked-up rows of the whole batch
-        are all-reduced over both axes; backward, their gradient is
-        all-gathered over the batch axis and each device sums its own rows'
-        gradient: no gradient all-reduce.
-        """
-        wire: dict[str, float] = {}
-        for use in self.uses[variable.path]:
-            ids = math.prod(use.inputs) * 4
-            rows = math.prod(use.output) * max(np.dtype(use.dtype).itemsize, 4)
-            # The rows' gradient is gathered only for a table that trains (a LoRA model's frozen one: not).
-            grad = wire_bytes("all-gather", rows, self.d) if variable.trainable else 0.0
-            add_wire(wire, self.batch_axis, wire_bytes("all-gather", ids, self.d) + grad)
-            add_wire(wire, self.both, wire_bytes("all-reduce", rows, self.d * self.m))
-        note = {
-            variable.path: f"embedding: vocabulary split {self.d * self.m} ways over {self.model_axis!r} and "
-            f"{self.batch_axis!r}; the batch's ids gathered and its looked-up vectors all-reduced over both, "
-            "no gradient all-reduce"
-        }
-        return candidate("fully sharded", axes, state, wire, note)
 
     def _idle_unit(self, variable: keras.Variable) -> UnitCosts | None:
         """A weight the step never reads (an untied output embedding, trainable or frozen: LoRA, int8).
