@@ -2,8 +2,9 @@
 
 The rule writer proposes a large look-up table vocab-parallel (its rows over
 the model axis, `_embeddings`), and the costs (`_one_weight`, with this
-module's `BothAxesTables`) also offer it split over both axes. Once the table's model-axis block is as large as what
-the batch looks up on a device, XLA moves the ids and the looked-up rows
+module's `BothAxesTables`) also offer it split over both axes. Once the
+table's model-axis block is as large as what the batch looks up on a
+device, XLA moves the ids and the looked-up rows
 instead of the table (`BothAxesTables._moved_rows`): no gradient all-reduce
 over the batch axis, whose bytes grow with the vocabulary. There the split
 over both axes can send fewer bytes than vocab-parallel *and* hold
