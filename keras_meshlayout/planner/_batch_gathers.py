@@ -22,12 +22,13 @@ __all__ = ["REDUCED_GROUP", "WINDOWED_ROWS", "WINDOWED_SIZES", "BatchGathers", "
 #: The rows (tokens) a projection contracts from which XLA:TPU reduce-scatters the gradient of its kernel
 #: split over a batch axis of `WINDOWED_SIZES` devices as a windowed einsum (`BatchGathers.windowed_sync`).
 WINDOWED_ROWS = 16384
-#: The batch-axis sizes where that was measured (2: never windowed; 32 and more: not measured).
-WINDOWED_SIZES = (4, 8, 16)
+#: The batch-axis sizes where that was measured (2: never windowed; 64: all-reduced; more: not measured).
+WINDOWED_SIZES = (4, 8, 16, 32)
 
 
-#: The devices over both axes from which XLA:TPU gathers a small kernel as an all-reduce
-#: (`OneWeightCosts._gathers_over_both`): 64 measured so (v5e 8×8, v5p 4×4×4), 32 not.
+#: The devices over both axes (or the batch axis alone) from which XLA:TPU gathers a small kernel as
+#: an all-reduce (`OneWeightCosts._gathers_over_both`, `_whole_kernel_gathers`): 64 measured so (v5e
+#: 8×8, v5p 4×4×4; a Dense MLP on v5e `data=64,model=1`), 32 not.
 REDUCED_GROUP = 64
 
 
@@ -176,9 +177,12 @@ class BatchGathers:
         of it. Measured with libtpu 0.0.42.1, Dense MLPs fully sharded on v5e 2×4 (`data=8`: 8,192
         rows all-reduced, 16,384 and 32,768 windowed; `data=4`: 8,192 and 4,096 all-reduced, 16,384
         and 65,536 windowed; `data=2`: all-reduced up to 131,072) and on v5p 4×4×4 `data=8,model=8`
-        (65,536 rows), and Llama-3 8 B widths there (131,072 tokens). Other sizes of the batch axis
-        are not measured and keep the all-reduce (`WINDOWED_SIZES`): on v5p 4×4×4 `data=32,model=2`
-        with three such units the compiled step sent 0.75 of what this formula predicted (3.86 of 5.16 GB).
+        (65,536 rows), and Llama-3 8 B widths there (131,072 tokens); over `data=16` and `data=32`
+        (2026-12-05: the same MLP on v5e 4×4 and 4×8, windowed at 16,384 rows, not at 8,192; a
+        keras-hub Llama 3 on v5p `data=16,model=4`, Llama-3 8 B widths there and Mixtral 8×7 B widths
+        on v5e `data=32,model=8`, whose bytes were 1.151 of the compiled, 0.993 since). Over
+        `data=64` (v5e 8×8) the gradient is all-reduced; other sizes are not measured and keep the
+        all-reduce (`WINDOWED_SIZES`).
         """
         if self.compiler != "tpu" or self.d not in WINDOWED_SIZES:
             return 0.0
@@ -279,7 +283,9 @@ class BatchGathers:
             return wire_bytes("all-gather", size, d) + self._input_gradient(layer, kernel, use)
         share = self.gathered_share(kernel)
         count = self.gathers_per_step(layer, kernel, size, "whole")
-        wire = count * wire_bytes("all-gather", size * share, d) + self.windowed_sync(kernel, 1)
+        # Over `REDUCED_GROUP` devices or more, gathered as an all-reduce (as over both axes).
+        kind = "all-reduce" if d >= REDUCED_GROUP and self.gathered_as_all_reduce(kernel) else "all-gather"
+        wire = count * wire_bytes(kind, size * share, d) + self.windowed_sync(kernel, 1)
         wire += self.windowed_gather(kernel, size * share)
         if use.from_input or math.prod(use.output) >= math.prod(kernel.shape):
             return wire
