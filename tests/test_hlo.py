@@ -641,3 +641,43 @@ def test_an_unknown_megascale_transfer_is_an_error_naming_it():
     with pytest.raises(kml.HloFormatError, match="Unrecognised megascale transfer") as info:
         parse_dcn_collectives(line)
     assert "ALL_REDUCE, ALL_GATHER" in str(info.value) and "Fix:" in str(info.value)
+
+
+# -- counted loops: how often a windowed einsum's body runs ---------------------------------------
+
+_LOOP = """%cond (p: (u32[], f32[8])) -> pred[] {
+  %p = (u32[], f32[8]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %n = u32[] constant(16)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+%body (q: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %q = (u32[], f32[8]) parameter(0)
+  %j = u32[] get-tuple-element(%q), index=0
+  %x = f32[8] get-tuple-element(%q), index=1
+  {counter}
+  %two = u32[] constant(2)
+  %next = u32[] add(%c, %two)
+  %y = f32[8] collective-permute(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (u32[], f32[8]) tuple(%next, %y)
+}
+ENTRY %main (a: f32[8]) -> (u32[], f32[8]) {
+  %a = f32[8] parameter(0)
+  %zero = u32[] constant(0)
+  %start = u32[] copy(%zero)
+  %init = (u32[], f32[8]) tuple(%start, %a)
+  ROOT %w = (u32[], f32[8]) while(%init), condition=%cond, body=%body
+}"""
+
+
+@pytest.mark.parametrize("form", ["copied", "direct"])
+def test_a_loop_counter_read_directly_or_through_a_copy_gives_the_runs(form):
+    """16 / 2 runs. XLA:TPU copies the counter of a windowed einsum's loop over `data=32` (Llama-3 8 B
+    widths on v5p `data=32,model=2`) before adding to it: such a loop was counted as run once, its 33
+    permutes a kernel as 5, and the report gave 0.75 of the bytes the step sends."""
+    from keras_meshlayout.report._loops import loop_runs
+
+    text = _LOOP.replace("{counter}", "%c = u32[] copy(%j)" if form == "copied" else "")
+    if form == "direct":
+        text = text.replace("add(%c, %two)", "add(%j, %two)")
+    assert loop_runs(text.splitlines()) == {"body": 8}

@@ -8,7 +8,7 @@ tokens per device, a bidirectional loop of 4 permutes run twice, beside one outs
 collectives are printed once in the text; `loop_runs` reads how often each body runs from the
 loop's counter: a `get-tuple-element` compared (`LT`) with a constant in the condition, a
 constant start in the loop's initial tuple (through `copy`), and a constant step added in the
-body. Loops of another form are not counted (one run).
+body (to the counter or a `copy` of it). Loops of another form are not counted (one run).
 """
 
 from __future__ import annotations
@@ -132,7 +132,11 @@ def _trip_count(definitions: dict, computations: dict, loop: re.Match) -> int | 
 
 
 def _tuple_index(definitions: dict[str, tuple[str, str]], name: str) -> int | None:
-    """The tuple index a `get-tuple-element` reads."""
+    """The tuple index a `get-tuple-element` reads, seen through `copy` (XLA:TPU copies the counter of
+    a windowed einsum's loop over 32 devices before adding to it)."""
+    copied = _operands(definitions, name, "copy")
+    if copied:
+        return _tuple_index(definitions, copied[0])
     found = definitions.get(name)
     if found is None or not found[0].startswith("get-tuple-element|"):
         return None
