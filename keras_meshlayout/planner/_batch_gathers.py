@@ -184,11 +184,8 @@ class BatchGathers:
         `data=64` (v5e 8×8) the gradient is all-reduced; other sizes are not measured and keep the
         all-reduce (`WINDOWED_SIZES`).
         """
-        if self.compiler != "tpu" or self.d not in WINDOWED_SIZES:
-            return 0.0
-        rows = max((math.prod(inputs[:-1]) for inputs, *_ in self.calls(variable.path)), default=0)
-        summed = self._grad_sync(variable, shards)
-        if rows < WINDOWED_ROWS or not summed:
+        summed = self._grad_sync(variable, shards) if self._windowed(variable) else 0.0
+        if not summed:
             return 0.0
         gradient = summed * self.d / (2 * (self.d - 1))  # the summed gradient's bytes on one device
         return gradient * (self.d + 1) / self.d - summed
@@ -201,13 +198,16 @@ class BatchGathers:
         collective-permutes of its shard in place of the all-gather's `d - 1` (a Dense MLP's first
         kernel at 16,384 rows, fully sharded: over `data=8` 9 permutes, over `data=16` 17).
         """
+        from_input = any(from_input for *_, from_input, _ in self.calls(variable.path))
+        return 2 * gathered / self.d if from_input and self._windowed(variable) else 0.0
+
+    def _windowed(self, variable: keras.Variable) -> bool:
+        """Whether XLA:TPU computes this kernel's projections as windowed einsums over the batch axis:
+        a batch axis of `WINDOWED_SIZES` devices, `WINDOWED_ROWS` rows or more contracted."""
         if self.compiler != "tpu" or self.d not in WINDOWED_SIZES:
-            return 0.0
-        calls = self.calls(variable.path)
-        rows = max((math.prod(inputs[:-1]) for inputs, *_ in calls), default=0)
-        if rows < WINDOWED_ROWS or not any(from_input for *_, from_input, _ in calls):
-            return 0.0
-        return 2 * gathered / self.d
+            return False
+        rows = max((math.prod(inputs[:-1]) for inputs, *_ in self.calls(variable.path)), default=0)
+        return rows >= WINDOWED_ROWS
 
     def cast_gathers(
         self, owner: keras.layers.Layer | None, kernel: keras.Variable, shards: int, over_both: bool = False

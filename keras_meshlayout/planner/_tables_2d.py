@@ -177,10 +177,11 @@ class BothAxesTables:
                 return self._moved_rows(variable, axes, state)
             if 4 * size / m > looked_up:
                 return None
-        lookup = self.uses[variable.path][0]  # XLA:TPU may move the rows all the same:
-        moved = tpu_moved_rows(variable.shape, lookup.output, lookup.dtype, d, m)
-        if self.compiler == "tpu" and moved.forward:
-            return self._moved_rows(variable, axes, state, gradient_moved=moved.backward)
+        if self.compiler == "tpu":  # XLA:TPU may move the rows all the same
+            lookup = self.uses[variable.path][0]
+            moved = tpu_moved_rows(variable.shape, lookup.output, lookup.dtype, d, m)
+            if moved.forward:
+                return self._moved_rows(variable, axes, state, gradient_moved=moved.backward)
         wire = plus_wire(vocab_wire, self.batch_axis, wire_bytes("all-gather", size / m, d))
         note = {
             variable.path: f"embedding: vocabulary split {d * m} ways over {self.model_axis!r} and "
