@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from keras_meshlayout.runtime._ports import free_port as _free_port
 from keras_meshlayout.runtime._relay import GlooLines as _GlooLines
 from keras_meshlayout.runtime._supervise import first_failure as _first_failure
 from keras_meshlayout.runtime._supervise import watch as _watch
-from keras_meshlayout.runtime._worker import _exit_status
+from keras_meshlayout.runtime._worker import _exit_status, wait_for_peers
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 8
@@ -553,6 +554,23 @@ def test_launcher_drops_gloo_connection_lines(line, kept):
 def test_worker_exit_status_is_pythons(code, status, capsys):
     assert _exit_status(code) == status
     assert capsys.readouterr().err == ("bad input\n" if code == "bad input" else "")
+
+
+@pytest.mark.parametrize(
+    "reported, late, waited",
+    [((1, 2, 3), (), True), ((1, 3), (2,), True), ((1, 3), (), False), ((), (), False)],
+    ids=["all-there", "one-late", "one-missing", "none"],
+)
+def test_stopped_process_0_leaves_after_its_peers_reported_or_its_grace(tmp_path, reported, late, waited):
+    """Process 0 hosts the coordination service: stopped by SIGTERM, it leaves last, or after its grace."""
+    for rank in reported:
+        (tmp_path / f"exit.{rank}").write_text("143 0 own\n")
+    timers = [threading.Timer(0.2, (tmp_path / f"exit.{rank}").write_text, ["143 0 own\n"]) for rank in late]
+    for timer in timers:
+        timer.start()
+    start = time.monotonic()
+    assert wait_for_peers(str(tmp_path), 4, grace=1.0) is waited
+    assert (time.monotonic() - start >= 1.0) is not waited
 
 
 def test_watch_names_the_worker_that_reported_first_though_another_ended_first(tmp_path):

@@ -25,6 +25,12 @@ import traceback
 
 LAUNCH_DIR_ENV = "KML_LAUNCH_DIR"  # as in _cluster.py; this file imports nothing of ours
 PROCESS_ID_ENV = "KML_PROCESS_ID"
+NUM_PROCESSES_ENV = "KML_NUM_PROCESSES"
+#: The statuses of a run stopped by a signal it was told to stop on (SIGINT, SIGTERM: 128 + N), as
+#: `checkpoint._preemption.PREEMPTED_EXIT_BASE` gives them: every process of the job stops alike.
+STOPPED_STATUSES = (130, 143)
+#: How long process 0 waits, once stopped, for the others to leave before it does (seconds).
+PEERS_GRACE = 20.0
 
 
 def main() -> None:
@@ -102,7 +108,28 @@ def fail(status: int, error: BaseException | None = None) -> None:
                 report.write(f"{status} {time.time():.6f} {cause}\n")
         except OSError:
             pass  # only diagnostics for the launcher
+        if rank == "0" and status in STOPPED_STATUSES:
+            wait_for_peers(directory, int(os.environ.get(NUM_PROCESSES_ENV, "1")), PEERS_GRACE)
     os._exit(status)
+
+
+def wait_for_peers(directory: str, processes: int, grace: float) -> bool:
+    """Waits until processes 1 to `processes - 1` have reported their exit, at most `grace` seconds.
+
+    Process 0 hosts JAX's coordination service: when it leaves, every process still connected
+    aborts ("the JAX distributed service detected fatal errors"). A job stopped by SIGTERM backs
+    up, then each process exits with 143; process 0, first out, made a slower peer abort instead
+    (seen under load: rank 1 killed by SIGABRT after the backup). Stopped, it leaves last.
+    """
+    deadline = time.monotonic() + grace
+    pending = [os.path.join(directory, f"exit.{rank}") for rank in range(1, processes)]
+    while pending and time.monotonic() < deadline:
+        pending = [path for path in pending if not os.path.exists(path)]
+        if pending:
+            time.sleep(0.05)
+    if not pending:
+        time.sleep(0.1)  # each has written its report and is in os._exit
+    return not pending
 
 
 if __name__ == "__main__":
