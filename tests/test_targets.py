@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -452,12 +453,17 @@ def test_the_peak_of_an_expert_banks_swiglu_follows_xla_tpu():
     assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(1.0, abs=0.05)
 
 
-def test_a_windowed_reduce_scatter_is_counted_once_per_run_of_its_loop():
-    """From about 2,048 tokens per device over `data=8`, XLA:TPU reduce-scatters a fully sharded kernel's
-    gradient as a windowed einsum (and gathers the first kernel so, forward): a loop whose body (4
-    collective-permutes of one shard) runs twice, one permute before it: 9 per kernel counted (5 before
-    loops were counted: 2,111,495 of the 3,422,215 bytes the step sends; predicted 4,600,967, an
-    all-reduce of each gradient, not yet the windowed loop)."""
+class WindowedMlp(NamedTuple):
+    rules: kml.LayoutRules
+    step: kml.CompiledStep
+    hlo: str
+    model: keras.Model
+
+
+@functools.cache
+def _windowed_mlp() -> WindowedMlp:
+    """A Dense MLP 256 → 1024 → 256 fully sharded over v5e `data=8` at 16,384 rows, compiled by XLA:TPU."""
+    from keras_meshlayout.report import _compile
 
     def build():
         dense = keras.layers.Dense
@@ -468,13 +474,57 @@ def test_a_windowed_reduce_scatter_is_counted_once_per_run_of_its_loop():
     x = jax.ShapeDtypeStruct((16384, 256), "float32")
     with kml.dry_build(build) as model:
         rules = plan_rules(model, mesh, batch=x, optimizer="adam", fully_sharded=True)
-    step = kml.compile_step(build, kml.ModelParallel(mesh, rules), x, x, optimizer="adam")
+    compiled = []
+    lower = _compile._lower
+
+    def keep(*args):
+        lowered, step = lower(*args)
+        compiled.append(step)
+        return lowered, step
+
+    _compile._lower = keep
+    try:
+        step = kml.compile_step(build, kml.ModelParallel(mesh, rules), x, x, optimizer="adam")
+    finally:
+        _compile._lower = lower
+    return WindowedMlp(rules, step, compiled[0].as_text(), model)
+
+
+def test_a_windowed_reduce_scatter_is_counted_once_per_run_of_its_loop():
+    """From about 2,048 tokens per device over `data=8`, XLA:TPU reduce-scatters a fully sharded kernel's
+    gradient as a windowed einsum (and gathers the first kernel so, forward): a loop whose body (4
+    collective-permutes of one shard) runs twice, one permute before it: 9 per kernel counted (5 before
+    loops were counted: 2,111,495 of the 3,422,215 bytes the step sends; predicted 4,600,967, an
+    all-reduce of each gradient, not yet the windowed loop)."""
+    step = _windowed_mlp().step
     permutes = collections.Counter(
         (t.layer, t.phase, t.shape) for t in step.comm.transfers if t.kind == "collective-permute"
     )
     assert permutes == {("up", "forward", (1, 32, 1024)): 9, ("up", "backward", (32, 1024)): 9,
                         ("down", "backward", (128, 256)): 9}  # fmt: skip
     assert step.comm.wire_bytes_by_axis["data"] == pytest.approx(3_422_215, abs=1)
+
+
+def test_a_windowed_kernel_gradient_reads_bfloat16_copies_of_its_inputs_as_the_walk_holds_them():
+    """The loops that reduce-scatter the kernels' gradients carry each projection's input in bfloat16,
+    2,048 rows a chip, whole on its features (the batch's `bf16[2048,256]`, the hidden `bf16[2048,1024]`):
+    the copies the peak walk keeps from the forward pass to those loops (`_liveness._windowed_operands`;
+    on the Mixtral 8x7 B row of `benchmarks/targets.py` 1.2 GiB of them at the peak, its predicted peak
+    0.80 -> 0.92 of the compiled)."""
+    from keras_meshlayout.planner._liveness import _windowed_operands
+    from keras_meshlayout.planner._propagate import Specs
+    from keras_meshlayout.planner._trace import trace_step
+
+    mlp = _windowed_mlp()
+    bodies = re.findall(r"^%\S*windowed_dot_general_body_rs\S* \((.*)\) -> ", mlp.hlo, re.MULTILINE)
+    carried = {shape for body in bodies for shape in re.findall(r"bf16\[\d+,\d+\]", body)}
+    assert carried == {"bf16[2048,256]", "bf16[2048,1024]"}
+    trace = trace_step(mlp.model, jax.ShapeDtypeStruct((16384, 256), "float32"))
+    paths = {path: mlp.rules.match(path).axes for path in trace.variables.values()}
+    assert all("data" in axes for path, axes in paths.items() if path.endswith("kernel"))  # fully sharded
+    specs = Specs(trace, paths, {"data": 8, "model": 1}, "data")
+    held = sorted(size for *_, size in _windowed_operands(trace, specs, paths, "data", set()))
+    assert held == [2048 * 256 * 2, 2048 * 1024 * 2]
 
 
 #: A Dense MLP (256 → 1024 → 256) fully sharded over `data` alone at 16,384 rows: data -> (target, the

@@ -17,7 +17,7 @@ import numpy as np
 from ..report._collectives import wire_bytes
 from ._trace import Trace, Use
 
-__all__ = ["REDUCED_GROUP", "WINDOWED_ROWS", "WINDOWED_SIZES", "BatchGathers", "nbytes"]
+__all__ = ["REDUCED_GROUP", "WINDOWED_ROWS", "WINDOWED_SIZES", "BatchGathers", "nbytes", "windowed_on_tpu"]
 
 #: The rows (tokens) a projection contracts from which XLA:TPU reduce-scatters the gradient of its kernel
 #: split over a batch axis of `WINDOWED_SIZES` devices as a windowed einsum (`BatchGathers.windowed_sync`).
@@ -30,6 +30,12 @@ WINDOWED_SIZES = (4, 8, 16, 32)
 #: an all-reduce (`OneWeightCosts._gathers_over_both`, `_whole_kernel_gathers`): 64 measured so (v5e
 #: 8×8, v5p 4×4×4; a Dense MLP on v5e `data=64,model=1`), 32 not.
 REDUCED_GROUP = 64
+
+
+def windowed_on_tpu(compiler: str, batch_devices: int, rows: int) -> bool:
+    """Whether XLA:TPU computes a batch-split kernel's projections as windowed einsums over the batch
+    axis: on a batch axis of `WINDOWED_SIZES` devices, `WINDOWED_ROWS` rows or more contracted."""
+    return compiler == "tpu" and batch_devices in WINDOWED_SIZES and rows >= WINDOWED_ROWS
 
 
 def nbytes(variable: keras.Variable) -> int:
@@ -204,10 +210,8 @@ class BatchGathers:
     def _windowed(self, variable: keras.Variable) -> bool:
         """Whether XLA:TPU computes this kernel's projections as windowed einsums over the batch axis:
         a batch axis of `WINDOWED_SIZES` devices, `WINDOWED_ROWS` rows or more contracted."""
-        if self.compiler != "tpu" or self.d not in WINDOWED_SIZES:
-            return False
         rows = max((math.prod(inputs[:-1]) for inputs, *_ in self.calls(variable.path)), default=0)
-        return rows >= WINDOWED_ROWS
+        return windowed_on_tpu(self.compiler, self.d, rows)
 
     def cast_gathers(
         self, owner: keras.layers.Layer | None, kernel: keras.Variable, shards: int, over_both: bool = False
