@@ -3,8 +3,15 @@
 import os
 
 os.environ["KERAS_BACKEND"] = "jax"
+# XLA:CPU's LLVM backend at optimisation level 0: the tests' steps are tiny, so compiling them
+# dominates the suite's time, and level 0 compiles a third faster (MobileNetV3Small's sharded and
+# one-device `fit`: 71 s -> 47 s). It changes only the machine code XLA:CPU emits for each fused
+# kernel: the HLO passes, the collectives the tests count and the buffer assignment whose memory
+# they read are the same (and XLA:TPU's compiles, which ignore it, report the same figures). The
+# processes the tests start inherit it.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 
 import shutil
