@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -10,6 +12,22 @@ from jax.sharding import NamedSharding, PartitionSpec
 import keras_meshlayout as kml
 
 BATCH = 64
+
+
+def fresh_env(*drop: str) -> dict[str, str]:
+    """This environment for a process a test starts: without the session's `XLA_FLAGS` (the process
+    emulates its own devices, as on a user's machine), `KERAS_BACKEND` and `drop`.
+
+    It keeps the session's XLA:CPU optimisation level (`tests/conftest.py`): a step the process
+    compiles is then the same machine code as the session's, so their results can be compared bit
+    for bit.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND", *drop)}
+    level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization")]
+    if level:
+        env["XLA_FLAGS"] = " ".join(level)
+    return env
+
 
 #: Column-parallel first hidden layer, row-parallel second. The last rule also
 #: matches the classifier head, which stays replicated because it is small.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -31,7 +30,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from helpers import assert_bit_identical, assert_laid_out_as_planned, mlp, values
+from helpers import assert_bit_identical, assert_laid_out_as_planned, fresh_env, mlp, values
 from jax.sharding import SingleDeviceSharding
 
 import keras_meshlayout as kml
@@ -931,7 +930,7 @@ def test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up(storage, point, tm
     script = tmp_path / "save.py"
     script.write_text(KILLED_SAVE)
     path = tmp_path / "ckpt"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env = fresh_env()
     run = subprocess.run(
         [sys.executable, str(script), str(path), storage, point],
         env=env,
@@ -1041,7 +1040,7 @@ def full_disk(request, tmp_path_factory) -> tuple[str, dict[str, dict]]:
     work = tmp_path_factory.mktemp(f"full-disk-{storage}")
     (work / "disk").mkdir()
     (work / "full_disk.py").write_text(FULL_DISK)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env = fresh_env()
     # unshare: a user and mount namespace, so that no root is needed and the mount dies with the child.
     mount = 'mount -t tmpfs -o size=1m tmpfs "$0" && exec "$1" "$2" "$0" "$3" "$4"'
     script = work / "full_disk.py"

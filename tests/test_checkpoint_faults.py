@@ -23,6 +23,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from helpers import fresh_env
 
 import keras_meshlayout as kml
 from keras_meshlayout.checkpoint import _atomic
@@ -415,7 +416,7 @@ TIMEOUT_S = 240  # a bound on each run (a few seconds each on 2 idle cores)
 
 def child_env() -> dict[str, str]:
     """This environment minus JAX and Keras settings: the script sets up its own devices."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    return fresh_env()
 
 
 def command(work: Path, processes: int, pause: float = 0.0, slow_from: int = 0) -> list[str]:

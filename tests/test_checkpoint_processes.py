@@ -24,7 +24,6 @@ distribution.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -34,7 +33,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from helpers import assert_bit_identical
+from helpers import assert_bit_identical, fresh_env
 
 import keras_meshlayout as kml
 
@@ -185,12 +184,8 @@ def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("checkpoint-processes")
     script = out / "worker.py"
     script.write_text(textwrap.dedent(WORKER.format(tests=str(TESTS))))
-    drop = ("XLA_FLAGS", "KERAS_BACKEND", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in drop and not k.startswith(("KML_", "KERAS_DISTRIBUTION_", "SLURM_"))
-    }
+    env = fresh_env("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")
+    env = {k: v for k, v in env.items() if not k.startswith(("KML_", "KERAS_DISTRIBUTION_", "SLURM_"))}
     command = [sys.executable, "-m", "keras_meshlayout.launch", "-n", "2", "--devices-per-process", "4"]
     command += ["--init-timeout", "60", "--timeout", str(LAUNCH_TIMEOUT_S - 20), str(script), str(out)]
     start = time.monotonic()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import fresh_env
 
 import keras_meshlayout as kml
 
@@ -116,7 +117,7 @@ def saved(workdir) -> Path:
 
 def cli(*args: str, cwd: Path, python: bool = False) -> subprocess.CompletedProcess:
     """`keras-meshlayout ARGS` in a fresh process (`python ARGS` with `python=True`), in `cwd`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env = fresh_env()
     # The package under test first (a worktree's, where the environment installs another).
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), str(Path(kml.__file__).parents[1])])
     return subprocess.run(

@@ -5,12 +5,12 @@ errors answer without importing Keras or JAX (273 MB and seconds before), in a f
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import fresh_env
 
 import keras_meshlayout as kml
 
@@ -27,7 +27,7 @@ print(json.dumps({"status": status, "keras": "keras" in sys.modules, "jax": "jax
 
 def probe(*args: str) -> tuple[dict, str]:
     """Runs the command line in a fresh interpreter: (what it loaded and returned, its output)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env = fresh_env()
     env["PYTHONPATH"] = str(Path(kml.__file__).parents[1])  # the package under test
     result = subprocess.run(
         [sys.executable, "-c", PROBE, *args], env=env, capture_output=True, text=True, timeout=60
@@ -78,7 +78,7 @@ def test_the_package_itself_imports_neither_until_a_name_is_used():
         "kml.MeshLayoutError; errors = 'keras' in sys.modules; kml.Mesh; "
         "print(json.dumps([before, errors, 'keras' in sys.modules and 'jax' in sys.modules]))"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env = fresh_env()
     env["PYTHONPATH"] = str(Path(kml.__file__).parents[1])
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120

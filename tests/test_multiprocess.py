@@ -25,7 +25,7 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers import BATCH, MLP_RULES, assert_same_weights, build_mlp, train
+from helpers import BATCH, MLP_RULES, assert_same_weights, build_mlp, fresh_env, train
 
 import keras_meshlayout as kml
 from keras_meshlayout import launch as launch_module
@@ -44,12 +44,8 @@ LAUNCH_TIMEOUT_S = 120  # a hard bound on every launcher run; each finishes far 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without the test session's JAX, Keras and distribution settings."""
-    drop = ("XLA_FLAGS", "KERAS_BACKEND", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in drop and not k.startswith(("KML_", "KERAS_DISTRIBUTION_", "SLURM_"))
-    }
+    env = fresh_env("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")
+    env = {k: v for k, v in env.items() if not k.startswith(("KML_", "KERAS_DISTRIBUTION_", "SLURM_"))}
     return {**env, "PYTHONIOENCODING": "utf-8", **extra}
 
 

@@ -8,7 +8,6 @@ pytest stderr is captured, which is no terminal, so the default is silence.
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ import textwrap
 import keras
 import numpy as np
 import pytest
-from helpers import mlp
+from helpers import fresh_env, mlp
 from rich.console import Console
 
 import keras_meshlayout as kml
@@ -172,8 +171,9 @@ def test_launcher_shows_the_join_only_where_someone_watches(forced, tmp_path):
     """A real 2-process launch: the join spinner on a (forced) terminal, nothing in a pipe."""
     script = tmp_path / "joins.py"
     script.write_text(textwrap.dedent(JOINS))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KML_") and k != "CI"}
-    env = {k: v for k, v in env.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "KERAS_BACKEND")}
+    env = {
+        k: v for k, v in fresh_env("JAX_NUM_CPU_DEVICES").items() if not k.startswith("KML_") and k != "CI"
+    }
     if forced:
         env[ENV] = "1"
     result = subprocess.run(

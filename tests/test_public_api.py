@@ -15,6 +15,7 @@ from pathlib import Path
 
 import keras
 import pytest
+from helpers import fresh_env
 
 import keras_meshlayout as kml
 
@@ -91,7 +92,7 @@ def test_docstring_examples(test: doctest.DocTest):
 
 def run_python(code: str, **env: str) -> dict:
     """Runs `code` in a fresh interpreter; it prints one JSON object, returned here."""
-    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    base = fresh_env()
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env={**base, **env},

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import fresh_env
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.py"))
 # The first line of the plan table and its totals line (see keras_meshlayout/core/_plan.py).
@@ -26,7 +27,7 @@ TIMEOUT_S = 300
 
 def run_fresh(args: list[str], cwd: Path, **extra: str) -> subprocess.CompletedProcess:
     """Runs `args` in `cwd` with this environment minus JAX and Keras settings, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env = fresh_env()
     env.update(PYTHONIOENCODING="utf-8", **extra)
     return subprocess.run(
         args, cwd=cwd, env=env, capture_output=True, text=True, encoding="utf-8", timeout=TIMEOUT_S

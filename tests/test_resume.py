@@ -34,6 +34,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from helpers import fresh_env
 
 import keras_meshlayout as kml
 
@@ -383,7 +384,7 @@ CHILD = """
 
 def child_env() -> dict[str, str]:
     """This environment minus JAX and Keras settings: the script sets up its own devices."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    return fresh_env()
 
 
 #: (callback, model, how the first run dies). A SIGKILL during a step (from this process),
