@@ -180,7 +180,10 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 
-__version__ = importlib.metadata.version("keras_meshlayout")
+try:
+    __version__ = importlib.metadata.version("keras_meshlayout")
+except importlib.metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CheckpointError",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -906,3 +907,45 @@ def test_over_64_devices_a_small_kernel_split_over_both_axes_is_gathered_as_an_a
     assert gathers == {kind}, gathers
     both = rules.cost.wire_bytes_by_axis["data×model"] / step.comm.wire_bytes_by_axis["data×model"]
     assert both == pytest.approx(expected, abs=0.002)
+
+
+def test_a_budget_on_a_tpu_target_keeps_15_percent_for_the_walks_error():
+    """On a TPU target the walk is 0.87-1.06 of XLA:TPU's compiled peak (`benchmarks/targets.py`), so a
+    plan said to fit keeps 15% of the budget free (5% where the walk follows XLA:CPU): a budget the
+    smallest plan fits with 10% to spare is refused, naming the budget it needs."""
+
+    def build():
+        layers = [keras.Input((256,)), keras.layers.Dense(1024), keras.layers.Dense(256)]
+        return keras.Sequential(layers, name="mlp")
+
+    mesh = kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")
+    x = jax.ShapeDtypeStruct((64, 256), "float32")
+    with kml.dry_build(build) as model:
+        least = plan_rules(model, mesh, batch=x, optimizer="adam", fully_sharded=True).cost.peak_bytes
+        with pytest.raises(kml.MemoryBudgetError, match="15% headroom") as refused:
+            kml.auto_rules(model, mesh, memory_budget=int(least / 0.90), batch=x, optimizer="adam")
+        needed = refused.value.smallest_bytes
+        assert needed == math.ceil(least / 0.85)
+        rules = kml.auto_rules(model, mesh, memory_budget=needed, batch=x, optimizer="adam")
+    assert rules.cost.peak_bytes <= 0.85 * needed
+
+
+def test_a_mesh_of_tpu_devices_without_a_target_plans_as_its_generation():
+    """On a TPU machine `kml.Mesh(data=..., model=...)` holds TPU devices and no target: the planner
+    follows XLA:TPU for their generation (read off `device_kind`) as it does for `target=` (it followed
+    XLA:CPU: a TPU VM's plan was costed and its peak walked as on a CPU)."""
+    from keras_meshlayout.core._targets import target_devices
+    from keras_meshlayout.planner._peak import chip_of, compiler_of, generation_of
+
+    declared = kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")
+    found = kml.Mesh(data=2, model=4, devices=target_devices("tpu-v5e:2x4"))
+    assert found.target is None
+    assert generation_of(found).name == "tpu-v5e"
+    assert (compiler_of(found), chip_of(found)) == (compiler_of(declared), chip_of(declared))
+    assert compiler_of(kml.Mesh(data=2, model=4)) == "cpu"
+    build = LMS["llama3"]
+    x = {n: jax.ShapeDtypeStruct((LM_BATCH, LM_LENGTH), "int32") for n in ("token_ids", "padding_mask")}
+    with kml.dry_build(build) as model:
+        costs = [kml.auto_rules(model, mesh, batch=x, optimizer="adam").cost for mesh in (declared, found)]
+    assert costs[0].peak_bytes == costs[1].peak_bytes
+    assert costs[0].wire_bytes_by_axis == costs[1].wire_bytes_by_axis

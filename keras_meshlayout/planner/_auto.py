@@ -109,10 +109,11 @@ def auto_rules(
             The returned rules carry it, so `kml.ModelParallel` applies it too.
         memory_budget: Per-device memory (bytes or `"16GiB"`) that one training
             step's predicted peak must fit with 5% to spare (`PEAK_HEADROOM`, for
-            the prediction's error): parameters, gradients, optimizer slots,
-            the batch's shard, and the activations and temporaries the traced step
-            keeps alive at its worst (attention scores, dequantised int8 kernels,
-            feature maps, remat blocks recomputed; see `PlanCost.peak_bytes`).
+            the prediction's error; 15% on a TPU target, `TPU_PEAK_HEADROOM`):
+            parameters, gradients, optimizer slots, the batch's shard, and the
+            activations and temporaries the traced step keeps alive at its worst
+            (attention scores, dequantised int8 kernels, feature maps, remat blocks
+            recomputed; see `PlanCost.peak_bytes`).
             Each unit of weights (a projection pair, an attention block, an
             embedding) then gets the layout that fits at the least traffic:
             replicated, tensor-parallel, 2-D (its largest other dimension also
@@ -276,7 +277,7 @@ def _search_within_peak(
     smallest-state plan's. While the chosen layouts' predicted peak exceeds the budget, the
     reserve grows to that peak's non-state part and the search runs again (a few times at most); failing that,
     the smallest-state plan is taken if its own peak fits. A plan said to fit fits its
-    predicted peak with `PEAK_HEADROOM` to spare; `MemoryBudgetError.smallest_bytes` is the
+    predicted peak with `peak_headroom(compiler)` to spare; `MemoryBudgetError.smallest_bytes` is the
     budget the smallest plan needs. Within that budget (or under it) the smallest-state plan is
     what was asked for: a plan the search chose for its traffic gives way to it unless its own
     predicted peak is lower. (Measured on keras-hub Llama with `enable_lora(4)`, 2×4: its frozen
@@ -292,7 +293,8 @@ def _search_within_peak(
     if budget is None and not fully_sharded:
         peak = step.peak(table, proposed)
         return dataclasses.replace(table, reserve=peak.non_state), proposed, peak
-    given, budget = budget, None if budget is None else int(budget * (1 - PEAK_HEADROOM))
+    headroom = peak_headroom(step.compiler)
+    given, budget = budget, None if budget is None else int(budget * (1 - headroom))
     least_chosen = smallest(table)
     least = step.peak(table, least_chosen)
     if budget is not None and not fully_sharded:
@@ -304,26 +306,26 @@ def _search_within_peak(
                 break
             peak = step.peak(table, chosen)
             if peak.peak <= budget:
-                if given <= _needed(least) and peak.peak >= least.peak:
+                if given <= _needed(least, headroom) and peak.peak >= least.peak:
                     break  # the smallest plan's own budget: that plan, unless this one peaks lower
                 return dataclasses.replace(table, reserve=peak.non_state), chosen, peak
             reserve = max(reserve + 1, peak.non_state)
     if budget is None or least.peak <= budget:
         return dataclasses.replace(table, reserve=least.non_state), least_chosen, least
-    needed = _needed(least)
+    needed = _needed(least, headroom)
     raise MemoryBudgetError(
         f"auto_rules: the smallest plan needs {format_bytes(least.peak)} per device at its predicted "
         f"peak ({format_bytes(least.non_state)} of it the batch, activations and temporaries), "
-        f"{format_bytes(needed)} with the {PEAK_HEADROOM:.0%} headroom kept for the prediction's error, "
+        f"{format_bytes(needed)} with the {headroom:.0%} headroom kept for the prediction's error, "
         f"over the memory budget of {format_bytes(given)}. Fix: a larger budget, a mesh with a larger "
         "model axis, a smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor).",
         smallest_bytes=needed,
     )
 
 
-def _needed(least: _peak.PeakMemory) -> int:
-    """The budget the smallest-state plan needs: its predicted peak with `PEAK_HEADROOM` to spare."""
-    return math.ceil(least.peak / (1 - PEAK_HEADROOM))
+def _needed(least: _peak.PeakMemory, headroom: float) -> int:
+    """The budget the smallest-state plan needs: its predicted peak with `headroom` to spare."""
+    return math.ceil(least.peak / (1 - headroom))
 
 
 def smallest(table: CostTable) -> tuple[int, ...]:
@@ -350,6 +352,16 @@ def _checked(table: CostTable, chosen: tuple[int, ...], budget: int | None) -> t
 #: The share of the budget the predicted peak leaves free: the prediction is within a few percent of
 #: XLA's compiled peak on dense models (docs/status.md), so a plan said to fit stays under the budget.
 PEAK_HEADROOM = 0.05
+#: The same on a TPU target: the walk follows XLA:TPU's buffers to 0.87-1.06 of its compiled peak at
+#: Llama-3 and Mixtral widths (docs/benchmarks.md, `benchmarks/targets.py`), under it where XLA:TPU's
+#: heap fragments (0.87: the Llama-3 8 B fully sharded on v5e 16x16), so a plan said to fit keeps 15%.
+TPU_PEAK_HEADROOM = 0.15
+
+
+def peak_headroom(compiler: str) -> float:
+    """The share of the budget a plan's predicted peak leaves free on `compiler` (`_peak.compiler_of`)."""
+    return TPU_PEAK_HEADROOM if compiler == "tpu" else PEAK_HEADROOM
+
 
 #: How often the search runs again with a larger reserve before the budget is declared too small.
 _ROUNDS = 8

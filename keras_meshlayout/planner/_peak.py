@@ -25,19 +25,19 @@ non-trainable variables, optimizer slots: `core._memory`), the batch's shard,
 and the transient peak. Nothing is specific to an architecture: everything is
 read off the traced computation.
 
-On a TPU target (`compiler_of(mesh) == "tpu"`) the walk follows what XLA:TPU's
-buffer assignment was measured to do instead (libtpu 0.0.42.1): each gradient is
-applied by the optimizer as soon as it is written, so the gradients are neither
-held to the end nor summed into a second copy, and partial sums are all-reduced in
-place; a result read only by a transpose is written once, in the transposed layout;
-an element-wise result takes the buffer of an operand that dies there; an element-wise
-result read only by matmuls is computed inside them, and a cheap one is recomputed in
-each of its readers (`_fusion.fused_on_tpu`), an expensive one too where the buffers it is
+On a TPU target (`compiler_of(mesh) == "tpu"`) the walk follows what XLA:TPU's buffer assignment
+was measured to do instead (libtpu 0.0.42.1): each gradient is applied by the optimizer as soon
+as it is written, so the gradients are neither held to the end nor summed into a second copy,
+and partial sums are all-reduced in place; a result read only by a transpose is written once, in
+the transposed layout; an element-wise result takes the buffer of an operand that dies there; an
+element-wise result read only by matmuls is computed inside them, and a cheap one is recomputed
+in each of its readers (`_fusion.fused_on_tpu`), an expensive one too where the buffers it is
 computed from outlive it (`_liveness._recomputed_on_tpu`); the input a windowed kernel
-gradient's loop reads is kept in bfloat16 from the forward pass (`_liveness._windowed_operands`). A transient peak small enough to stay in the chip's
-vector memory (the generation's `on_chip_bytes`, `chip_of`; none on v5p) is not counted in
-HBM, the parameters, slots and batch take XLA:TPU's tiled layouts, and on v5p each temporary
-buffer its 16 KiB alignment (`_tpu_memory`).
+gradient's loop reads is kept in bfloat16 from the forward pass
+(`_liveness._windowed_operands`). A transient peak small enough to stay in the chip's vector
+memory (the generation's `on_chip_bytes`, `chip_of`; none on v5p) is not counted in HBM, the
+parameters, slots and batch take XLA:TPU's tiled layouts, and on v5p each temporary buffer its
+16 KiB alignment (`_tpu_memory`).
 """
 
 from __future__ import annotations
@@ -51,12 +51,14 @@ import numpy as np
 
 from .. import _compat
 from ..core._axes import Axes, entry_axes
+from ..core._mesh import jax_device_grid
+from ..core._targets import GENERATIONS, Generation
 from . import _notes, _tpu_memory
 from ._convs import CONV_LAYERS
 from ._liveness import live_code, transient_peak
 from ._trace import Trace, trace_step
 
-__all__ = ["PeakMemory", "PeakWalk", "chip_of", "compiler_of", "peak_memory", "plan_peak"]
+__all__ = ["PeakMemory", "PeakWalk", "chip_of", "compiler_of", "generation_of", "peak_memory", "plan_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,28 +163,50 @@ class PeakWalk:
         )
 
 
+def generation_of(mesh: Any) -> Generation | None:
+    """The TPU generation whose XLA:TPU the planner follows for `mesh`, or `None` off TPUs.
+
+    The mesh's target's (`kml.Mesh(..., target=...)`); else, on a TPU machine, that of the devices
+    the mesh holds, by their `device_kind` (a v5e VM's `kml.Mesh(data=..., model=...)` plans as
+    `target="tpu-v5e:..."` does); v5e's figures for a TPU generation not in `GENERATIONS`.
+    """
+    target = getattr(mesh, "target", None)
+    if target is not None:
+        return target.generation
+    try:
+        device = jax_device_grid(mesh).flat[0]
+    except Exception:  # not a mesh of devices (an abstract mesh): no compiler to follow
+        return None
+    if getattr(device, "platform", None) != "tpu":
+        return None
+    kind = str(getattr(device, "device_kind", ""))
+    known = [g for g in GENERATIONS.values() if g.device_kind == kind]
+    return known[0] if known else GENERATIONS["tpu-v5e"]
+
+
 def compiler_of(mesh: Any) -> str:
-    """The compiler whose buffers the walk follows for `mesh`: `"tpu"` on a TPU target, else `"cpu"`."""
-    return "tpu" if getattr(mesh, "target", None) is not None else "cpu"
+    """The compiler whose buffers the walk follows for `mesh`: `"tpu"` on a TPU target or TPU devices,
+    else `"cpu"`."""
+    return "tpu" if generation_of(mesh) is not None else "cpu"
 
 
 def reduced_gather_bytes_of(mesh: Any) -> float:
     """The largest copy XLA:TPU gathers over 64 devices or more as an all-reduce, on `mesh`'s TPU
-    generation (`Generation.reduced_gather_bytes`); 0 (none) without a target."""
-    target = getattr(mesh, "target", None)
-    return 0.0 if target is None else target.generation.reduced_gather_bytes
+    generation (`Generation.reduced_gather_bytes`); 0 (none) off TPUs."""
+    generation = generation_of(mesh)
+    return 0.0 if generation is None else generation.reduced_gather_bytes
 
 
 def chip_of(mesh: Any) -> _tpu_memory.Chip:
     """The walk's figures of `mesh`'s TPU generation: on-chip memory, HBM alignment (`_tpu_memory`).
 
     `Generation.on_chip_bytes` and `hbm_alignment` (64 MiB and 0 on v5e, 0 and 16 KiB on v5p); the
-    defaults without a target.
+    defaults off TPUs.
     """
-    target = getattr(mesh, "target", None)
-    if target is None:
+    generation = generation_of(mesh)
+    if generation is None:
         return _tpu_memory.DEFAULT_CHIP
-    return _tpu_memory.Chip(target.generation.on_chip_bytes, target.generation.hbm_alignment)
+    return _tpu_memory.Chip(generation.on_chip_bytes, generation.hbm_alignment)
 
 
 def plan_peak(
