@@ -21,7 +21,7 @@ from . import _tpu_memory
 from ._batch_gathers import windowed_on_tpu
 from ._fusion import ELEMENTWISE, EXPENSIVE, fused, fused_on_tpu, laid_out, shared_constants
 from ._propagate import Specs, copied_operands, itemsize
-from ._trace import Trace
+from ._trace import Node, Trace
 
 __all__ = ["live_code", "transient_peak"]
 
@@ -216,7 +216,7 @@ def _windowed_operands(
             operands = sorted((v for v in node.inputs if v >= 0), key=lambda v: trace.producer.get(v, -1))
             value = operands[0]
             size = itemsize(trace.dtypes[value])
-            rows = math.prod(trace.shapes[value]) // max(trace.shapes[value][-1:] or [1])
+            rows = math.prod(trace.shapes[value][:-1])  # contracted over its last dimension
             if value in seen or (size <= 2 and value in buffers):
                 continue
             if not windowed_on_tpu("tpu", batch_devices, rows):
@@ -231,7 +231,7 @@ def _windowed_operands(
 _GRADIENT_PLUMBING = frozenset("transpose reshape convert_element_type add_any squeeze expand_dims".split())
 
 
-def _products_of(trace: Trace, gradient: int) -> list:
+def _products_of(trace: Trace, gradient: int) -> list[Node]:
     """The `dot_general` nodes whose results make up `gradient`, through transposes, casts and sums."""
     found, pending, seen = [], [gradient], set()
     while pending:
