@@ -486,11 +486,9 @@ def _windowed_mlp() -> WindowedMlp:
         compiled.append(step)
         return lowered, step
 
-    _compile._lower = keep
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_compile, "_lower", keep)
         step = kml.compile_step(build, kml.ModelParallel(mesh, rules), x, x, optimizer="adam")
-    finally:
-        _compile._lower = lower
     return WindowedMlp(rules, step, compiled[0].as_text(), model)
 
 
