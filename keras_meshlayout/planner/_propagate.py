@@ -238,7 +238,11 @@ class Specs:
         return copies
 
     def _valid(self, spec: Spec, shape: tuple[int, ...]) -> Spec:
-        """`spec` with each axis used once, only where it divides its dimension."""
+        """`spec` with each axis used once, only where it divides its dimension or is split over it whole.
+
+        A dimension smaller than its pieces (`size > 1` dividing them) holds the major part of a
+        split a reshape spread over it and the dimensions after it (`_reshape`).
+        """
         seen: set[str] = set()
         out = []
         for entry, size in zip(spec, shape, strict=False):
@@ -247,7 +251,7 @@ class Specs:
                 if axis in seen or axis not in self.sizes:
                     continue
                 pieces = math.prod(self.sizes[a] for a in kept) * self.sizes[axis]
-                if size % pieces == 0:
+                if size % pieces == 0 or (size > 1 and pieces % size == 0):
                     kept.append(axis)
                     seen.add(axis)
             out.append(tuple(kept))
@@ -344,11 +348,19 @@ def _aligned(out: tuple[int, ...], spec: Spec, shape: tuple[int, ...]) -> Spec:
 
 
 def _reshape(spec: Spec, shape: tuple[int, ...], out: tuple[int, ...]) -> Spec:
-    """Axes carried to the output dimension that starts where the input dimension starts."""
+    """Axes carried to the output dimension (not a new 1) that starts where the input dimension starts.
+
+    A split dimension reshaped into several keeps its axes on the first of them, however many
+    pieces that one holds: splitting 8 query heads 4 ways, then reshaping them into 2 key/value
+    heads × 4 (grouped-query attention), splits the 2 fully and the 4 in two on each device, whose
+    bytes are the whole's ÷ 4 (measured on Gemma's attention scores: the walk had kept them whole
+    over `model`, 3.4x XLA:TPU's peak).
+    """
     starts_out: dict[int, int] = {}
     position = 1
     for d, size in enumerate(out):
-        starts_out.setdefault(position, d)
+        if size != 1:
+            starts_out.setdefault(position, d)
         position *= size
     result = list(_none(out))
     position = 1
