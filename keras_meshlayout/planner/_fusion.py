@@ -36,6 +36,8 @@ EXPENSIVE = frozenset(
     """atan2 cbrt cos cosh div erf erf_inv erfc exp exp2 expm1 lgamma log log1p logistic pow rem rsqrt
     sin sinh sqrt tan tanh""".split()
 )
+#: The operations XLA:TPU computes an element-wise operand inside of (`fused_on_tpu`).
+_MATMULS = frozenset(("dot_general", "conv_general_dilated"))
 #: Operations that update their first operand in place: XLA writes the result into that buffer.
 _IN_PLACE = frozenset("scatter scatter-add scatter-mul scatter-min scatter-max dynamic_update_slice".split())
 
@@ -249,8 +251,8 @@ def fused_on_tpu(trace: Trace) -> set[int]:
     """
     found = set()
     for node, value, _, primitives in _elementwise_reads(trace):
-        into_matmuls = all(p == "dot_general" for p in primitives)
-        readable = all(_fusing(p) or p == "dot_general" for p in primitives)
+        into_matmuls = all(p in _MATMULS for p in primitives)
+        readable = all(_fusing(p) or p in _MATMULS for p in primitives)
         duplicated = node.primitive not in EXPENSIVE and readable
         if into_matmuls or duplicated:
             found.add(value)
