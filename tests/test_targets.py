@@ -728,6 +728,40 @@ def test_tpu_buffers_are_padded_to_the_tiles_xla_tpu_assigns(shape, expected):
     assert tiled_bytes(shape, 4) == expected
 
 
+def _gemma_1k() -> keras.Model:
+    """keras-hub Gemma, 2 layers (hidden 512, 8 query heads over 2 key/value heads), its tied table of
+    8,192 rows as the head, over 1,024 tokens."""
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=8192,
+        num_layers=2,
+        hidden_dim=512,
+        intermediate_dim=1024,
+        num_query_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        dropout=0.0,
+    )
+    inputs = {n: keras.Input((1024,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
+    return keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True), name="gemma_1k")
+
+
+def test_the_peak_of_a_decoder_whose_temporaries_outgrow_the_chip_follows_xla_tpu():
+    """16 × 1,024 tokens on v5e `data=2,model=4`: 269 MiB of temporaries in HBM. Three rules carry the
+    walk there: the query heads grouped by a reshape keep their split (`_propagate._reshape`; 3.36
+    before), a residual sum read by several fusions is written rather than duplicated
+    (`_fusion._at_most_unary`), and short-lived buffers such as the logits are held in vector memory
+    (`_liveness._short_lived`): 1.24 with the first alone, 0.96 with all three."""
+    mesh = kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")
+    x = {n: jax.ShapeDtypeStruct((16, 1024), "int32") for n in ("token_ids", "padding_mask")}
+    y = jax.ShapeDtypeStruct((16, 1024), "int32")
+    with kml.dry_build(_gemma_1k) as model:
+        rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = kml.compile_step(_gemma_1k, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
+    assert step.temp_bytes > 2**28
+    assert 0.9 <= rules.cost.peak_bytes / step.peak_bytes <= 1.1, (rules.cost.peak_bytes, step.peak_bytes)
+
+
 #: (shape, itemsize, batch dim, feature dim, bytes) of convolution activations in XLA:TPU's buffer
 #: assignment (v5e, libtpu 0.0.42.1): features in the 128 lanes, the batch in the rows.
 FEATURE_MINOR = [
@@ -780,12 +814,13 @@ def test_the_peak_of_a_convnet_on_tpu_counts_its_padded_activations_and_is_not_u
     assert 1.0 <= rules.cost.peak_bytes / step.peak_bytes <= 2.2, (rules.cost.peak_bytes, step.peak_bytes)
 
 
-#: Each generation's figures for the peak walk (`Generation.on_chip_bytes`, `hbm_alignment`), and
-#: what aligning the temporaries adds under Adam (4 arrays per variable) to a step of 19 variables.
+#: Each generation's figures for the peak walk (`Generation.on_chip_bytes`, `hbm_alignment`,
+#: `vmem_bytes`), and what aligning the temporaries adds under Adam (4 arrays per variable) to a
+#: step of 19 variables.
 CHIPS = {
-    "tpu-v5e:2x2": (64 * 2**20, 0, 0),
-    "tpu-v5p:2x2x1": (0, 16384, 361 * 16384),
-    "tpu-v6e:2x4": (64 * 2**20, 0, 0),
+    "tpu-v5e:2x2": (64 * 2**20, 0, 112 * 2**20, 0),
+    "tpu-v5p:2x2x1": (0, 16384, 0, 361 * 16384),
+    "tpu-v6e:2x4": (64 * 2**20, 0, 112 * 2**20, 0),
 }
 
 
@@ -794,9 +829,9 @@ def test_each_generation_gives_the_walk_its_own_on_chip_memory_and_hbm_alignment
     from keras_meshlayout.planner._peak import chip_of
     from keras_meshlayout.planner._tpu_memory import Chip, aligned_bytes
 
-    on_chip, alignment, aligned = CHIPS[target]
+    on_chip, alignment, vmem, aligned = CHIPS[target]
     chip = chip_of(kml.Mesh(data=kml.parse_target(target).chips, target=target))
-    assert chip == Chip(on_chip, alignment)
+    assert chip == Chip(on_chip, alignment, vmem)
     assert aligned_bytes(19, 4.0, chip.alignment) == aligned
 
 
@@ -905,9 +940,10 @@ def test_fully_sharded_kernels_cross_slices_in_float32_as_predicted(spec):
 #: 1.000 on both axes on both too (measured, not in the tests: 7-9 s each). With them, the predicted
 #: ÷ compiled peak (issue 21): before the walk followed v5p's buffers (activations in HBM however
 #: small, each temporary aligned to 16 KiB) it was 0.229 (MLP), 0.282 (decoder), 0.273 (Llama 3) on
-#: v5p, now 0.990, 1.083, 0.927; on v6e 2x4 the MLP is 0.919 (unchanged).
+#: v5p, now 0.990, 1.083, 0.927; on v6e 2x4 the MLP is 0.919 (unchanged). The MLP on v5p went to
+#: 0.977 when a sum of two buffers read more than once was written (`_fusion._at_most_unary`).
 GENERATIONS = {"tpu-v5p:2x2x1": {"data": 2, "model": 2}, "tpu-v6e:2x4": {"data": 2, "model": 4}}
-PEAKS = {"tpu-v5p:2x2x1": 0.990, "tpu-v6e:2x4": 0.919}
+PEAKS = {"tpu-v5p:2x2x1": 0.977, "tpu-v6e:2x4": 0.919}
 
 
 @pytest.mark.parametrize("target", sorted(GENERATIONS), ids=sorted(GENERATIONS))

@@ -83,6 +83,10 @@ class Generation:
             buffer (twice an all-gather's bytes; a larger one is all-gathered): 8 MiB on v5e
             (8 MiB reduced, 16 MiB gathered, over 64 and 256 devices), unbounded on v5p (reduced
             up to 1 GiB over 64), both libtpu 0.0.42.1; v5e's kept for v4 and v6e (not measured).
+        vmem_bytes: The vector memory in which XLA:TPU's memory-space assignment holds short-lived
+            buffers instead of HBM (`planner._liveness._short_lived`): 112 MiB on v5e, its buffer
+            assignment's `vmem` space (kept for v4 and v6e, not measured); 0 on v5p, whose steps
+            were measured with all their temporaries in HBM.
     """
 
     name: str
@@ -99,6 +103,7 @@ class Generation:
     on_chip_bytes: int = 64 * 2**20
     hbm_alignment: int = 0
     reduced_gather_bytes: float = 8 * 2**20
+    vmem_bytes: int = 112 * 2**20
 
 
 _TORUS_2D = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
@@ -136,6 +141,7 @@ GENERATIONS: Mapping[str, Generation] = {
             on_chip_bytes=0,
             hbm_alignment=16 * 1024,
             reduced_gather_bytes=math.inf,
+            vmem_bytes=0,
         ),
         Generation(
             "tpu-v6e",

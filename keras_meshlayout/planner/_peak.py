@@ -206,7 +206,7 @@ def chip_of(mesh: Any) -> _tpu_memory.Chip:
     generation = generation_of(mesh)
     if generation is None:
         return _tpu_memory.DEFAULT_CHIP
-    return _tpu_memory.Chip(generation.on_chip_bytes, generation.hbm_alignment)
+    return _tpu_memory.Chip(generation.on_chip_bytes, generation.hbm_alignment, generation.vmem_bytes)
 
 
 def plan_peak(
@@ -307,7 +307,7 @@ def peak_memory(
     trainable variables' count (`_tpu_memory.aligned_bytes`).
     """
     transient, batch = transient_peak(
-        trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered, chip.on_chip
+        trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered, chip
     )
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
         padding = round((state - gradients) * (tiles - 1))
