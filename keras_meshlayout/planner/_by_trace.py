@@ -168,15 +168,44 @@ def lone_projections(ledger: Ledger, setting: Setting) -> None:
 
 
 def _reaches_output(trace: Trace, value: int) -> bool:
-    """Whether `value` is a model output, a bias add or cast at most away."""
-    for _ in range(4):
+    """Whether `value` is a model output, a bias add, a cast or an int8 product's rescaling at most away.
+
+    An int8 projection's integer product is cast, then divided by its input's and kernel's scales
+    (keras-hub's int8 `ReversibleEmbedding` head: `convert`, `div` by a product of the two
+    scales' broadcasts), each a lone reader.
+    """
+    for _ in range(6):
         if value in trace.outputs:
             return True
         readers = trace.consumers.get(value, ())
-        if len(readers) != 1 or trace.nodes[readers[0]].primitive not in ("add", "convert_element_type"):
+        if len(readers) != 1 or not _passes_on(trace, trace.nodes[readers[0]], value):
             return False
         value = trace.nodes[readers[0]].outputs[0]
     return value in trace.outputs
+
+
+def _passes_on(trace: Trace, node: Any, value: int) -> bool:
+    """Whether `node` carries `value` on as a final layer's output: a bias add, a cast, or a rescaling."""
+    if node.primitive in ("add", "convert_element_type"):
+        return True
+    if node.primitive not in ("mul", "div") or node.inputs[:1] != (value,):
+        return False
+    return trace.dtypes.get(value, "") == "float32" and _rescales(trace, value)
+
+
+def _rescales(trace: Trace, value: int) -> bool:
+    """Whether `value` is an integer product, cast (and already rescaled) at most."""
+    for _ in range(4):
+        producer = trace.producer.get(value)
+        if producer is None:
+            return False
+        node = trace.nodes[producer]
+        if node.primitive == "dot_general":
+            return not trace.dtypes.get(value, "float").startswith(("float", "bfloat"))
+        if node.primitive not in ("convert_element_type", "mul", "div"):
+            return False
+        value = node.inputs[0]
+    return False
 
 
 def _weight_name(path: str) -> str:
