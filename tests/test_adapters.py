@@ -237,10 +237,10 @@ def build_int8_lm() -> keras.Model:
 def test_an_untied_int8_output_table_splits_over_its_vocabulary_and_sends_what_is_compiled():
     """The untied int8 table is a final layer read through its product's rescaling (cast, then divided
     by the scales): its logits split over 'model' with its per-logit scale. Its input is rounded and
-    cast to int8 outside any custom gradient (keras-hub's reverse path has none), so only the input's
-    scale has a gradient: one float32 per position all-reduced, not its features (`_trace`: no
-    gradient through an integer value). Before: left whole, 'by name' (a 2,048-row table on each
-    device); split with the features' all-reduce predicted, 1.166x the compiled bytes on 'model'."""
+    cast to int8 with no custom gradient (Keras's reverse path has none), so only the input's scale
+    has a gradient: one float32 per position all-reduced, not its features, as for a tied int8 table.
+    Before: left whole, 'by name' (a 2,048-row table on each device); split with the features'
+    all-reduce predicted, 1.166x the compiled bytes on 'model'."""
     x = {n: np.zeros((8, 32), "int32") for n in ("token_ids", "padding_mask")}
     planned = plan_and_compile(build_int8_lm, x, np.zeros((8, 32), "int32"))
     assert planned.rules.match("token_embedding/reverse_embeddings").axes == (None, "model")

@@ -394,9 +394,12 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
                         per_position = math.prod(output[:-1]) / self.d * 4
                         add_wire(wire, self.model_axis, wire_bytes("all-reduce", per_position, self.m))
                 elif side == "column" and not from_input and use.node not in merged:
-                    add_wire(
-                        wire, self.model_axis, wire_bytes("all-reduce", self._summed(inputs, dtype), self.m)
-                    )
+                    summed = self._summed(inputs, dtype)
+                    if str(kernel.dtype) == "int8" and kernel.path.endswith("/reverse_embeddings"):
+                        # An int8 output table rounds its input (no custom gradient): only the input's
+                        # per-position scale has a gradient, one float32 per position (as a tied one's).
+                        summed = math.prod(output[:-1]) / self.d * 4
+                    add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
 
     def _loss_reductions(self, logits: tuple[int, ...], dtype: str) -> float:
         """The loss's all-reduces of one value per position over a final layer's split logits.

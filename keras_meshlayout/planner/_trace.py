@@ -262,11 +262,7 @@ def _flat(jaxpr: Any, paths: list[str], *, trained: set[str] = frozenset(), keep
         for value in node.outputs:
             producer[value] = node.index
         if any(value in reached for value in node.inputs):
-            # No gradient flows through an integer value (the int8 input of keras-hub's int8 output
-            # table, rounded and cast): outside a custom derivative rule, what reads only such
-            # values is not trained by them. Keras's int8 layers define their input's gradient.
-            differentiable = node.index in builder.custom
-            reached.update(v for v in node.outputs if differentiable or _floating(builder.dtypes[v]))
+            reached.update(node.outputs)
     trace = Trace(
         nodes=tuple(builder.nodes),
         shapes=MappingProxyType(builder.shapes),
@@ -333,9 +329,6 @@ class _Builder:
         self.shapes: dict[int, tuple[int, ...]] = {}
         self.dtypes: dict[int, str] = {}
         self.env: dict[Any, int] = {}
-        #: Indices of the nodes inlined from a custom derivative rule's body (`_CUSTOM`).
-        self.custom: set[int] = set()
-        self._custom_depth = 0
 
     def new(self, aval: Any) -> int:
         value = len(self.shapes)
@@ -360,10 +353,7 @@ class _Builder:
                     if value < 0:
                         value = self.new(var.aval)
                     self.env[var] = value
-                custom = eqn.primitive.name in _CUSTOM
-                self._custom_depth += custom
                 results = self.inline(body)
-                self._custom_depth -= custom
                 for var, value in zip(eqn.outvars, results, strict=True):
                     self.env[var] = value if value >= 0 else self.new(var.aval)
                 continue
@@ -374,14 +364,10 @@ class _Builder:
             literals = tuple(_scalar(a) for a in eqn.invars)
             if any(v is not None for v in literals):
                 params[LITERALS] = literals
-            if self._custom_depth:
-                self.custom.add(len(self.nodes))
             self.nodes.append(Node(len(self.nodes), eqn.primitive.name, tuple(args), tuple(outs), params))
         return [self.read(v) for v in jaxpr.outvars]
 
 
-#: Custom derivative rules: their bodies' gradients are the rule's, whatever the body computes.
-_CUSTOM = frozenset(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"))
 #: Primitives whose body is inlined: calls, custom derivative rules, rematerialisation.
 _CALLS = (
     "jit",
@@ -396,10 +382,6 @@ _CALLS = (
     "checkpoint",
     "custom_lin",
 )
-
-
-def _floating(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat"))
 
 
 def _scalar(atom: Any) -> float | None:
