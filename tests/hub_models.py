@@ -244,6 +244,14 @@ def build_classifier(row: Row) -> keras.Model:
     return keras.Model(inputs, logits, name="classifier")
 
 
+def causal_lm(cls: str, length: int, name: str = "lm", **config: Any) -> keras.Model:
+    """keras-hub's backbone `cls` built from `config` under its token table's reverse (`reverse=True`,
+    its output table, tied or not), as a causal language model runs it over `length` tokens."""
+    backbone = getattr(keras_hub.models, cls)(dropout=0.0, **config)
+    inputs = {n: keras.Input((length,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
+    return keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True), name=name)
+
+
 def inputs_for(model: keras.Model, seed: int = 0) -> dict[str, np.ndarray]:
     """Token ids, all-ones padding masks, zero segment ids and positions for the model's inputs."""
     rng = np.random.default_rng(seed)

@@ -15,11 +15,10 @@ import dataclasses
 import warnings
 
 import keras
-import keras_hub
 import numpy as np
 import pytest
 from helpers import compiled_step
-from hub_models import BATCH, HEADS, ROWS, Row, build_classifier, inputs_for
+from hub_models import BATCH, HEADS, ROWS, Row, build_classifier, causal_lm, inputs_for
 
 import keras_meshlayout as kml
 
@@ -217,17 +216,8 @@ def test_a_users_int8_model_is_predicted_as_compiled(user_int8):
 
 def build_int8_lm() -> keras.Model:
     """keras-hub Llama 3 (one layer) under its untied output table, as a causal LM runs it, then int8."""
-    backbone = keras_hub.models.Llama3Backbone(
-        vocabulary_size=2048,
-        num_layers=1,
-        hidden_dim=128,
-        intermediate_dim=256,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        dropout=0.0,
-    )
-    inputs = {n: keras.Input((32,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
-    model = keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True), name="int8_lm")
+    config = dict(vocabulary_size=2048, num_layers=1, hidden_dim=128, intermediate_dim=256)
+    model = causal_lm("Llama3Backbone", 32, "int8_lm", num_query_heads=4, num_key_value_heads=2, **config)
     with warnings.catch_warnings():  # Keras warns for each layer it has no int8 form of (norms, dropout)
         warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
         model.quantize("int8")

@@ -14,7 +14,6 @@ import json
 
 import hub_models
 import keras
-import keras_hub
 import numpy as np
 import pytest
 from helpers import build_convnet, build_encoder, compiled_peak
@@ -188,18 +187,10 @@ def test_the_peak_of_a_fully_sharded_step_counts_its_gradients_whole_until_they_
 
 def gemma_lm(length: int = 256) -> keras.Model:
     """keras-hub Gemma (2 layers, 4 query heads over 2 key/value heads) under its tied output table."""
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=512,
-        num_layers=2,
-        hidden_dim=64,
-        intermediate_dim=128,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        dropout=0.0,
+    config = dict(vocabulary_size=512, num_layers=2, hidden_dim=64, intermediate_dim=128, head_dim=16)
+    return hub_models.causal_lm(
+        "GemmaBackbone", length, "gemma_lm", num_query_heads=4, num_key_value_heads=2, **config
     )
-    inputs = {n: keras.Input((length,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
-    return keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True), name="gemma_lm")
 
 
 def test_attention_scores_of_query_heads_grouped_by_a_reshape_stay_split_over_the_model_axis():

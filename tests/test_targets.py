@@ -731,18 +731,10 @@ def test_tpu_buffers_are_padded_to_the_tiles_xla_tpu_assigns(shape, expected):
 def _gemma_1k() -> keras.Model:
     """keras-hub Gemma, 2 layers (hidden 512, 8 query heads over 2 key/value heads), its tied table of
     8,192 rows as the head, over 1,024 tokens."""
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=8192,
-        num_layers=2,
-        hidden_dim=512,
-        intermediate_dim=1024,
-        num_query_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        dropout=0.0,
+    config = dict(vocabulary_size=8192, num_layers=2, hidden_dim=512, intermediate_dim=1024, head_dim=64)
+    return hub_models.causal_lm(
+        "GemmaBackbone", 1024, "gemma_1k", num_query_heads=8, num_key_value_heads=2, **config
     )
-    inputs = {n: keras.Input((1024,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
-    return keras.Model(inputs, backbone.token_embedding(backbone(inputs), reverse=True), name="gemma_1k")
 
 
 def test_the_peak_of_a_decoder_whose_temporaries_outgrow_the_chip_follows_xla_tpu():
