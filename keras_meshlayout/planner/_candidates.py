@@ -317,6 +317,17 @@ class Bytes(BatchGathers, ExpertGathers):
         itemsize = np.dtype(dtype).itemsize
         return math.prod(shape) / self.d * (itemsize if self.compiler == "tpu" else max(itemsize, 4))
 
+    def head_input_grad(self, use: Any, rounded: bool) -> float:
+        """Per-device bytes of a split head's input gradient, summed over the model axis.
+
+        Where the head rounds its input to int8 with no custom gradient (`rounded`: Keras's int8
+        `ReversibleEmbedding` read in reverse, tied or not) only the input's per-position scale has
+        a gradient: one float32 per position (measured on XLA:CPU, 2×4); else the input's bytes.
+        """
+        if rounded:
+            return math.prod(use.output[:-1]) / self.d * 4
+        return self._summed(use.inputs, use.dtype)
+
     def cast_dtype(self, use: Any) -> str:
         """The dtype a look-up's output is cast to before anything reads it, on XLA:TPU; else its own.
 

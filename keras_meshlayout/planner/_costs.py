@@ -381,7 +381,7 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
         for kernel in kernels:
             side = self.side(kernel.path, self.tp_axes[kernel.path])
             for use in (use for use in self.uses.get(kernel.path, ()) if use.kind == "matmul"):
-                inputs, output, from_input, dtype = use.inputs, use.output, use.from_input, use.dtype
+                output, from_input, dtype = use.output, use.from_input, use.dtype
                 if final:
                     add_wire(wire, self.model_axis, self._loss_reductions(output, dtype))
                 if side == "row":
@@ -394,11 +394,8 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
                         per_position = math.prod(output[:-1]) / self.d * 4
                         add_wire(wire, self.model_axis, wire_bytes("all-reduce", per_position, self.m))
                 elif side == "column" and not from_input and use.node not in merged:
-                    summed = self._summed(inputs, dtype)
-                    if str(kernel.dtype) == "int8" and kernel.path.endswith("/reverse_embeddings"):
-                        # An int8 output table rounds its input (no custom gradient): only the input's
-                        # per-position scale has a gradient, one float32 per position (as a tied one's).
-                        summed = math.prod(output[:-1]) / self.d * 4
+                    rounded = str(kernel.dtype) == "int8" and kernel.path.endswith("/reverse_embeddings")
+                    summed = self.head_input_grad(use, rounded)
                     add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
 
     def _loss_reductions(self, logits: tuple[int, ...], dtype: str) -> float:

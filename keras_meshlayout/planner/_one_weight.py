@@ -118,10 +118,7 @@ class OneWeightCosts(BothAxesTables, Bytes):
             per_position = math.prod(head.output[:-1]) / self.d * 4
             add_wire(wire, self.model_axis, 4 * wire_bytes("all-reduce", per_position, self.m))
             if not head.from_input:
-                # An int8 head quantizes its input (rounded: no gradient) by its per-position maximum,
-                # the one path its input gradient takes: one float32 per position.
-                int8 = str(variable.dtype) == "int8"
-                summed = per_position if int8 else self._summed(head.inputs, head.dtype)
+                summed = self.head_input_grad(head, rounded=str(variable.dtype) == "int8")
                 add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
         split = candidate(
             "vocab-parallel",
