@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import _compat
 from ..core._grouped_scan import abstract_value
+from ._memo import memoised
 
 __all__ = ["LITERALS", "Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
 
@@ -138,7 +139,11 @@ class Trace:
 
 
 def trace_model(model: keras.Model, batch: Any) -> Trace:
-    """Traces `model`'s forward pass on `batch` (arrays or shapes) into a `Trace`."""
+    """Traces `model`'s forward pass on `batch` (arrays or shapes) into a `Trace` (once per model state)."""
+    return memoised("forward", model, batch, lambda: _trace_model(model, batch))
+
+
+def _trace_model(model: keras.Model, batch: Any) -> Trace:
     import jax
 
     trainable = list(model.trainable_variables)
@@ -202,7 +207,8 @@ def _trace_losses(model: keras.Model, batch: Any, trainable: list, non_trainable
 
 
 def trace_step(model: keras.Model, batch: Any) -> Trace:
-    """Traces one training step's forward and backward passes on `batch` into a `Trace`.
+    """Traces one training step's forward and backward passes on `batch` into a `Trace` (once per model
+    state, as `trace_model`).
 
     The step is the gradient of a stand-in loss (the mean square of every output, in
     float32) with respect to every trainable variable: the same forward pass as
@@ -211,6 +217,10 @@ def trace_step(model: keras.Model, batch: Any) -> Trace:
     the gradients, one per trainable variable. Only the dataflow is kept (`uses` and
     `read` are empty): what the peak-memory walk (`_peak`) reads.
     """
+    return memoised("step", model, batch, lambda: _trace_step(model, batch))
+
+
+def _trace_step(model: keras.Model, batch: Any) -> Trace:
     import jax
     import jax.numpy as jnp
 
