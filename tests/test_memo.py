@@ -20,6 +20,23 @@ def mlp() -> keras.Model:
     )
 
 
+class Subclassed(keras.Model):
+    """The same MLP written as a subclassed model calling `keras.ops`."""
+
+    def __init__(self):
+        super().__init__(name="mlp")
+        self.up, self.down = keras.layers.Dense(64, name="up"), keras.layers.Dense(16, name="down")
+
+    def call(self, x):
+        return self.down(keras.ops.relu(self.up(x)))
+
+
+def subclassed() -> keras.Model:
+    model = Subclassed()
+    model(X)
+    return model
+
+
 def _lora(model):
     model.get_layer("up").enable_lora(2)
 
@@ -63,12 +80,13 @@ CHANGES = [
 ]
 
 
+@pytest.mark.parametrize("build", [mlp, subclassed], ids=["sequential", "subclassed"])
 @pytest.mark.parametrize("trace", [trace_model, trace_step], ids=["forward", "step"])
-def test_the_same_model_on_the_same_shapes_is_traced_once(trace):
-    model = mlp()
+def test_the_same_model_on_the_same_shapes_is_traced_once(trace, build):
+    model = build()
     first = trace(model, X)
     assert trace(model, np.ones((8, 16), "float32")) is first  # the values do not matter, only shapes
-    assert trace(mlp(), X) is not first  # another model of the same code
+    assert trace(build(), X) is not first  # another model of the same code
 
 
 @pytest.mark.parametrize(("change", "batch", "shows"), CHANGES)

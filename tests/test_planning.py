@@ -339,6 +339,7 @@ def test_transformer_preset_norms_and_routers(path, note):
 # and nowhere else (no import inside a function), so trace → units → costs → search → rules
 # reads one way.
 PLANNER_ORDER = [
+    "_memo",
     "_trace",
     "_batch_sums",
     "_scan",
