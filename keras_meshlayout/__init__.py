@@ -69,6 +69,8 @@ if TYPE_CHECKING:  # the names, for type checkers and the docs; at run time each
     from .core._targets import Target as Target
     from .core._targets import parse_target as parse_target
     from .planner._auto import auto_rules as auto_rules
+    from .planner._compiled_plan import CompiledPlan as CompiledPlan
+    from .planner._compiled_plan import plan_and_compile as plan_and_compile
     from .planner._mesh_choice import MeshChoice as MeshChoice
     from .planner._mesh_choice import MeshOption as MeshOption
     from .planner._mesh_choice import choose_mesh as choose_mesh
@@ -144,6 +146,8 @@ _LAZY = {
     "Target": "core._targets",
     "parse_target": "core._targets",
     "auto_rules": "planner._auto",
+    "CompiledPlan": "planner._compiled_plan",
+    "plan_and_compile": "planner._compiled_plan",
     "MeshChoice": "planner._mesh_choice",
     "MeshOption": "planner._mesh_choice",
     "choose_mesh": "planner._mesh_choice",
@@ -232,6 +236,8 @@ __all__ = [
     "UnmatchedRuleWarning",
     "UnsupportedBackendError",
     "auto_rules",
+    "plan_and_compile",
+    "CompiledPlan",
     "choose_mesh",
     "MeshChoice",
     "MeshOption",

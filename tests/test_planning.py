@@ -378,6 +378,7 @@ PLANNER_ORDER = [
     "_flops",
     "_mesh_splits",
     "_mesh_choice",
+    "_compiled_plan",
 ]
 
 

@@ -28,7 +28,7 @@ from ._args import (
     fraction,
     positive_int,
 )
-from ._plan_compile import compile_for, compiled_failure, mesh_target, platform_name, refit
+from ._plan_compile import compile_for, compiled_failure, mesh_target, platform_name
 from ._plan_inputs import (
     batch_spec,
     check_batch_size,
@@ -188,7 +188,12 @@ def run(args: argparse.Namespace) -> int:
     planned = _planned(args, build, budget)
     refits: list = []
     if args.compile and budget is not None:
-        planned, refits = refit(lambda tighter: _planned(args, build, tighter), planned, budget)
+        from ..planner._compiled_plan import refit
+
+        def peaks(planned: _Planned) -> tuple[int, int]:
+            return planned.peak.peak, planned.compiled.peak_bytes
+
+        planned, refits = refit(lambda tighter: _planned(args, build, tighter), planned, budget, peaks)
     plan, peak, compiled = planned.plan, planned.peak, planned.compiled
     messages = _messages(plan, planned.caught)
     failure = _failure(args, plan, peak)

@@ -10,16 +10,13 @@ arrays like the outputs. The step trains with `--optimizer` (default adam) and `
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
-from ..core._errors import MemoryBudgetError
 from ..core._format import format_bytes
 from ._args import InputError
 from ._plan_inputs import batch_spec
 
-__all__ = ["REFITS", "Refit", "compile_for", "compiled_failure", "mesh_target", "platform_name", "refit"]
+__all__ = ["compile_for", "compiled_failure", "mesh_target", "platform_name"]
 
 
 def mesh_target(spec: str | None) -> Any:
@@ -74,56 +71,8 @@ def _targets_for(model: Any, batch_size: int, length: int | None, *, sparse: boo
     return spec(outputs[0]) if len(outputs) == 1 else [spec(output) for output in outputs]
 
 
-#: How many times `plan --compile --memory-budget` plans again, under a budget shrunk by the
-#: compiled step's excess, before it reports the budget missed.
-REFITS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Refit:
-    """One plan `plan --compile` compiled over its `--memory-budget`, and planned again.
-
-    Attributes:
-        budget: The budget that plan was made under (the `--memory-budget` the first time).
-        predicted_peak: Its predicted per-device peak (`planner._peak`), within the budget.
-        compiled_peak: XLA's compiled per-device peak, over the `--memory-budget`.
-    """
-
-    budget: int
-    predicted_peak: int
-    compiled_peak: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "budget_bytes": self.budget,
-            "predicted_peak_bytes": self.predicted_peak,
-            "compiled_peak_bytes": self.compiled_peak,
-        }
-
-
-def refit(plan_under: Callable[[int], Any], planned: Any, budget: int) -> tuple[Any, list[Refit]]:
-    """Plans again under tighter budgets while the compiled step exceeds `budget` (`REFITS` times).
-
-    The prediction keeps 5% of a budget free for its own error; where XLA's compiled peak is
-    still over, the planning budget shrinks by the ratio of the budget to that peak and the
-    plan is made and compiled again. `planned` is what `plan_under(budget)` returns (with
-    `.peak.peak` and `.compiled.peak_bytes`); returned is the last plan made (over the budget
-    if none fitted, or if no plan exists under the next budget) and the plans given up.
-    """
-    refits: list[Refit] = []
-    planning = budget
-    while planned.compiled.peak_bytes > budget and len(refits) < REFITS:
-        refits.append(Refit(planning, planned.peak.peak, planned.compiled.peak_bytes))
-        planning = planning * budget // planned.compiled.peak_bytes
-        try:
-            planned = plan_under(planning)
-        except MemoryBudgetError:
-            break
-    return planned, refits
-
-
 def compiled_failure(
-    compiled: Any, peak: Any, budget: int | None, capacity: int | None, refits: list[Refit]
+    compiled: Any, peak: Any, budget: int | None, capacity: int | None, refits: list[Any]
 ) -> str | None:
     """Why the compiled step fails the `--memory-budget` or the device memory, or `None`."""
     named = ((budget, "--memory-budget"), (capacity, "device memory"))

@@ -39,8 +39,11 @@
    the fully sharded one, every unit at its layout of least state), and ranks them by
    predicted step time, with each device's FLOPs from `_flops` and the splits, and their
    bytes within a slice (ICI) and between slices (DCN), from `_mesh_splits`.
+7. The compile check (`_compiled_plan`): `plan_and_compile` runs 1 → 5 for one batch,
+   compiles the model's training step for the plan (`kml.compile_step`), and plans again
+   under a tighter budget while XLA's compiled peak is over the memory budget.
 
-Imports run one way, 1 → 6: no stage imports a later one
+Imports run one way, 1 → 7: no stage imports a later one
 (`tests/test_planning.py` holds the module order).
 """
 

@@ -1,0 +1,179 @@
+"""`plan_and_compile`: an automatic plan whose compiled training step fits its memory budget.
+
+The planner predicts a step's peak without compiling it (`_peak`); on XLA:TPU that prediction can
+miss by a quarter or more (docs/status.md, "The peak memory of a training step"). Here the plan is
+confirmed by the compiler: the model's own Keras training step is compiled for the mesh from a dry
+build (`kml.compile_step`, nothing allocated), and while XLA's compiled peak exceeds the budget the
+plan is made again under a budget shrunk by the excess (`refit`, as `plan --compile` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from ..core._distribution import ModelParallel
+from ..core._dry import dry_build
+from ..core._errors import MemoryBudgetError
+from ..core._format import format_bytes
+from ..core._memory import parse_bytes
+from ..core._rules import LayoutRules
+from ..report._compile import CompiledStep, compile_step
+from ._auto import auto_rules
+
+__all__ = ["REFITS", "CompiledPlan", "Refit", "plan_and_compile", "refit"]
+
+#: How many times a plan compiled over its budget is made again, under a budget shrunk by the
+#: compiled step's excess, before the budget is reported missed.
+REFITS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Refit:
+    """One plan compiled over its memory budget, and planned again.
+
+    Attributes:
+        budget: The budget that plan was made under (the memory budget the first time).
+        predicted_peak: Its predicted per-device peak (`planner._peak`), within the budget.
+        compiled_peak: XLA's compiled per-device peak, over the memory budget.
+    """
+
+    budget: int
+    predicted_peak: int
+    compiled_peak: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "budget_bytes": self.budget,
+            "predicted_peak_bytes": self.predicted_peak,
+            "compiled_peak_bytes": self.compiled_peak,
+        }
+
+
+def refit(
+    plan_under: Callable[[int], Any],
+    planned: Any,
+    budget: int,
+    peaks: Callable[[Any], tuple[int, int]],
+) -> tuple[Any, list[Refit]]:
+    """Plans again under tighter budgets while the compiled step exceeds `budget` (`REFITS` times).
+
+    The prediction keeps part of a budget free for its own error; where XLA's compiled peak is
+    still over, the planning budget shrinks by the ratio of the budget to that peak and the plan
+    is made and compiled again. `plan_under(budget)` makes and compiles a plan, and
+    `peaks(planned)` gives its `(predicted, compiled)` peaks; returned is the last plan made (over
+    the budget if none fitted, or if no plan exists under the next budget) and the plans given up.
+    """
+    refits: list[Refit] = []
+    planning = budget
+    predicted, compiled = peaks(planned)
+    while compiled > budget and len(refits) < REFITS:
+        refits.append(Refit(planning, predicted, compiled))
+        planning = planning * budget // compiled
+        try:
+            planned = plan_under(planning)
+        except MemoryBudgetError:
+            break
+        predicted, compiled = peaks(planned)
+    return planned, refits
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPlan:
+    """An automatic plan and its training step as XLA compiled it (`kml.plan_and_compile`).
+
+    Attributes:
+        rules: The plan (`kml.auto_rules`'), its predictions in `rules.cost`.
+        step: Its compiled training step: XLA's per-device memory and the bytes it sends.
+        refits: The plans made first and compiled over the memory budget, in order (empty when
+            the first fitted).
+    """
+
+    rules: LayoutRules
+    step: CompiledStep
+    refits: tuple[Refit, ...] = ()
+
+
+def plan_and_compile(
+    build: Callable[[], keras.Model],
+    mesh: keras.distribution.DeviceMesh,
+    x: Any,
+    y: Any = None,
+    *,
+    memory_budget: int | str | None = None,
+    optimizer: str | keras.optimizers.Optimizer | None = "adam",
+    loss: Any = None,
+    **options: Any,
+) -> CompiledPlan:
+    """`kml.auto_rules` for one batch, confirmed by compiling the model's training step for the mesh.
+
+    The plan is made from a dry build of `build()` (nothing allocated) under `memory_budget` (by
+    default the HBM of the mesh's TPU target, if it has one), and the model's own Keras training
+    step is compiled for it (`kml.compile_step`; for a TPU target through libtpu, no TPU needed).
+    While XLA's compiled per-device peak exceeds the budget, the plan is made again under a budget
+    smaller by the excess (twice at most): a plan this returns fits once compiled.
+
+    Args:
+        build: A function returning the model, as `kml.dry_plan` takes it.
+        mesh: The mesh (a `kml.Mesh`, a TPU target's too).
+        x: One global batch of inputs (arrays or `jax.ShapeDtypeStruct`s).
+        y: Its targets, for the loss.
+        memory_budget: Per-device bytes (`"15GiB"` or an int); `None`: the target's HBM, or no
+            budget (the least-traffic plan, compiled once) on a mesh without a target.
+        optimizer: The optimizer the step trains with.
+        loss: The loss it trains with (Keras's name or object); default the mean squared error.
+        **options: More of `kml.auto_rules`' options (`replicate_below`, `model_axis`, ...).
+
+    Returns:
+        The `CompiledPlan`: the rules, the compiled step, and any plans compiled over the budget.
+
+    Raises:
+        MemoryBudgetError: No plan fits the budget as predicted, or the last plan made still
+            compiles over it; the message names the compiled and predicted peaks.
+
+    Example:
+        >>> import keras, numpy as np, keras_meshlayout as kml
+        >>> def build():
+        ...     return keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, name="up"),
+        ...                              keras.layers.Dense(64, name="down")], name="mlp")
+        >>> x, y = np.zeros((16, 64), "float32"), np.zeros((16, 64), "float32")
+        >>> planned = kml.plan_and_compile(build, kml.Mesh(data=2, model=4), x, y, memory_budget="1MiB")
+        >>> planned.step.peak_bytes <= 2**20, planned.rules.match("mlp/up/kernel").axes
+        (True, (None, 'model'))
+    """
+    target = getattr(mesh, "target", None)
+    if memory_budget is None and target is not None:
+        memory_budget = target.hbm_bytes
+    budget = None if memory_budget is None else parse_bytes(memory_budget)
+
+    def plan_under(planning: int | None) -> CompiledPlan:
+        with dry_build(build) as model:
+            rules = auto_rules(model, mesh, memory_budget=planning, batch=x, optimizer=optimizer, **options)
+        step = compile_step(build, ModelParallel(mesh, rules), x, y, optimizer=optimizer, loss=loss)
+        return CompiledPlan(rules, step)
+
+    planned = plan_under(budget)
+    if budget is None:
+        return planned
+    planned, refits = refit(plan_under, planned, budget, _peaks)
+    if planned.step.peak_bytes > budget:
+        raise MemoryBudgetError(_missed(planned, budget, refits), smallest_bytes=planned.step.peak_bytes)
+    return dataclasses.replace(planned, refits=tuple(refits))
+
+
+def _peaks(planned: CompiledPlan) -> tuple[int, int]:
+    return planned.rules.cost.peak_bytes or 0, planned.step.peak_bytes
+
+
+def _missed(planned: CompiledPlan, budget: int, refits: list[Refit]) -> str:
+    budgets = ", ".join(format_bytes(r.budget) for r in refits[1:]) or "none"
+    return (
+        f"plan_and_compile: the compiled training step needs {format_bytes(planned.step.peak_bytes)} per "
+        f"device at its peak (XLA's memory_analysis), more than the memory budget of {format_bytes(budget)}; "
+        f"the plan was predicted to peak at {format_bytes(planned.rules.cost.peak_bytes or 0)}. Planned "
+        f"again under tighter budgets ({budgets} after the first) without fitting. Fix: a smaller batch, "
+        "a mesh with a larger model axis, or a larger memory_budget."
+    )
