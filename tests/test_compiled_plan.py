@@ -35,6 +35,9 @@ def test_a_plan_compiled_over_its_budget_is_made_again_and_the_one_returned_fits
     (first,) = planned.refits
     assert first.budget == OVER_ONCE_COMPILED and first.predicted_peak <= 0.95 * OVER_ONCE_COMPILED
     assert first.compiled_peak > OVER_ONCE_COMPILED
+    # Planned again under the prediction less its measured error, not the budget less the excess.
+    assert first.next_budget == first.predicted_peak * OVER_ONCE_COMPILED // first.compiled_peak
+    assert planned.rules.cost.budget == first.next_budget
     assert planned.step.peak_bytes <= OVER_ONCE_COMPILED
     assert planned.rules.cost.peak_bytes < first.predicted_peak
     # What it returns is what compiling its rules gives.

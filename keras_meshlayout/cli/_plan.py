@@ -273,7 +273,8 @@ def _print_refits(refits: list, budget: int | None) -> None:
         _console().print(
             f"compiled over the budget: the plan made under {format_bytes(refit_.budget)} (predicted peak "
             f"{format_bytes(refit_.predicted_peak)}) compiled to {format_bytes(refit_.compiled_peak)}, over "
-            f"{format_bytes(budget)}; planned again under a budget smaller by that excess",
+            f"{format_bytes(budget)}; planned again under {format_bytes(refit_.next_budget)}, its predicted "
+            "peak scaled by that excess",
             markup=False,
         )
 

@@ -82,8 +82,8 @@ def compiled_failure(
         return None
     tried = ""
     if refits:
-        budgets = ", ".join(format_bytes(refit.budget) for refit in refits[1:]) or "none"
-        tried = f" Planned under tighter budgets too ({budgets} after the first) without fitting."
+        budgets = ", ".join(format_bytes(refit.next_budget) for refit in refits)
+        tried = f" Planned again under {budgets} without fitting once compiled."
     return (
         f"the compiled training step needs {format_bytes(compiled.peak_bytes)} per device at its peak (XLA's "
         f"memory_analysis), more than the {format_bytes(limit)} of {name}; the plan was predicted to peak at "

@@ -4,7 +4,7 @@ The planner predicts a step's peak without compiling it (`_peak`); on XLA:TPU th
 miss by a quarter or more (docs/status.md, "The peak memory of a training step"). Here the plan is
 confirmed by the compiler: the model's own Keras training step is compiled for the mesh from a dry
 build (`kml.compile_step`, nothing allocated), and while XLA's compiled peak exceeds the budget the
-plan is made again under a budget shrunk by the excess (`refit`, as `plan --compile` does).
+plan is made again under its predicted peak scaled by that excess (`refit`, as `plan --compile` does).
 """
 
 from __future__ import annotations
@@ -39,17 +39,20 @@ class Refit:
         budget: The budget that plan was made under (the memory budget the first time).
         predicted_peak: Its predicted per-device peak (`planner._peak`), within the budget.
         compiled_peak: XLA's compiled per-device peak, over the memory budget.
+        next_budget: The budget planned under next (which no plan may have met).
     """
 
     budget: int
     predicted_peak: int
     compiled_peak: int
+    next_budget: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return {
             "budget_bytes": self.budget,
             "predicted_peak_bytes": self.predicted_peak,
             "compiled_peak_bytes": self.compiled_peak,
+            "next_budget_bytes": self.next_budget,
         }
 
 
@@ -62,17 +65,21 @@ def refit(
     """Plans again under tighter budgets while the compiled step exceeds `budget` (`REFITS` times).
 
     The prediction keeps part of a budget free for its own error; where XLA's compiled peak is
-    still over, the planning budget shrinks by the ratio of the budget to that peak and the plan
-    is made and compiled again. `plan_under(budget)` makes and compiles a plan, and
-    `peaks(planned)` gives its `(predicted, compiled)` peaks; returned is the last plan made (over
-    the budget if none fitted, or if no plan exists under the next budget) and the plans given up.
+    still over, the plan is made and compiled again under the planning budget or the predicted
+    peak, whichever is smaller, times the ratio of the budget to that compiled peak: the
+    prediction's own error, measured, is taken off (a plan predicted at 202 MiB that compiles to
+    324 is far under a 277 MiB budget, which binds nothing). `plan_under(budget)` makes and
+    compiles a plan, and `peaks(planned)` gives its `(predicted, compiled)` peaks; returned is the
+    last plan made (over the budget if none fitted, or if no plan exists under the next budget)
+    and the plans given up.
     """
     refits: list[Refit] = []
     planning = budget
     predicted, compiled = peaks(planned)
     while compiled > budget and len(refits) < REFITS:
-        refits.append(Refit(planning, predicted, compiled))
-        planning = planning * budget // compiled
+        tighter = min(planning, predicted) * budget // compiled
+        refits.append(Refit(planning, predicted, compiled, tighter))
+        planning = tighter
         try:
             planned = plan_under(planning)
         except MemoryBudgetError:
@@ -114,7 +121,8 @@ def plan_and_compile(
     default the HBM of the mesh's TPU target, if it has one), and the model's own Keras training
     step is compiled for it (`kml.compile_step`; for a TPU target through libtpu, no TPU needed).
     While XLA's compiled per-device peak exceeds the budget, the plan is made again under a budget
-    smaller by the excess (twice at most): a plan this returns fits once compiled.
+    of its predicted peak scaled by the excess (twice at most): a plan this returns fits once
+    compiled.
 
     Args:
         build: A function returning the model, as `kml.dry_plan` takes it.
@@ -169,11 +177,13 @@ def _peaks(planned: CompiledPlan) -> tuple[int, int]:
 
 
 def _missed(planned: CompiledPlan, budget: int, refits: list[Refit]) -> str:
-    budgets = ", ".join(format_bytes(r.budget) for r in refits[1:]) or "none"
+    budgets = ", ".join(format_bytes(r.next_budget) for r in refits)
+    unmet = bool(refits) and planned.rules.cost.budget != refits[-1].next_budget
+    tried = f"Planned again under {budgets}" + (" (the last met by no plan, as predicted)" if unmet else "")
     return (
         f"plan_and_compile: the compiled training step needs {format_bytes(planned.step.peak_bytes)} per "
         f"device at its peak (XLA's memory_analysis), more than the memory budget of {format_bytes(budget)}; "
-        f"the plan was predicted to peak at {format_bytes(planned.rules.cost.peak_bytes or 0)}. Planned "
-        f"again under tighter budgets ({budgets} after the first) without fitting. Fix: a smaller batch, "
-        "a mesh with a larger model axis, or a larger memory_budget."
+        f"the plan was predicted to peak at {format_bytes(planned.rules.cost.peak_bytes or 0)}. {tried}, "
+        "without fitting once compiled. Fix: a smaller batch, a mesh with a larger model axis, or a larger "
+        "memory_budget."
     )
