@@ -50,6 +50,9 @@ def test_without_a_budget_the_least_traffic_plan_is_compiled_once():
     assert planned.refits == ()
     assert planned.rules.cost.budget is None
     assert planned.step.peak_bytes > planned.rules.cost.peak_bytes  # the 0.904 above
+    # XLA:CPU's own live peak: the arguments and what is live at once, no more than it allocates.
+    assert planned.step.argument_bytes < planned.step.live_peak_bytes <= planned.step.peak_bytes
+    assert planned.step.to_dict()["live_peak_bytes"] == planned.step.live_peak_bytes
 
 
 def test_a_budget_no_plan_meets_once_compiled_names_both_peaks_and_the_fix():

@@ -73,7 +73,8 @@ class CommReport(Displayed):
         collectives: Every collective instruction, as parsed.
         transfers: One `Transfer` per array moved.
         memory: Per-device bytes from XLA's `memory_analysis()`: `arguments`,
-            `outputs`, `temporaries`, `aliased`, `code`, and `total`.
+            `outputs`, `temporaries`, `aliased`, `code`, `live_peak` (XLA's
+            `peak_memory_in_bytes`) and `total`.
         flops_per_device: FLOPs of the partitioned program on one device.
         flops_unpartitioned: FLOPs of the whole program before partitioning.
     """
@@ -336,6 +337,7 @@ def _memory(compiled: Any) -> dict[str, int]:
         "temporaries": "temp_size_in_bytes",
         "aliased": "alias_size_in_bytes",
         "code": "generated_code_size_in_bytes",
+        "live_peak": "peak_memory_in_bytes",
     }
     memory = (
         {key: int(getattr(stats, attr, 0) or 0) for key, attr in fields.items()}
