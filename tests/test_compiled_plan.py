@@ -8,6 +8,8 @@ compiled 0.904), so a budget between the two is met as predicted and missed as c
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -67,3 +69,70 @@ def test_a_budget_no_plan_meets_once_compiled_names_both_peaks_and_the_fix():
     assert message.startswith("plan_and_compile: the compiled training step needs")
     assert "predicted to peak at" in message and "Fix:" in message
     assert error.value.smallest_bytes > smallest
+
+
+def test_given_a_device_count_the_mesh_is_chosen_and_the_plan_compiled_for_it_fits():
+    """The attention model on 8 devices: `kml.choose_mesh` ranks the splits within the budget, the best is
+    laid over this process's devices and compiled; what is returned is that mesh, its rules and step."""
+    planned = kml.plan_and_compile(attention, 8, X, Y, memory_budget=OVER_ONCE_COMPILED)
+    assert planned.choice is not None and not planned.mesh.is_abstract
+    assert planned.mesh.axis_sizes == planned.choice.mesh.axis_sizes
+    assert planned.rules is planned.choice.rules
+    assert planned.step.peak_bytes <= OVER_ONCE_COMPILED
+    again = kml.compile_step(
+        attention, kml.ModelParallel(planned.mesh, planned.rules), X, Y, optimizer="adam"
+    )
+    assert again.peak_bytes == planned.step.peak_bytes
+    assert again.comm.wire_bytes == planned.step.comm.wire_bytes
+
+
+def test_auto_rules_options_with_devices_to_choose_for_are_refused_before_any_planning():
+    with pytest.raises(kml.InvalidOptionError) as error:
+        kml.plan_and_compile(attention, 8, X, Y, replicate_below=0)
+    assert str(error.value) == (
+        "plan_and_compile: ['replicate_below'] are kml.auto_rules options for a mesh you give; with devices "
+        "(8) the mesh is chosen by kml.choose_mesh, which plans with the defaults. Fix: drop them, or pass a "
+        "kml.Mesh."
+    )
+
+
+def test_given_a_tpu_target_the_mesh_is_chosen_within_its_hbm_and_compiled_by_xla_tpu():
+    planned = kml.plan_and_compile(attention, "tpu-v5e:2x4", X, Y)
+    assert planned.step.platform == "tpu" and planned.refits == ()
+    assert planned.choice.budget == planned.choice.target.hbm_bytes
+    assert planned.mesh.axis_sizes == planned.choice.mesh.axis_sizes
+    assert planned.step.peak_bytes <= planned.choice.target.hbm_bytes
+
+
+#: 64 rows of the attention model on 8 devices: the best mesh within 392,000 bytes, `data=4,model=2` fully
+#: sharded, is predicted at 352,521 and compiles to 422,512 (0.834); the next, `data=8,model=1`, fits.
+X64, Y64 = np.zeros((64, 8, 64), "float32"), np.zeros((64, 8, 4), "float32")
+
+
+def test_a_chosen_mesh_compiled_over_the_budget_gives_way_to_the_next_in_rank():
+    planned = kml.plan_and_compile(attention, 8, X64, Y64, memory_budget=392_000)
+    (over,) = planned.refits
+    assert over.mesh == "data=4,model=2 fsdp" and over.next_budget == over.budget == 392_000
+    assert over.predicted_peak <= 0.95 * 392_000 < 392_000 < over.compiled_peak
+    assert over.to_dict()["mesh"] == "data=4,model=2 fsdp"
+    assert planned.choice.best.spec == "data=4,model=2" and planned.choice.best.fsdp
+    assert planned.mesh.axis_sizes == {"data": 8, "model": 1}
+    assert planned.step.peak_bytes <= 392_000
+    again = kml.compile_step(
+        attention, kml.ModelParallel(planned.mesh, planned.rules), X64, Y64, optimizer="adam"
+    )
+    assert again.peak_bytes == planned.step.peak_bytes
+
+
+def test_when_no_mesh_ranked_within_the_budget_fits_once_compiled_each_is_named():
+    with pytest.raises(kml.MemoryBudgetError) as error:
+        kml.plan_and_compile(attention, 8, X64, Y64, memory_budget=368_000)
+    message = str(error.value)
+    assert message.startswith(
+        "plan_and_compile: no mesh for 8 fits the memory budget of 359.4 KiB per device"
+    )
+    tried = re.findall(r"(data=\d,model=\d(?: fsdp)?): predicted [\d.]+ KiB, compiled ([\d.]+) KiB", message)
+    assert [mesh for mesh, _ in tried] == ["data=8,model=1", "data=8,model=1 fsdp"]
+    assert all(float(compiled) > 359.4 for _, compiled in tried)
+    assert message.endswith("Fix: a smaller batch, or a larger memory_budget.")
+    assert error.value.smallest_bytes > 368_000

@@ -5,6 +5,8 @@ miss by a quarter or more (docs/status.md, "The peak memory of a training step")
 confirmed by the compiler: the model's own Keras training step is compiled for the mesh from a dry
 build (`kml.compile_step`, nothing allocated), and while XLA's compiled peak exceeds the budget the
 plan is made again under its predicted peak scaled by that excess (`refit`, as `plan --compile` does).
+Given devices rather than a mesh (a TPU target, a device count), the mesh is chosen too
+(`kml.choose_mesh`, as `plan --mesh auto --compile` does), and chosen again under each tighter budget.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import keras
 
 from ..core._distribution import ModelParallel
 from ..core._dry import dry_build
-from ..core._errors import MemoryBudgetError
+from ..core._errors import InvalidOptionError, MemoryBudgetError
 from ..core._format import format_bytes
 from ..core._memory import parse_bytes
+from ..core._mesh import Mesh
 from ..core._rules import LayoutRules
+from ..core._targets import Target, parse_target
 from ..report._compile import CompiledStep, compile_step
 from ._auto import auto_rules
+from ._mesh_choice import MeshChoice, choose_mesh, mesh_of, option_rules
 
 __all__ = ["REFITS", "CompiledPlan", "Refit", "plan_and_compile", "refit"]
 
@@ -39,16 +44,20 @@ class Refit:
         budget: The budget that plan was made under (the memory budget the first time).
         predicted_peak: Its predicted per-device peak (`planner._peak`), within the budget.
         compiled_peak: XLA's compiled per-device peak, over the memory budget.
-        next_budget: The budget planned under next (which no plan may have met).
+        next_budget: The budget planned under next (which no plan may have met); the same budget
+            where the next mesh of a choice was tried instead.
+        mesh: The mesh of a choice that plan was made for (`"data=2,model=4 fsdp"`), else `""`.
     """
 
     budget: int
     predicted_peak: int
     compiled_peak: int
     next_budget: int = 0
+    mesh: str = ""
 
-    def to_dict(self) -> dict[str, int]:
-        return {
+    def to_dict(self) -> dict[str, int | str]:
+        data: dict[str, int | str] = {"mesh": self.mesh} if self.mesh else {}
+        return data | {
             "budget_bytes": self.budget,
             "predicted_peak_bytes": self.predicted_peak,
             "compiled_peak_bytes": self.compiled_peak,
@@ -97,16 +106,21 @@ class CompiledPlan:
         step: Its compiled training step: XLA's per-device memory and the bytes it sends.
         refits: The plans made first and compiled over the memory budget, in order (empty when
             the first fitted).
+        mesh: The mesh the step was compiled for: the one given, or the one chosen.
+        choice: `kml.choose_mesh`'s ranking of the meshes, where the mesh was chosen (devices
+            given rather than a mesh), else `None`.
     """
 
     rules: LayoutRules
     step: CompiledStep
     refits: tuple[Refit, ...] = ()
+    mesh: keras.distribution.DeviceMesh | None = None
+    choice: MeshChoice | None = None
 
 
 def plan_and_compile(
     build: Callable[[], keras.Model],
-    mesh: keras.distribution.DeviceMesh,
+    mesh: keras.distribution.DeviceMesh | int | str | Target,
     x: Any,
     y: Any = None,
     *,
@@ -124,23 +138,34 @@ def plan_and_compile(
     of its predicted peak scaled by the excess (twice at most): a plan this returns fits once
     compiled.
 
+    Given devices instead of a mesh (a TPU target such as `"tpu-v5e:16x16"`, or a device
+    count), the mesh is chosen as well: `kml.choose_mesh` ranks every split of the devices by
+    predicted step time within the budget and the best is compiled; while its compiled peak is
+    over the budget, the next in rank is planned and compiled instead (three meshes at most). A
+    device count's mesh is laid over this process's devices.
+
     Args:
         build: A function returning the model, as `kml.dry_plan` takes it.
-        mesh: The mesh (a `kml.Mesh`, a TPU target's too).
+        mesh: The mesh (a `kml.Mesh`, a TPU target's too), or the devices to choose one for: a
+            TPU target (`"tpu-v5e:2x4"`, a `kml.Target`) or a device count.
         x: One global batch of inputs (arrays or `jax.ShapeDtypeStruct`s).
         y: Its targets, for the loss.
         memory_budget: Per-device bytes (`"15GiB"` or an int); `None`: the target's HBM, or no
             budget (the least-traffic plan, compiled once) on a mesh without a target.
         optimizer: The optimizer the step trains with.
         loss: The loss it trains with (Keras's name or object); default the mean squared error.
-        **options: More of `kml.auto_rules`' options (`replicate_below`, `model_axis`, ...).
+        **options: More of `kml.auto_rules`' options (`replicate_below`, `model_axis`, ...), for
+            a mesh given (the mesh choice plans with the defaults).
 
     Returns:
-        The `CompiledPlan`: the rules, the compiled step, and any plans compiled over the budget.
+        The `CompiledPlan`: the rules, the compiled step, any plans compiled over the budget,
+        the mesh, and where it was chosen, the choice.
 
     Raises:
-        MemoryBudgetError: No plan fits the budget as predicted, or the last plan made still
-            compiles over it; the message names the compiled and predicted peaks.
+        MemoryBudgetError: No plan fits the budget as predicted, or the last plan made (the
+            last mesh tried) still compiles over it; the message names the compiled and
+            predicted peaks.
+        InvalidOptionError: `auto_rules` options given with devices to choose a mesh for.
 
     Example:
         >>> import keras, numpy as np, keras_meshlayout as kml
@@ -151,17 +176,30 @@ def plan_and_compile(
         >>> planned = kml.plan_and_compile(build, kml.Mesh(data=2, model=4), x, y, memory_budget="1MiB")
         >>> planned.step.peak_bytes <= 2**20, planned.rules.match("mlp/up/kernel").axes
         (True, (None, 'model'))
+        >>> chosen = kml.plan_and_compile(build, 8, x, y, memory_budget="1MiB")
+        >>> chosen.mesh.axis_sizes == chosen.choice.mesh.axis_sizes, chosen.step.peak_bytes <= 2**20
+        (True, True)
     """
-    target = getattr(mesh, "target", None)
+    choosing = isinstance(mesh, (int, str, Target))
+    if choosing and options:
+        raise InvalidOptionError(
+            f"plan_and_compile: {sorted(options)} are kml.auto_rules options for a mesh you give; with "
+            f"devices ({mesh!r}) the mesh is chosen by kml.choose_mesh, which plans with the defaults. Fix: "
+            "drop them, or pass a kml.Mesh."
+        )
+    target = parse_target(mesh) if isinstance(mesh, (str, Target)) else getattr(mesh, "target", None)
     if memory_budget is None and target is not None:
         memory_budget = target.hbm_bytes
     budget = None if memory_budget is None else parse_bytes(memory_budget)
+
+    if choosing:
+        return _chosen_and_compiled(build, mesh, x, y, budget, optimizer, loss)
 
     def plan_under(planning: int | None) -> CompiledPlan:
         with dry_build(build) as model:
             rules = auto_rules(model, mesh, memory_budget=planning, batch=x, optimizer=optimizer, **options)
         step = compile_step(build, ModelParallel(mesh, rules), x, y, optimizer=optimizer, loss=loss)
-        return CompiledPlan(rules, step)
+        return CompiledPlan(rules, step, mesh=mesh)
 
     planned = plan_under(budget)
     if budget is None:
@@ -170,6 +208,44 @@ def plan_and_compile(
     if planned.step.peak_bytes > budget:
         raise MemoryBudgetError(_missed(planned, budget, refits), smallest_bytes=planned.step.peak_bytes)
     return dataclasses.replace(planned, refits=tuple(refits))
+
+
+def _chosen_and_compiled(
+    build: Callable[[], keras.Model],
+    devices: Any,
+    x: Any,
+    y: Any,
+    budget: int | None,
+    optimizer: Any,
+    loss: Any,
+) -> CompiledPlan:
+    """The best of `kml.choose_mesh`'s meshes whose compiled step fits `budget`, of its first `REFITS + 1`."""
+    choice = choose_mesh(build, devices, batch=x, memory_budget=budget, optimizer=optimizer)
+    over: list[Refit] = []
+    for option in [o for o in choice.alternatives if o.excluded is None][: REFITS + 1]:
+        best = option is choice.best
+        rules = choice.rules if best else option_rules(build, option, choice.target, x, optimizer, budget)
+        mesh = _laid_out(mesh_of(option.axis_sizes, choice.target))
+        step = compile_step(build, ModelParallel(mesh, rules), x, y, optimizer=optimizer, loss=loss)
+        if budget is None or step.peak_bytes <= budget:
+            return CompiledPlan(rules, step, tuple(over), mesh, choice)
+        label = option.spec + (" fsdp" if option.fsdp else "")
+        over.append(Refit(budget, option.peak_bytes or 0, step.peak_bytes, budget, label))
+    tried = "; ".join(
+        f"{r.mesh}: predicted {format_bytes(r.predicted_peak)}, compiled {format_bytes(r.compiled_peak)}"
+        for r in over
+    )
+    raise MemoryBudgetError(
+        f"plan_and_compile: no mesh for {devices!r} fits the memory budget of {format_bytes(budget or 0)} "
+        f"per device once compiled (XLA's memory_analysis), of the {len(over)} best ranked within it "
+        f"({tried}). Fix: a smaller batch, or a larger memory_budget.",
+        smallest_bytes=min(r.compiled_peak for r in over),
+    )
+
+
+def _laid_out(mesh: Any) -> Any:
+    """The chosen mesh over devices to compile for: a device count's abstract mesh over this process's."""
+    return Mesh(**mesh.axis_sizes) if mesh.is_abstract else mesh
 
 
 def _peaks(planned: CompiledPlan) -> tuple[int, int]:
@@ -184,6 +260,7 @@ def _missed(planned: CompiledPlan, budget: int, refits: list[Refit]) -> str:
         f"plan_and_compile: the compiled training step needs {format_bytes(planned.step.peak_bytes)} per "
         f"device at its peak (XLA's memory_analysis), more than the memory budget of {format_bytes(budget)}; "
         f"the plan was predicted to peak at {format_bytes(planned.rules.cost.peak_bytes or 0)}. {tried}, "
-        "without fitting once compiled. Fix: a smaller batch, a mesh with a larger model axis, or a larger "
-        "memory_budget."
+        "without fitting once compiled. Fix: a smaller batch, "
+        + ("" if planned.choice is not None else "a mesh with a larger model axis, ")
+        + "or a larger memory_budget."
     )

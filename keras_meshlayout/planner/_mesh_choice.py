@@ -53,6 +53,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..core._dry import dry_build
 from ..core._errors import InvalidOptionError, MemoryBudgetError
 from ..core._format import Displayed, format_bytes, to_text
 from ..core._memory import parse_bytes
@@ -76,7 +77,7 @@ if TYPE_CHECKING:
     from ..core._mesh import Mesh
     from ..core._rules import LayoutRules
 
-__all__ = ["MeshChoice", "MeshOption", "choose_mesh"]
+__all__ = ["MeshChoice", "MeshOption", "choose_mesh", "mesh_of", "option_rules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +322,7 @@ def choose_mesh(
             "tensor-parallel axis. Fix: axes=('data', 'model')."
         )
     budget = _budget(memory_budget, target)
-    with _dry(build) as model:
+    with dry_build(build) as model:
         step = _Step(model, batch, step_flops(model, batch), trace_step(model, batch), optimizer, axes)
         experts = expert_counts(model, trace_model(model, batch)) if EXPERT_AXIS not in axes else set()
         sizes_list = factorizations(count, axes, math.gcd(*experts) if experts else 1)
@@ -332,9 +333,8 @@ def choose_mesh(
         raise MemoryBudgetError(
             _none_fit(count, target, budget, options), smallest_bytes=min(peaks, default=None)
         )
-    mesh = _mesh(ranked[0].axis_sizes, target)
-    with _dry(build) as model:
-        rules = _plan(model, mesh, batch, optimizer, budget, axes, fully_sharded=ranked[0].fsdp)
+    mesh = mesh_of(ranked[0].axis_sizes, target)
+    rules = option_rules(build, ranked[0], target, batch, optimizer, budget, axes)
     alternatives = (*ranked, *(o for o in options if o.excluded is not None))
     return MeshChoice(mesh, rules, alternatives, target, step.flops, budget)
 
@@ -387,7 +387,7 @@ def _options(
     if why is not None:
         return [MeshOption(sizes, {}, None, None, None, None, excluded=why)]
     # Over the target's devices, so that the predicted peak follows its compiler (`_peak`).
-    mesh = _mesh(sizes, target)
+    mesh = mesh_of(sizes, target)
     try:
         least = _plan(step.model, mesh, step.batch, step.optimizer, budget, step.axes)
     except MemoryBudgetError as err:  # the fully sharded plan is the smallest: it does not fit either
@@ -464,7 +464,14 @@ def _plan(
     )  # fmt: skip
 
 
-def _mesh(sizes: dict[str, int], target: Target | None) -> Any:
+def option_rules(build, option: MeshOption, target, batch, optimizer, budget, axes=("data", "model")) -> Any:
+    """The rules of one of `choose_mesh`'s rows (its least-traffic or fully sharded plan), made again."""
+    with dry_build(build) as model:
+        mesh = mesh_of(option.axis_sizes, target)
+        return _plan(model, mesh, batch, optimizer, budget, axes, fully_sharded=option.fsdp)
+
+
+def mesh_of(sizes: dict[str, int], target: Target | None) -> Any:
     """The mesh of `sizes`: over the target's compile-only devices, else abstract."""
     import jax
 
@@ -480,12 +487,6 @@ def _rows(batch: Any) -> int:
 
     leaves = jax.tree_util.tree_leaves(batch)
     return int(leaves[0].shape[0])
-
-
-def _dry(build: Callable[[], Any]) -> Any:
-    from ..core._dry import dry_build
-
-    return dry_build(build)
 
 
 def _none_fit(count: int, target: Target | None, budget: int | None, options: list[MeshOption]) -> str:
