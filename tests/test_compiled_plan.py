@@ -96,6 +96,13 @@ def test_auto_rules_options_with_devices_to_choose_for_are_refused_before_any_pl
     )
 
 
+def test_more_devices_than_the_process_has_are_refused_before_any_planning():
+    with pytest.raises(
+        kml.InvalidOptionError, match=r"^plan_and_compile: 16 devices to choose a mesh for, but "
+    ):
+        kml.plan_and_compile(attention, 16, X, Y)
+
+
 def test_given_a_tpu_target_the_mesh_is_chosen_within_its_hbm_and_compiled_by_xla_tpu():
     planned = kml.plan_and_compile(attention, "tpu-v5e:2x4", X, Y)
     assert planned.step.platform == "tpu" and planned.refits == ()

@@ -187,6 +187,8 @@ def plan_and_compile(
             f"devices ({mesh!r}) the mesh is chosen by kml.choose_mesh, which plans with the defaults. Fix: "
             "drop them, or pass a kml.Mesh."
         )
+    if choosing and not isinstance(mesh, (str, Target)):
+        _check_count(mesh)
     target = parse_target(mesh) if isinstance(mesh, (str, Target)) else getattr(mesh, "target", None)
     if memory_budget is None and target is not None:
         memory_budget = target.hbm_bytes
@@ -241,6 +243,19 @@ def _chosen_and_compiled(
         f"({tried}). Fix: a smaller batch, or a larger memory_budget.",
         smallest_bytes=min(r.compiled_peak for r in over),
     )
+
+
+def _check_count(count: int) -> None:
+    """A device count's chosen mesh is compiled over this process's devices: there must be as many."""
+    import jax
+
+    if not isinstance(count, bool) and count > (have := jax.device_count()):
+        raise InvalidOptionError(
+            f"plan_and_compile: {count} devices to choose a mesh for, but this process has {have}: the step "
+            "is compiled over its own devices. Fix: a TPU target (such as 'tpu-v5e:4x4') to compile for "
+            f"chips you do not have, kml.emulate_devices({count}) before JAX starts, or kml.choose_mesh to "
+            "rank the meshes without compiling."
+        )
 
 
 def _laid_out(mesh: Any) -> Any:
