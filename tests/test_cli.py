@@ -735,6 +735,27 @@ AUTO_COMPILED = line(
 )  # fmt: skip
 
 
+#: `--mesh auto --compile` within 392,000 bytes at 64 rows: the best split, `data=4,model=2` fully sharded,
+#: compiles over it (`tests/test_compiled_plan.py` has the figures); the next in rank fits.
+AUTO_OVER_ONCE_COMPILED = line(
+    "plan", "--mesh", "auto", "--model", "models:attention", "--optimizer", "adam", "--compile",
+    "--batch-size", "64", "--auto", "--memory-budget", "392000", "--json",
+)  # fmt: skip
+
+
+def test_a_chosen_mesh_compiled_over_the_budget_gives_way_to_the_next_in_rank(lines):
+    result = lines(*AUTO_OVER_ONCE_COMPILED)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    (over,) = data["refits"]
+    assert over["mesh"] == "data=4,model=2 fsdp" and over["compiled_peak_bytes"] > 392_000
+    assert over["budget_bytes"] == over["next_budget_bytes"] == 392_000
+    assert data["mesh"] == {"data": 8, "model": 1} == data["alternatives"][0]["axis_sizes"]
+    assert data["compiled"]["peak_bytes"] <= 392_000 and data["valid"] is True
+    tried = [o for o in data["alternatives"] if o["mesh"] == "data=4,model=2" and o["fsdp"]]
+    assert len(tried) == 1 and tried[0]["excluded"] is None
+
+
 def test_the_mesh_chosen_for_the_local_devices_compiles_on_them(lines):
     """Regression: `--mesh auto --compile` without `--target` failed with JAX's "AbstractMesh does not
     implement devices": the choice is laid over the local devices before it is planned and compiled."""

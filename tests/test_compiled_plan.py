@@ -52,9 +52,9 @@ def test_without_a_budget_the_least_traffic_plan_is_compiled_once():
     assert planned.refits == ()
     assert planned.rules.cost.budget is None
     assert planned.step.peak_bytes > planned.rules.cost.peak_bytes  # the 0.904 above
-    # XLA:CPU's own live peak: the arguments and what is live at once, no more than it allocates.
-    assert planned.step.argument_bytes < planned.step.live_peak_bytes <= planned.step.peak_bytes
-    assert planned.step.to_dict()["live_peak_bytes"] == planned.step.live_peak_bytes
+    # XLA:CPU's `peak_memory_in_bytes` leaves out the temporaries: not reported as the live peak.
+    assert planned.step.live_peak_bytes is None and planned.step.to_dict()["live_peak_bytes"] is None
+    assert "live at once" not in str(planned.step)
 
 
 def test_a_budget_no_plan_meets_once_compiled_names_both_peaks_and_the_fix():

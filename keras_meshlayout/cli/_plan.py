@@ -37,7 +37,7 @@ from ._plan_inputs import (
     preset_rules,
     rules_file,
 )
-from ._plan_mesh import AUTO, choose_for
+from ._plan_mesh import AUTO, choose_for, next_in_rank
 from ._preset_table import PRESET_TABLE
 
 __all__ = ["HELP", "NAME", "PRESETS", "add_parser", "run"]
@@ -193,7 +193,12 @@ def run(args: argparse.Namespace) -> int:
         def peaks(planned: _Planned) -> tuple[int, int]:
             return planned.peak.peak, planned.compiled.peak_bytes
 
-        planned, refits = refit(lambda tighter: _planned(args, build, tighter), planned, budget, peaks)
+        if planned.choice is None:
+            planned, refits = refit(lambda tighter: _planned(args, build, tighter), planned, budget, peaks)
+        else:  # `--mesh auto`: the next mesh in rank, as `kml.plan_and_compile` given devices
+            planned, refits = next_in_rank(
+                planned, lambda choice: _planned(args, build, budget, choice), args, build
+            )
     plan, peak, compiled = planned.plan, planned.peak, planned.compiled
     messages = _messages(plan, planned.caught)
     failure = _failure(args, plan, peak)
@@ -227,13 +232,16 @@ class _Planned:
     compiled: Any  # the `CompiledStep` (`--compile`), else None
 
 
-def _planned(args: argparse.Namespace, build: Callable[[], Any], budget: int | None) -> _Planned:
-    """Plans (under `budget`, with `--auto`), predicts the peak and compiles, as the arguments ask."""
+def _planned(
+    args: argparse.Namespace, build: Callable[[], Any], budget: int | None, choice: Any = None
+) -> _Planned:
+    """Plans (under `budget`, with `--auto`; on `choice`'s first mesh if given), predicts the peak and
+    compiles, as the arguments ask."""
     from ..core._distribution import ModelParallel
     from ..core._dry import dry_plan
     from ..core._policy import DEFAULT_REPLICATE_BELOW, LayoutPolicy
 
-    choice = _choice(args, build, budget)
+    choice = _choice(args, build, budget) if choice is None else choice
     mesh = _parse_mesh(args.mesh, args.emulate_devices, args.target) if choice is None else choice.mesh
     if mesh.is_abstract:  # `--mesh auto` ranked this process's device count: lay the choice over them
         mesh = _parse_mesh(",".join(f"{k}={v}" for k, v in mesh.axis_sizes.items()), args.emulate_devices)
@@ -270,6 +278,14 @@ def _planned(args: argparse.Namespace, build: Callable[[], Any], budget: int | N
 def _print_refits(refits: list, budget: int | None) -> None:
     """The plans `--compile` found over the `--memory-budget` once compiled, and planned again."""
     for refit_ in refits:
+        if refit_.mesh:
+            predicted, compiled = format_bytes(refit_.predicted_peak), format_bytes(refit_.compiled_peak)
+            _console().print(
+                f"compiled over the budget: the plan on {refit_.mesh} (predicted peak {predicted}) compiled "
+                f"to {compiled}, over {format_bytes(budget)}; the next mesh in rank planned instead",
+                markup=False,
+            )
+            continue
         _console().print(
             f"compiled over the budget: the plan made under {format_bytes(refit_.budget)} (predicted peak "
             f"{format_bytes(refit_.predicted_peak)}) compiled to {format_bytes(refit_.compiled_peak)}, over "

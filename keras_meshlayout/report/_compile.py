@@ -45,11 +45,12 @@ class CompiledStep(Displayed):
         temp_bytes: Temporaries: activations kept for the backward pass, gradients, workspace.
         peak_bytes: `argument_bytes + output_bytes - alias_bytes + temp_bytes`, what one
             device holds at most while the step runs: what XLA allocates for it.
-        live_peak_bytes: XLA's own peak of the bytes live at once (`memory_analysis()`'s
-            `peak_memory_in_bytes`; 0 where XLA gives none): what `peak_bytes` would be if
-            its buffers were packed with no gap. On XLA:TPU it counts the chip's vector
-            memory too; `peak_bytes` far above it is the heap's packing (1.77x on a
-            2-layer decoder of hidden 256 on v5e, 1.06x at 512: docs/status.md).
+        live_peak_bytes: On XLA:TPU, its own peak of the bytes live at once
+            (`memory_analysis()`'s `peak_memory_in_bytes`, over HBM and the chip's vector
+            memory together); `peak_bytes` far above it is how loosely the HBM heap is
+            packed (1.77x on a 2-layer decoder of hidden 256 on v5e, 1.06x at 512:
+            docs/status.md). `None` on other compilers: XLA:CPU's figure leaves out the
+            temporaries.
         compile_seconds: Wall time of the lowering and compile.
         comm: The communication report read from this compile's own HLO.
     """
@@ -61,7 +62,7 @@ class CompiledStep(Displayed):
     alias_bytes: int
     temp_bytes: int
     peak_bytes: int
-    live_peak_bytes: int
+    live_peak_bytes: int | None
     compile_seconds: float
     comm: CommReport
 
@@ -93,8 +94,9 @@ class CompiledStep(Displayed):
             f"compiled for {self.platform} ({self.device_kind}) in {self.compile_seconds:.1f} s, per device: "
             f"peak {format_bytes(self.peak_bytes)} (arguments {format_bytes(self.argument_bytes)}, outputs "
             f"{format_bytes(self.output_bytes)}, of which {format_bytes(self.alias_bytes)} over the donated "
-            f"state, temporaries {format_bytes(self.temp_bytes)}; live at once at most "
-            f"{format_bytes(self.live_peak_bytes)})"
+            f"state, temporaries {format_bytes(self.temp_bytes)}"
+            + ("" if self.live_peak_bytes is None else f"; live at once {format_bytes(self.live_peak_bytes)}")
+            + ")"
         )
         by_axis = ", ".join(f"{axis}: {format_bytes(b)}" for axis, b in self.comm.wire_bytes_by_axis.items())
         dcn = self.comm.wire_bytes_by_network["dcn"]
@@ -182,7 +184,7 @@ def compile_step(
         temp_bytes=memory["temporaries"],
         peak_bytes=memory["total"],
         compile_seconds=time.perf_counter() - started,
-        live_peak_bytes=memory["live_peak"],
+        live_peak_bytes=memory["live_peak"] if device.platform == "tpu" else None,
         comm=comm,
     )
 
