@@ -114,11 +114,16 @@ class MemoryBudgetError(MeshLayoutError):
         smallest_bytes: From `kml.auto_rules(memory_budget=...)`, the per-device
             bytes its smallest plan needs (a budget that fits it); `None` from
             `plan.check()`.
+        smallest_peak_bytes: From `kml.auto_rules`, that plan's predicted peak (the
+            budget less the headroom kept for the prediction's error); else `None`.
     """
 
-    def __init__(self, message: str, *, smallest_bytes: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, smallest_bytes: int | None = None, smallest_peak_bytes: int | None = None
+    ) -> None:
         super().__init__(message)
         self.smallest_bytes = smallest_bytes
+        self.smallest_peak_bytes = smallest_peak_bytes
 
 
 class CheckpointError(MeshLayoutError):

@@ -320,6 +320,7 @@ def _search_within_peak(
         f"over the memory budget of {format_bytes(given)}. Fix: a larger budget, a mesh with a larger "
         "model axis, a smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor).",
         smallest_bytes=needed,
+        smallest_peak_bytes=least.peak,
     )
 
 

@@ -44,7 +44,9 @@ class Refit:
         budget: The budget that plan was made under (the memory budget the first time).
         predicted_peak: Its predicted per-device peak (`planner._peak`), within the budget.
         compiled_peak: XLA's compiled per-device peak, over the memory budget.
-        next_budget: The budget planned under next (which no plan may have met); the same budget
+        next_budget: The budget planned under next: the predicted peak scaled by the excess, or
+            where no plan meets that, the smallest plan's own (`MemoryBudgetError.smallest_bytes`;
+            where that plan is the one compiled over, nothing is planned after it); the same budget
             where the next mesh of a choice was tried instead.
         mesh: The mesh of a choice that plan was made for (`"data=2,model=4 fsdp"`), else `""`.
     """
@@ -77,7 +79,9 @@ def refit(
     still over, the plan is made and compiled again under the planning budget or the predicted
     peak, whichever is smaller, times the ratio of the budget to that compiled peak: the
     prediction's own error, measured, is taken off (a plan predicted at 202 MiB that compiles to
-    324 is far under a 277 MiB budget, which binds nothing). `plan_under(budget)` makes and
+    324 is far under a 277 MiB budget, which binds nothing). Where no plan meets that budget, the
+    smallest plan is made (under its own `smallest_bytes`) and compiled instead, if it is smaller
+    than the plan just compiled: its prediction may be closer. `plan_under(budget)` makes and
     compiles a plan, and `peaks(planned)` gives its `(predicted, compiled)` peaks; returned is the
     last plan made (over the budget if none fitted, or if no plan exists under the next budget)
     and the plans given up.
@@ -88,11 +92,21 @@ def refit(
     while compiled > budget and len(refits) < REFITS:
         tighter = min(planning, predicted) * budget // compiled
         refits.append(Refit(planning, predicted, compiled, tighter))
-        planning = tighter
         try:
-            planned = plan_under(planning)
-        except MemoryBudgetError:
-            break
+            planned = plan_under(tighter)
+        except MemoryBudgetError as err:
+            # No plan under the shrunk budget: the smallest plan, if it was not the one just compiled
+            # (its own prediction may be closer: the shrinking measured another plan's error).
+            smallest = err.smallest_bytes
+            if (
+                smallest is None
+                or not tighter < smallest < planning
+                or predicted <= (err.smallest_peak_bytes or 0)
+            ):
+                break
+            refits[-1] = dataclasses.replace(refits[-1], next_budget=smallest)
+            tighter, planned = smallest, plan_under(smallest)
+        planning = tighter
         predicted, compiled = peaks(planned)
     return planned, refits
 
