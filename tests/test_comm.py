@@ -149,7 +149,15 @@ def test_data_parallel_all_reduces_every_gradient(data_parallel):
 
 def test_memory_flops_and_rendering(megatron):
     _, _, report = megatron
-    assert set(report.memory) == {"arguments", "outputs", "temporaries", "aliased", "code", "total"}
+    assert set(report.memory) == {
+        "arguments",
+        "outputs",
+        "temporaries",
+        "aliased",
+        "code",
+        "live_peak",
+        "total",
+    }
     assert all(type(value) is int and value >= 0 for value in report.memory.values())
     assert min(report.memory["arguments"], report.memory["outputs"], report.memory["total"]) > 0
     assert report.flops_per_device > 0
