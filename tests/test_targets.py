@@ -794,7 +794,8 @@ def test_the_peak_of_a_convnet_on_tpu_counts_its_padded_activations_and_is_not_u
     step on chip, and predicted 0.03 of the compiled peak: a plan said to fit that did not. It also
     fuses the ReLU into the convolutions that read it and writes the backward pass's input gradients
     in bfloat16 (`_liveness._convolved_only`). What is left over-predicts: XLA:TPU keeps about 96 MiB
-    of these activations in its vector memory, which the walk counts in HBM (not modelled: 2.09)."""
+    of these activations in its vector memory, which the walk counts in HBM (not modelled: 2.09 when
+    this test was written, 1.31 re-measured 2026-12-06: 157.8 MiB predicted, 120.8 compiled)."""
     mesh = kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")
     x, y = jax.ShapeDtypeStruct((16, 128, 128, 3), "float32"), jax.ShapeDtypeStruct((16,), "int32")
     with kml.dry_build(_depthwise_convnet) as model:
@@ -804,7 +805,7 @@ def test_the_peak_of_a_convnet_on_tpu_counts_its_padded_activations_and_is_not_u
     dist = kml.ModelParallel(mesh, rules, replicate_below=0)
     step = kml.compile_step(_depthwise_convnet, dist, x, y, optimizer="adam", loss=loss)
     assert step.temp_bytes > 64 * 2**20  # the padded activations are in HBM
-    assert 1.0 <= rules.cost.peak_bytes / step.peak_bytes <= 2.2, (rules.cost.peak_bytes, step.peak_bytes)
+    assert 1.0 <= rules.cost.peak_bytes / step.peak_bytes <= 1.4, (rules.cost.peak_bytes, step.peak_bytes)
 
 
 #: Each generation's figures for the peak walk (`Generation.on_chip_bytes`, `hbm_alignment`,
