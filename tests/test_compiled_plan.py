@@ -142,11 +142,16 @@ def test_a_chosen_mesh_compiled_over_the_budget_gives_way_to_the_next_in_rank():
     assert over.mesh == "data=8,model=1" and over.next_budget == over.budget == 375_000
     assert over.predicted_peak <= 0.95 * 375_000 < 375_000 < over.compiled_peak
     assert over.to_dict()["mesh"] == "data=8,model=1"
-    assert planned.choice.best.spec == "data=8,model=1" and not planned.choice.best.fsdp
-    second = [o for o in planned.choice.alternatives if o.excluded is None][1]
-    assert second.spec == "data=8,model=1" and second.fsdp
-    assert planned.mesh.axis_sizes == {"data": 8, "model": 1}
-    assert planned.rules.cost.peak_bytes == second.peak_bytes
+    # The choice lists the split compiled first, then the others in rank, the one given up among them.
+    compiled, given_up = planned.choice.alternatives[:2]
+    assert (compiled.spec, compiled.fsdp, given_up.spec, given_up.fsdp) == (
+        "data=8,model=1",
+        True,
+        "data=8,model=1",
+        False,
+    )
+    assert planned.choice.rules is planned.rules and planned.rules.cost.peak_bytes == compiled.peak_bytes
+    assert planned.mesh.axis_sizes == planned.choice.mesh.axis_sizes == {"data": 8, "model": 1}
     assert planned.step.peak_bytes <= 375_000
     again = kml.compile_step(
         attention, kml.ModelParallel(planned.mesh, planned.rules), X64, Y64, optimizer="adam"

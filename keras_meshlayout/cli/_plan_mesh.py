@@ -12,7 +12,6 @@ step is over the budget gives way to the next in rank (`next_in_rank`, as `kml.p
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -76,13 +75,12 @@ def _promoted(
 ) -> Any:
     """`choice` with `option` first, its mesh and its rules (made again as `choose_mesh` made them)."""
     from ..core._dry import dry_build
-    from ..planner._mesh_choice import mesh_of, option_rules
+    from ..planner._compiled_plan import promoted
+    from ..planner._mesh_choice import option_rules
 
     with dry_build(build) as model:
         batch = batch_spec(model, args.batch_size, args.sequence_length)
     axes = (args.batch_axis or "data", args.model_axis)
-    rules = option_rules(build, option, choice.target, batch, args.optimizer, budget, axes)
-    rest = tuple(o for o in choice.alternatives if o is not option)
-    return dataclasses.replace(
-        choice, mesh=mesh_of(option.axis_sizes, choice.target), rules=rules, alternatives=(option, *rest)
+    return promoted(
+        choice, option, option_rules(build, option, choice.target, batch, args.optimizer, budget, axes)
     )

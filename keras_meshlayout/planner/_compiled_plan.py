@@ -29,7 +29,7 @@ from ..report._compile import CompiledStep, compile_step
 from ._auto import auto_rules
 from ._mesh_choice import MeshChoice, choose_mesh, mesh_of, option_rules
 
-__all__ = ["REFITS", "CompiledPlan", "Refit", "plan_and_compile", "refit"]
+__all__ = ["REFITS", "CompiledPlan", "Refit", "plan_and_compile", "promoted", "refit"]
 
 #: How many times a plan compiled over its budget is made again, under a budget shrunk by the
 #: compiled step's excess, before the budget is reported missed.
@@ -122,7 +122,8 @@ class CompiledPlan:
             the first fitted).
         mesh: The mesh the step was compiled for: the one given, or the one chosen.
         choice: `kml.choose_mesh`'s ranking of the meshes, where the mesh was chosen (devices
-            given rather than a mesh), else `None`.
+            given rather than a mesh), else `None`; the one compiled first (`choice.best`), then
+            the others in rank (those given up in `refits`).
     """
 
     rules: LayoutRules
@@ -244,7 +245,9 @@ def _chosen_and_compiled(
         mesh = _laid_out(mesh_of(option.axis_sizes, choice.target))
         step = compile_step(build, ModelParallel(mesh, rules), x, y, optimizer=optimizer, loss=loss)
         if budget is None or step.peak_bytes <= budget:
-            return CompiledPlan(rules, step, tuple(over), mesh, choice)
+            return CompiledPlan(
+                rules, step, tuple(over), mesh, choice if best else promoted(choice, option, rules)
+            )
         label = option.spec + (" fsdp" if option.fsdp else "")
         over.append(Refit(budget, option.peak_bytes or 0, step.peak_bytes, budget, label))
     tried = "; ".join(
@@ -270,6 +273,14 @@ def _check_count(count: int) -> None:
             f"chips you do not have, kml.emulate_devices({count}) before JAX starts, or kml.choose_mesh to "
             "rank the meshes without compiling."
         )
+
+
+def promoted(choice: MeshChoice, option: Any, rules: LayoutRules) -> MeshChoice:
+    """`choice` with `option` first, as the one compiled: its mesh and its `rules`, the others after."""
+    rest = tuple(o for o in choice.alternatives if o is not option)
+    return dataclasses.replace(
+        choice, mesh=mesh_of(option.axis_sizes, choice.target), rules=rules, alternatives=(option, *rest)
+    )
 
 
 def _laid_out(mesh: Any) -> Any:
