@@ -6,7 +6,8 @@ confirmed by the compiler: the model's own Keras training step is compiled for t
 build (`kml.compile_step`, nothing allocated), and while XLA's compiled peak exceeds the budget the
 plan is made again under its predicted peak scaled by that excess (`refit`, as `plan --compile` does).
 Given devices rather than a mesh (a TPU target, a device count), the mesh is chosen too
-(`kml.choose_mesh`, as `plan --mesh auto --compile` does), and chosen again under each tighter budget.
+(`kml.choose_mesh`), and where the chosen one compiles over the budget, the next in rank is compiled
+instead (as `plan --mesh auto --compile` does).
 """
 
 from __future__ import annotations
