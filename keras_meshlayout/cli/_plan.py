@@ -37,7 +37,7 @@ from ._plan_inputs import (
     preset_rules,
     rules_file,
 )
-from ._plan_mesh import AUTO, choose_for, next_in_rank
+from ._plan_mesh import AUTO, choose_for, option_rules_for
 from ._preset_table import PRESET_TABLE
 
 __all__ = ["HELP", "NAME", "PRESETS", "add_parser", "run"]
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     planned = _planned(args, build, budget)
     refits: list = []
     if args.compile and budget is not None:
-        from ..planner._compiled_plan import refit
+        from ..planner._compiled_plan import next_in_rank, refit
 
         def peaks(planned: _Planned) -> tuple[int, int]:
             return planned.peak.peak, planned.compiled.peak_bytes
@@ -196,8 +196,9 @@ def run(args: argparse.Namespace) -> int:
         if planned.choice is None:
             planned, refits = refit(lambda tighter: _planned(args, build, tighter), planned, budget, peaks)
         else:  # `--mesh auto`: the next mesh in rank, as `kml.plan_and_compile` given devices
+            rules_of = option_rules_for(args, build, planned.choice, budget)
             planned, refits = next_in_rank(
-                planned, lambda choice: _planned(args, build, budget, choice), args, build
+                planned, budget, lambda choice: _planned(args, build, budget, choice), rules_of, peaks
             )
     plan, peak, compiled = planned.plan, planned.peak, planned.compiled
     messages = _messages(plan, planned.caught)

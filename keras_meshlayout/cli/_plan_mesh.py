@@ -6,7 +6,8 @@ the `--target`'s chips (without a target, of the local devices, emulated with
 data axis is 2 or more also fully sharded over it (the table's `plan` column, `"fsdp"` in
 `--json`), and ranked by predicted step time; the best is planned as `--mesh SPEC` would be
 (fully sharded, if that row won). With `--compile --memory-budget`, a chosen mesh whose compiled
-step is over the budget gives way to the next in rank (`next_in_rank`, as `kml.plan_and_compile`).
+step is over the budget gives way to the next in rank (`planner._compiled_plan.next_in_rank`, as
+`kml.plan_and_compile`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from ._args import InputError
 from ._plan_inputs import batch_spec
 
-__all__ = ["AUTO", "choose_for", "next_in_rank"]
+__all__ = ["AUTO", "choose_for", "option_rules_for"]
 
 #: The `--mesh` value that asks for the mesh to be chosen.
 AUTO = "auto"
@@ -49,38 +50,12 @@ def choose_for(args: argparse.Namespace, build: Callable[[], Any], budget: int |
     )  # fmt: skip
 
 
-def next_in_rank(
-    planned: Any, plan_on: Callable[[Any], Any], args: argparse.Namespace, build: Callable[[], Any]
-) -> tuple[Any, list]:
-    """While the chosen mesh's compiled step is over `--memory-budget`, the next usable one in rank
-    (`REFITS` more at most), planned with `plan_on(choice)` on a choice that puts it first; returns
-    the last planned and a `Refit` naming each mesh given up."""
-    from ..core._memory import parse_bytes
-    from ..planner._compiled_plan import REFITS, Refit
-
-    budget = parse_bytes(args.memory_budget)
-    refits: list[Refit] = []
-    for option in [o for o in planned.choice.alternatives if o.excluded is None][1 : REFITS + 1]:
-        if planned.compiled.peak_bytes <= budget:
-            break
-        best = planned.choice.best
-        label = best.spec + (" fsdp" if best.fsdp else "")
-        refits.append(Refit(budget, planned.peak.peak, planned.compiled.peak_bytes, budget, label))
-        planned = plan_on(_promoted(planned.choice, option, args, build, budget))
-    return planned, refits
-
-
-def _promoted(
-    choice: Any, option: Any, args: argparse.Namespace, build: Callable[[], Any], budget: int
-) -> Any:
-    """`choice` with `option` first, its mesh and its rules (made again as `choose_mesh` made them)."""
+def option_rules_for(args: argparse.Namespace, build: Callable[[], Any], choice: Any, budget: int) -> Any:
+    """A function planning one of `choice`'s rows as `choose_for` planned them (`next_in_rank`)."""
     from ..core._dry import dry_build
-    from ..planner._compiled_plan import promoted
     from ..planner._mesh_choice import option_rules
 
     with dry_build(build) as model:
         batch = batch_spec(model, args.batch_size, args.sequence_length)
     axes = (args.batch_axis or "data", args.model_axis)
-    return promoted(
-        choice, option, option_rules(build, option, choice.target, batch, args.optimizer, budget, axes)
-    )
+    return lambda option: option_rules(build, option, choice.target, batch, args.optimizer, budget, axes)

@@ -30,7 +30,7 @@ from ..report._compile import CompiledStep, compile_step
 from ._auto import auto_rules
 from ._mesh_choice import MeshChoice, choose_mesh, mesh_of, option_rules
 
-__all__ = ["REFITS", "CompiledPlan", "Refit", "plan_and_compile", "promoted", "refit"]
+__all__ = ["REFITS", "CompiledPlan", "Refit", "next_in_rank", "plan_and_compile", "promoted", "refit"]
 
 #: How many times a plan compiled over its budget is made again, under a budget shrunk by the
 #: compiled step's excess, before the budget is reported missed.
@@ -228,6 +228,28 @@ def plan_and_compile(
     return dataclasses.replace(planned, refits=tuple(refits))
 
 
+def next_in_rank(
+    planned: Any,
+    budget: int,
+    plan_on: Callable[[MeshChoice], Any],
+    rules_of: Callable[[Any], LayoutRules],
+    peaks: Callable[[Any], tuple[int, int]],
+) -> tuple[Any, list[Refit]]:
+    """While `planned` (compiled on its `choice`'s best split) is over `budget`, the next usable split
+    in rank (`REFITS` more at most): `rules_of(option)` plans it, `plan_on(choice)` compiles the choice
+    that puts it first, and `peaks(planned)` gives `(predicted, compiled)`. Returns the last planned
+    and a `Refit` naming each split given up (`plan_and_compile` given devices, `plan --mesh auto`)."""
+    refits: list[Refit] = []
+    choice = planned.choice
+    for option in [o for o in choice.alternatives if o.excluded is None][1 : REFITS + 1]:
+        predicted, compiled = peaks(planned)
+        if compiled <= budget:
+            break
+        refits.append(Refit(budget, predicted, compiled, budget, _label(planned.choice.best)))
+        planned = plan_on(promoted(choice, option, rules_of(option)))
+    return planned, refits
+
+
 def _chosen_and_compiled(
     build: Callable[[], keras.Model],
     devices: Any,
@@ -239,28 +261,40 @@ def _chosen_and_compiled(
 ) -> CompiledPlan:
     """The best of `kml.choose_mesh`'s meshes whose compiled step fits `budget`, of its first `REFITS + 1`."""
     choice = choose_mesh(build, devices, batch=x, memory_budget=budget, optimizer=optimizer)
-    over: list[Refit] = []
-    for option in [o for o in choice.alternatives if o.excluded is None][: REFITS + 1]:
-        best = option is choice.best
-        rules = choice.rules if best else option_rules(build, option, choice.target, x, optimizer, budget)
-        mesh = _laid_out(mesh_of(option.axis_sizes, choice.target))
-        step = compile_step(build, ModelParallel(mesh, rules), x, y, optimizer=optimizer, loss=loss)
-        if budget is None or step.peak_bytes <= budget:
-            return CompiledPlan(
-                rules, step, tuple(over), mesh, choice if best else promoted(choice, option, rules)
-            )
-        label = option.spec + (" fsdp" if option.fsdp else "")
-        over.append(Refit(budget, option.peak_bytes or 0, step.peak_bytes, budget, label))
-    tried = "; ".join(
+
+    def plan_on(choice: MeshChoice) -> CompiledPlan:
+        mesh = _laid_out(choice.mesh)
+        step = compile_step(build, ModelParallel(mesh, choice.rules), x, y, optimizer=optimizer, loss=loss)
+        return CompiledPlan(choice.rules, step, mesh=mesh, choice=choice)
+
+    planned = plan_on(choice)
+    if budget is None:
+        return planned
+    planned, over = next_in_rank(
+        planned,
+        budget,
+        plan_on,
+        lambda o: option_rules(build, o, choice.target, x, optimizer, budget),
+        _peaks,
+    )
+    if planned.step.peak_bytes <= budget:
+        return dataclasses.replace(planned, refits=tuple(over))
+    tried = [*over, Refit(budget, *_peaks(planned), budget, _label(planned.choice.best))]
+    listed = "; ".join(
         f"{r.mesh}: predicted {format_bytes(r.predicted_peak)}, compiled {format_bytes(r.compiled_peak)}"
-        for r in over
+        for r in tried
     )
     raise MemoryBudgetError(
-        f"plan_and_compile: no mesh for {devices!r} fits the memory budget of {format_bytes(budget or 0)} "
-        f"per device once compiled (XLA's memory_analysis), of the {len(over)} best ranked within it "
-        f"({tried}). Fix: a smaller batch, or a larger memory_budget.",
-        smallest_bytes=min(r.compiled_peak for r in over),
+        f"plan_and_compile: no mesh for {devices!r} fits the memory budget of {format_bytes(budget)} "
+        f"per device once compiled (XLA's memory_analysis), of the {len(tried)} best ranked within it "
+        f"({listed}). Fix: a smaller batch, or a larger memory_budget.",
+        smallest_bytes=min(r.compiled_peak for r in tried),
     )
+
+
+def _label(option: Any) -> str:
+    """A split as `Refit.mesh` names it: `"data=2,model=4 fsdp"`."""
+    return option.spec + (" fsdp" if option.fsdp else "")
 
 
 def _check_count(count: int) -> None:
