@@ -38,6 +38,9 @@ Keras's global state and distribution backend:
   slots for.
 - `Layer._flatten_layers`, `Model._symbolic_build`, `Model._get_state_sharding_spec`:
   every sub-layer, a build on symbolic inputs, and the shardings of a model's state.
+- `keras.src.backend.compute_output_spec`: a model called on symbolic inputs, which builds
+  the sub-layers a custom `build()` left for the first call (as `fit` does), allocating nothing
+  else.
 - `Layer._build_shapes_dict`, `Model._inputs_struct`, `Layer._call_has_training_arg`,
   `KerasTensor._keras_history`: the shapes a layer was built with, a functional model's
   input structure, whether `call` takes `training`, and whether a tensor comes from a layer.
@@ -382,6 +385,28 @@ def own_variables(layer: Any) -> list[Any]:
 def symbolic_build(model: Any, data: Any) -> None:
     """Builds `model`, its optimizer and metrics on symbolic data as `fit` would."""
     model._symbolic_build(data_batch=data)
+
+
+def unbuilt_layers(model: Any) -> list[Any]:
+    """The layers of `model` (itself included) not built yet: their weights do not exist."""
+    return [layer for layer in model._flatten_layers() if not layer.built]
+
+
+def build_layers(model: Any, batch: Any) -> None:
+    """Builds the layers of `model` left unbuilt by calling it on `batch`'s shapes, as `fit` would.
+
+    A subclassed model whose `build()` does not build its sub-layers has them built at its first
+    call; the planner must see their weights before it traces the model.
+    """
+    if not unbuilt_layers(model):
+        return
+    from keras.src import backend, tree
+
+    symbolic = tree.map_structure(
+        lambda v: backend.KerasTensor(tuple(v.shape), backend.standardize_dtype(v.dtype)), batch
+    )
+    kwargs = {"training": False} if takes_training(model) else {}
+    backend.compute_output_spec(model, symbolic, **kwargs)
 
 
 def state_shardings(model: Any) -> Any:

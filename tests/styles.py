@@ -219,6 +219,19 @@ def mlp_subclassed() -> keras.Model:
     return model
 
 
+class _LazyMLP(_SubclassedMLP):
+    """Its own `build()` builds nothing: the Dense layers are built at the first call."""
+
+    def build(self, input_shape):
+        pass
+
+
+def mlp_subclassed_lazy() -> keras.Model:
+    model = _LazyMLP(name="subclassed_lazy")
+    model.build((None, FEATURES))  # built, its sub-layers not: no weight exists yet
+    return model
+
+
 class _Linear(keras.layers.Layer):
     """`x @ w + b` with add_weight, activation by operator-level ops."""
 
@@ -263,6 +276,7 @@ MLPS = {
     "functional_ops": mlp_functional_ops,
     "functional_layers": mlp_functional_layers,
     "subclassed": mlp_subclassed,
+    "subclassed_lazy": mlp_subclassed_lazy,
     "add_weight": mlp_add_weight,
     "sequential_custom": mlp_sequential_custom,
 }

@@ -9,6 +9,7 @@ build real Keras models on real meshes of the 8 emulated CPU devices.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -817,6 +818,48 @@ def test_model_does_not_fit_rules(case: ModelCase):
         build_mlp(distribution, **case.sizes)
     assert type(info.value) is case.error, f"{type(info.value).__name__}: {info.value}"
     assert_message(info.value, case.fragments)
+
+
+def test_a_model_whose_layers_are_not_built_is_planned_on_a_batch_or_refused():
+    """A subclassed model whose `build()` leaves its layers to the first call has no weights to plan."""
+    import styles
+
+    model = styles._LazyMLP(name="lazy")  # never built nor called
+    with pytest.raises(kml.InvalidOptionError) as info:
+        kml.auto_rules(model, mesh("data=2,model=4"))
+    assert_message(info.value, ("6 layer(s) of model 'lazy' are not built", "'up1'", "pass batch=x"))
+    assert not model.weights  # nothing was made
+    x = np.zeros((8, styles.FEATURES), "float32")
+    rules = kml.auto_rules(model, mesh("data=2,model=4"), batch=x, replicate_below=0)
+    assert len(model.weights) == 10 and all(rules.match(v.path) for v in model.weights)
+    assert rules.match("lazy/up1/kernel").axes == (None, "model")
+
+
+def _unnamed_mlp() -> keras.Model:
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32), keras.layers.Dense(8)])
+
+
+def test_rules_of_a_model_built_again_say_that_keras_renumbered_its_layers():
+    """Rules planned on one build miss a second build's new numbers: the warning says so and the fix."""
+    grid = mesh("data=2,model=4")
+    rules = kml.auto_rules(_unnamed_mlp(), grid, replicate_below=0)
+    dist = kml.ModelParallel(grid, rules, replicate_below=0)
+    with dist.scope():
+        model = _unnamed_mlp()
+    with pytest.warns(kml.UnmatchedRuleWarning) as caught:
+        dist.plan(model)
+    message = str(caught[0].message)
+    for fragment in ("matched no variable", "built again", "name the layers", "kml.dry_build(build)"):
+        assert fragment in message, message
+    with kml.dry_build(_unnamed_mlp) as probe:  # hands Keras's names back: the next build matches
+        rules = kml.auto_rules(probe, grid, replicate_below=0)
+    dist = kml.ModelParallel(grid, rules, replicate_below=0)
+    with dist.scope():
+        model = _unnamed_mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kml.UnmatchedRuleWarning)
+        dist.plan(model)
+    assert model.weights[0].value.sharding.spec == PartitionSpec(None, "model")
 
 
 def test_rank_mismatch_is_an_error_under_the_replicate_policy_too():

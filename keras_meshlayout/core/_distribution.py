@@ -13,7 +13,7 @@ from .. import _compat
 from . import _trainer_hooks
 from ._backend import require_jax_backend
 from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
-from ._format import did_you_mean, nearest_paths
+from ._format import did_you_mean, unmatched_hint
 from ._mesh import Mesh, mesh_axis_sizes
 from ._plan import Plan
 from ._planning import plan_model
@@ -301,7 +301,7 @@ class ModelParallel(keras.distribution.ModelParallel):
                 f"{rule.describe()} matched no variable of the {len(self._laid_out)} laid out "
                 "under this distribution: check the pattern for a typo (it is matched with "
                 "re.fullmatch against variable.path; dist.plan(model) shows every variable's "
-                f"layout).{_nearest(rule.pattern, self._laid_out)}",
+                f"layout).{unmatched_hint(rule.pattern, self._laid_out)}",
                 UnmatchedRuleWarning,
                 stacklevel=3,
             )
@@ -370,12 +370,6 @@ def _created_by_optimizer_or_metric() -> bool:
     """
     callers = _compat.name_scope_callers()
     return bool(callers) and isinstance(callers[0], (keras.optimizers.Optimizer, keras.metrics.Metric))
-
-
-def _nearest(pattern: str, paths: Sequence[str]) -> str:
-    """`" Nearest variable paths: 'a', 'b'."` for an unmatched rule, or `""`."""
-    near = nearest_paths(pattern, paths)
-    return f" Nearest variable paths: {', '.join(map(repr, near))}." if near else ""
 
 
 def _is_ours(distribution: object) -> bool:

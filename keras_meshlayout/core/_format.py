@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import io
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,6 +108,40 @@ def did_you_mean(name: str, options: Sequence[str]) -> str:
     """
     close = difflib.get_close_matches(str(name), [str(option) for option in options], n=1, cutoff=0.6)
     return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def unmatched_hint(pattern: str, paths: Sequence[str]) -> str:
+    """What to say after "matched no variable": the nearest paths, and why when Keras renumbered them.
+
+    Keras names an unnamed layer after its class and numbers it across the session
+    (`dense`, `dense_1`, ...): rules written for one build of a model miss the same model
+    built again (`dense_4`). Such a rule matches once every number is allowed.
+
+    Example:
+        >>> hint = unmatched_hint(r"(?:mlp/)?dense_1/kernel", ["mlp_1/dense_4/kernel"])
+        >>> hint.split(". ")[0]
+        " Nearest variable paths: 'mlp_1/dense_4/kernel'"
+        >>> "built again" in hint, "built again" in unmatched_hint("head/kernel", ["mlp/head/bias"])
+        (True, False)
+    """
+    near = nearest_paths(pattern, paths)
+    hint = f" Nearest variable paths: {', '.join(map(repr, near))}." if near else ""
+    try:
+        any_number = re.compile(_ANY_NUMBER.sub(r"\1(?:_\\d+)?", pattern))
+    except re.error:
+        return hint
+    renumbered = next((path for path in paths if any_number.fullmatch(path)), None)
+    if renumbered is None:
+        return hint
+    return (
+        f"{hint} Keras numbers unnamed layers across the session, and this model was built again "
+        f'after the rule was written ({renumbered!r}): name the layers (`name="up"`), or plan on '
+        "a model built with `kml.dry_build(build)`, which hands Keras's names back."
+    )
+
+
+#: A name segment of a pattern (`dense_1`, `block`) before `/`, `)` or the end, its number aside.
+_ANY_NUMBER = re.compile(r"(?<![\\\w])([A-Za-z][A-Za-z0-9]*(?:_[A-Za-z][A-Za-z0-9]*)*)(?:_\d+)?(?=/|\)|$)")
 
 
 def nearest_paths(pattern: str, paths: Sequence[str], count: int = 3) -> list[str]:

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._axes import axes_to_json
-from ._format import Displayed, format_axes, format_bytes, nearest_paths, to_text
+from ._format import Displayed, format_axes, format_bytes, to_text, unmatched_hint
 from ._memory import MemoryEstimate, check_plan, intended_replication, memory_of
 from ._plot import plot_plan
 from ._resolve import Resolution
@@ -110,8 +110,7 @@ class Plan(Displayed):
         paths = [entry.path for entry in self.entries if entry.role != "optimizer"]
         messages = []
         for rule in self.unmatched_rules:
-            near = nearest_paths(rule.pattern, paths)
-            hint = f" Nearest variable paths: {', '.join(map(repr, near))}." if near else ""
+            hint = unmatched_hint(rule.pattern, paths)
             messages.append(
                 f"{rule.describe()} matched no variable: check the pattern for a typo "
                 f"(it is matched with re.fullmatch against variable.path).{hint}"

@@ -405,16 +405,30 @@ def _check_budget_args(memory_budget: int | str | None, batch: Any, fully_sharde
 
 
 def _trace(model: keras.Model, batch: Any) -> Trace | None:
-    """The model's forward pass on `batch`, or on its input spec when no batch is given."""
+    """The model's forward pass on `batch`, or on its input spec when no batch is given.
+
+    Layers left unbuilt are built on the batch first (`trace_model`); without a batch, a model
+    whose layers still have no weights cannot be planned and is refused.
+    """
     if batch is not None:
         return trace_model(model, batch)
     guess = abstract_batch(model)
-    if guess is None:
-        return None  # a subclassed model never called: only its layers and names can be read
-    try:
-        return trace_model(model, guess)
-    except Exception:  # the spec was a guess (a batch of 2); the layer graph still plans
-        return None
+    trace = None
+    if guess is not None:
+        try:
+            trace = trace_model(model, guess)
+        except Exception:  # the spec was a guess (a batch of 2); the layer graph still plans
+            trace = None
+    unbuilt = _compat.unbuilt_layers(model)
+    if unbuilt and (trace is None or not model.weights):  # a subclassed model never called
+        names = ", ".join(repr(layer.name) for layer in unbuilt[:4]) + (", ..." if len(unbuilt) > 4 else "")
+        raise InvalidOptionError(
+            f"auto_rules: {len(unbuilt)} layer(s) of model {model.name!r} are not built ({names}), so "
+            "their weights do not exist yet and cannot be planned. Fix: pass batch=x (one batch of "
+            "inputs; the layers are built on its shapes, as fit would build them), or call the model "
+            "on a batch first."
+        )
+    return trace
 
 
 def _apply(ledger: Ledger, table: CostTable, chosen: Sequence[int]) -> None:

@@ -139,7 +139,12 @@ class Trace:
 
 
 def trace_model(model: keras.Model, batch: Any) -> Trace:
-    """Traces `model`'s forward pass on `batch` (arrays or shapes) into a `Trace` (once per model state)."""
+    """Traces `model`'s forward pass on `batch` (arrays or shapes) into a `Trace` (once per model state).
+
+    Layers a custom `build()` left for the first call are built on `batch` first, as `fit` builds
+    them, so that their weights exist when the trace reads them.
+    """
+    _compat.build_layers(model, batch)
     return memoised("forward", model, batch, lambda: _trace_model(model, batch))
 
 
