@@ -835,6 +835,26 @@ def test_a_model_whose_layers_are_not_built_is_planned_on_a_batch_or_refused():
     assert rules.match("lazy/up1/kernel").axes == (None, "model")
 
 
+def test_the_plan_of_a_model_whose_layers_are_not_built_says_so():
+    import styles
+
+    dist = kml.ModelParallel(mesh("data=2,model=4"), [(r".*up1/kernel", (None, "model"))])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not kml.dry_plan(styles.mlp_subclassed_lazy, dist).entries
+    said = [str(w.message) for w in caught if w.category is kml.MeshLayoutWarning]
+    assert said and "5 layer(s) of model 'subclassed_lazy' are not built yet ('up1'" in said[0], said
+
+    def called() -> keras.Model:
+        model = styles.mlp_subclassed_lazy()
+        model(np.zeros((2, styles.FEATURES), "float32"))
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kml.dry_plan(called, dist)["subclassed_lazy/up1/kernel"].axes == (None, "model")
+
+
 def _unnamed_mlp() -> keras.Model:
     return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32), keras.layers.Dense(8)])
 

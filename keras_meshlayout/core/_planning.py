@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .. import _compat
 from . import _grouped_scan
 from ._axes import Axes, shards_of
-from ._errors import GroupedConvWarning, LayoutMismatchWarning, UnmatchedRuleWarning
+from ._errors import GroupedConvWarning, LayoutMismatchWarning, MeshLayoutWarning, UnmatchedRuleWarning
 from ._format import format_axes
 from ._held import Held, held, off_mesh_message
 from ._placement import process_layout
@@ -104,7 +104,35 @@ def plan_model(
         warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
     if plan.grouped_conv_warning:
         warnings.warn(plan.grouped_conv_warning, GroupedConvWarning, stacklevel=3)
+    _warn_awaiting_a_call(model)
     return plan
+
+
+def _warn_awaiting_a_call(model: keras.Model) -> None:
+    """Warns when layers of a subclassed model await its first call: their weights are not planned."""
+    awaiting = _awaiting_a_call(model)
+    if awaiting:
+        names = ", ".join(repr(layer.name) for layer in awaiting[:4]) + (", ..." if len(awaiting) > 4 else "")
+        warnings.warn(
+            f"{len(awaiting)} layer(s) of model {model.name!r} are not built yet ({names}): the weights "
+            "they make at the model's first call are not in this plan. Fix: call the model on a batch "
+            "(in `build()` for kml.dry_plan) before planning.",
+            MeshLayoutWarning,
+            stacklevel=4,
+        )
+
+
+def _awaiting_a_call(model: keras.Model) -> list[Any]:
+    """Layers of a subclassed model left unbuilt by its `build()`, which make weights when called.
+
+    A functional model builds every layer it calls; an unbuilt layer there is never called.
+    """
+    import keras
+
+    if _compat.input_structure(model) is not None:
+        return []
+    unbuilt = _compat.unbuilt_layers(model)
+    return [layer for layer in unbuilt if type(layer).build is not keras.layers.Layer.build]
 
 
 def _intended(entries: Sequence[Resolution]) -> frozenset[str]:
