@@ -855,6 +855,24 @@ def test_the_plan_of_a_model_whose_layers_are_not_built_says_so():
         assert kml.dry_plan(called, dist)["subclassed_lazy/up1/kernel"].axes == (None, "model")
 
 
+@pytest.mark.parametrize(
+    ("style", "batch", "said"),
+    [
+        ("subclassed_lazy", "x, y", "shapes ((8, 16), (8,))"),
+        ("functional_layers", "wrong features", "shapes (8, 17)"),
+    ],
+)
+def test_a_batch_the_model_cannot_be_called_on_is_one_clear_error(style: str, batch: str, said: str):
+    """Not JAX's traceback from deep inside the trace: what was given, and that batch= is x alone."""
+    import styles
+
+    x, y = np.zeros((8, styles.FEATURES), "float32"), np.zeros(8, "int32")
+    given = (x, y) if batch == "x, y" else np.zeros((8, styles.FEATURES + 1), "float32")
+    with pytest.raises(kml.InvalidOptionError) as info:
+        kml.auto_rules(styles.MLPS[style](), mesh("data=2,model=4"), batch=given)
+    assert_message(info.value, ("could not be called on the batch given", said, "x, not (x, y)", "Fix"))
+
+
 def _unnamed_mlp() -> keras.Model:
     return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32), keras.layers.Dense(8)])
 

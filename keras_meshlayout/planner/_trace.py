@@ -9,9 +9,10 @@ written: Keras layers, `keras.ops` calls, Python operators or custom layers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -19,6 +20,7 @@ import keras
 import numpy as np
 
 from .. import _compat
+from ..core._errors import InvalidOptionError, MeshLayoutError
 from ..core._grouped_scan import abstract_value
 from ._memo import memoised
 
@@ -144,8 +146,27 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
     Layers a custom `build()` left for the first call are built on `batch` first, as `fit` builds
     them, so that their weights exist when the trace reads them.
     """
-    _compat.build_layers(model, batch)
+    with _calling(model, batch):
+        _compat.build_layers(model, batch)
     return memoised("forward", model, batch, lambda: _trace_model(model, batch))
+
+
+@contextlib.contextmanager
+def _calling(model: keras.Model, batch: Any) -> Iterator[None]:
+    """Turns the model's own failure on `batch` (wrong structure or shapes) into one clear error."""
+    try:
+        yield
+    except MeshLayoutError:
+        raise
+    except Exception as error:
+        shapes = keras.tree.map_structure(lambda v: tuple(getattr(v, "shape", ())), batch)
+        said = (str(error).strip().splitlines() or [""])[0].rstrip(". ")
+        raise InvalidOptionError(
+            f"Model {model.name!r} could not be called on the batch given (shapes {shapes}): "
+            f"{type(error).__name__}: {said}. The batch "
+            "is one global batch of the model's inputs alone, in the structure the model is called "
+            "with: x, not (x, y). Fix: pass batch=x, with the shapes fit will see."
+        ) from error
 
 
 def _trace_model(model: keras.Model, batch: Any) -> Trace:
@@ -159,7 +180,8 @@ def _trace_model(model: keras.Model, batch: Any) -> Trace:
     def forward(train: Any, state: Any, x: Any) -> Any:
         return model.stateless_call(train, state, x, **kwargs)[0]
 
-    with _compat.lora_off(model):  # LoRA kernels read as their base kernel (the adapters follow it)
+    # LoRA kernels read as their base kernel (the adapters follow it)
+    with _compat.lora_off(model), _calling(model, batch):
         closed = jax.make_jaxpr(forward)(
             [abstract_value(v) for v in trainable],
             [abstract_value(v) for v in non_trainable],
