@@ -255,6 +255,8 @@ def stateless_scope() -> Iterator[None]:
             value = np.asarray(initializer)
             dtype = dtype or value.dtype.name
             shape, initializer = value.shape, functools.partial(_constant, value)
+        elif callable(initializer):  # Keras reads a deferred variable as its initializer's output
+            initializer = functools.partial(_as_array, initializer)
         init(self, initializer, shape=shape, dtype=dtype, **kwargs)
 
     variables.Variable.__init__ = deferring
@@ -263,6 +265,12 @@ def stateless_scope() -> Iterator[None]:
             yield
     finally:
         variables.Variable.__init__ = init
+
+
+def _as_array(initializer: Callable[..., Any], shape: Any = None, dtype: Any = None) -> Any:
+    """`initializer`'s value with a dtype: keras-hub's CLIP head initialises its scale to a float."""
+    value = initializer(shape, dtype=dtype)
+    return value if hasattr(value, "dtype") else np.asarray(value, dtype=dtype)
 
 
 def _constant(value: Any, shape: Any = None, dtype: Any = None) -> Any:

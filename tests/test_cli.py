@@ -367,7 +367,8 @@ def test_plan_models_that_used_to_crash(name, lines):
 BAD_INPUT_CASES = [
     (
         ["--model", "models:mlp", "--optimizer", "adamm"],
-        "error: --optimizer 'adamm': Keras knows no optimizer by that name. Use one of: adadelta,",
+        "error: --optimizer 'adamm': Keras knows no optimizer named 'adamm'. Did you mean 'adam'? "
+        "Fix: pass one of adadelta,",
     ),
     (
         ["--model", "models:boom"],

@@ -858,8 +858,8 @@ def test_the_plan_of_a_model_whose_layers_are_not_built_says_so():
 @pytest.mark.parametrize(
     ("style", "batch", "said"),
     [
-        ("subclassed_lazy", "x, y", "shapes ((8, 16), (8,))"),
-        ("functional_layers", "wrong features", "shapes (8, 17)"),
+        ("subclassed_lazy", "x, y", "batch ((8, 16), (8,))"),
+        ("functional_layers", "wrong features", "batch (8, 17)"),
     ],
 )
 def test_a_batch_the_model_cannot_be_called_on_is_one_clear_error(style: str, batch: str, said: str):
@@ -870,7 +870,66 @@ def test_a_batch_the_model_cannot_be_called_on_is_one_clear_error(style: str, ba
     given = (x, y) if batch == "x, y" else np.zeros((8, styles.FEATURES + 1), "float32")
     with pytest.raises(kml.InvalidOptionError) as info:
         kml.auto_rules(styles.MLPS[style](), mesh("data=2,model=4"), batch=given)
-    assert_message(info.value, ("could not be called on the batch given", said, "x, not (x, y)", "Fix"))
+    assert_message(info.value, ("could not be called on what was given", said, "x, not (x, y)", "Fix"))
+
+
+def test_a_batch_that_does_not_split_over_the_batch_axis_is_refused_before_planning():
+    """As `fit` would refuse it, not a plan for a batch that cannot run."""
+    import styles
+
+    x = np.zeros((15, styles.FEATURES), "float32")
+    with pytest.raises(kml.IndivisibleBatchError) as info:
+        kml.auto_rules(styles.mlp_sequential(), mesh("data=2,model=4"), memory_budget="1GB", batch=x)
+    assert_message(info.value, ("a batch of 15 samples", "batch axis 'data' of size 2", "Fix"))
+
+
+def test_a_target_the_loss_cannot_take_is_one_clear_error_from_compile_step():
+    def build() -> keras.Model:
+        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, name="d")], name="m")
+
+    x, y = np.zeros((32, 16), "float32"), np.zeros((32, 9), "float32")
+    with pytest.raises(kml.InvalidOptionError) as info:
+        kml.compile_step(build, kml.ModelParallel(mesh("data=2,model=4"), []), x, y)
+    assert_message(info.value, ("Model 'm'", "x (32, 16), y (32, 9)", "(32, 9), (32, 8)", "Fix: x and y"))
+
+
+@pytest.mark.parametrize(
+    ("size", "said"),
+    [
+        ("-1GB", "(a memory size is positive)"),
+        ("0", "(a memory size is positive)"),
+        (0, "not a whole, positive number of bytes"),
+        (1.5, '("1.5GB" or "1.5GiB", if that is what you meant)'),
+        ("lots", 'e.g. "80GB"'),
+    ],
+)
+def test_a_memory_size_that_is_no_positive_number_of_bytes_is_refused(size: Any, said: str):
+    """Not silently 1 byte (a float) or a negative budget that no plan meets."""
+    import styles
+
+    with pytest.raises(kml.InvalidOptionError) as info:
+        kml.auto_rules(
+            styles.mlp_sequential(), mesh("data=2,model=4"), memory_budget=size, batch=np.zeros((8, 16))
+        )
+    assert said in str(info.value)
+
+
+def test_a_plan_without_a_budget_says_it_kept_a_weight_whole_for_the_traffic():
+    """Its notes do not speak of a budget it was not given."""
+    import styles
+
+    x = np.zeros((64, styles.FEATURES), "float32")
+    rules = kml.auto_rules(styles.mlp_functional_layers(), mesh("data=2,model=4"), batch=x, replicate_below=0)
+    notes = [rule.note for rule in rules.rules if rule.note.startswith("replicated:")]
+    assert notes and all(note.startswith("replicated: the least traffic; splitting") for note in notes), notes
+    budgeted = kml.auto_rules(
+        styles.mlp_functional_layers(),
+        mesh("data=2,model=4"),
+        batch=x,
+        replicate_below=0,
+        memory_budget="1GB",
+    )
+    assert any(rule.note.startswith("replicated: the budget allows it") for rule in budgeted.rules)
 
 
 def _unnamed_mlp() -> keras.Model:

@@ -89,37 +89,15 @@ def check_optimizer(name: str | None) -> None:
     """Refuses an `--optimizer` Keras does not know, before any model is built."""
     if name is None:
         return
-    import keras
-
     from ..core._dry import names_handed_back
+    from ..core._errors import InvalidOptionError
+    from ..core._memory import optimizer_of
 
     try:
         with names_handed_back():  # the plan's optimizer is then `adam/`, as the README shows, not `adam_1/`
-            keras.optimizers.get(name)
-    except ValueError:
-        known = sorted(
-            n.lower()
-            for n, value in vars(keras.optimizers).items()
-            if isinstance(value, type)
-            and issubclass(value, keras.optimizers.Optimizer)
-            and _known_optimizer(n.lower())
-        )
-        raise InputError(
-            f"--optimizer {name!r}: Keras knows no optimizer by that name. Use one of: {', '.join(known)}."
-        ) from None
-
-
-def _known_optimizer(name: str) -> bool:
-    import keras
-
-    from ..core._dry import names_handed_back
-
-    try:
-        with names_handed_back():
-            keras.optimizers.get(name)
-    except Exception:
-        return False
-    return True
+            optimizer_of(name)
+    except InvalidOptionError as error:
+        raise InputError(f"--optimizer {name!r}: {error}") from None
 
 
 def load_builder(spec: str) -> Callable[[], Any]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from .. import _compat
-from ._memory import slot_model
+from ._memory import optimizer_of, slot_model
 from ._plan import Plan
 from ._planning import plan_model
 
@@ -87,7 +87,7 @@ def new_optimizer(optimizer: str | keras.optimizers.Optimizer | None) -> keras.o
     """
     if optimizer is None or isinstance(optimizer, keras.optimizers.Optimizer):
         return optimizer
-    return keras.optimizers.get(optimizer)
+    return optimizer_of(optimizer)
 
 
 @contextlib.contextmanager

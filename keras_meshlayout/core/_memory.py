@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import InvalidOptionError, MemoryBudgetError
-from ._format import format_bytes
+from ._format import did_you_mean, format_bytes
 
 if TYPE_CHECKING:
     from ._resolve import Resolution
@@ -90,6 +90,44 @@ class SlotModel:
 NO_OPTIMIZER = SlotModel(like_parameter=0, factored=False, scalar_bytes=0)
 
 
+def optimizer_of(optimizer: Any) -> Any:
+    """`keras.optimizers.get(optimizer)`, a name Keras does not know refused with the names it does.
+
+    Example:
+        >>> try:
+        ...     optimizer_of("adamm")
+        ... except InvalidOptionError as error:
+        ...     print(str(error).split(" Fix")[0])
+        Keras knows no optimizer named 'adamm'. Did you mean 'adam'?
+    """
+    import keras
+
+    try:
+        return keras.optimizers.get(optimizer)
+    except ValueError:
+        if not isinstance(optimizer, str):
+            raise
+        classes = [c for c in vars(keras.optimizers).values() if isinstance(c, type)]
+        made = (c for c in classes if issubclass(c, keras.optimizers.Optimizer) and _made_by_name(c))
+        known = sorted(c.__name__.lower() for c in made if c is not keras.optimizers.Optimizer)
+        raise InvalidOptionError(
+            f"Keras knows no optimizer named {optimizer!r}.{did_you_mean(optimizer.lower(), known)} "
+            f"Fix: pass one of {', '.join(known)}, or a keras.optimizers.Optimizer."
+        ) from None
+
+
+def _made_by_name(cls: type) -> bool:
+    """Whether an optimizer class is made from its name alone (a wrapper needs the optimizer it wraps)."""
+    import inspect
+
+    required = [
+        p
+        for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    return not required and not inspect.isabstract(cls)
+
+
 def slot_model(optimizer: Any) -> SlotModel:
     """The `SlotModel` of an optimizer (or a name Keras knows), measured on a 4×4 probe variable."""
     if optimizer is None:
@@ -97,7 +135,7 @@ def slot_model(optimizer: Any) -> SlotModel:
     import keras
     import numpy as np
 
-    optimizer = keras.optimizers.get(optimizer)
+    optimizer = optimizer_of(optimizer)
     if isinstance(optimizer, keras.optimizers.Adafactor):
         # Its build makes eager placeholders; its variables are known (see `SlotModel.factored`).
         return SlotModel(like_parameter=1, factored=True, scalar_bytes=_scalar_bytes(optimizer.variables))
@@ -276,13 +314,20 @@ def parse_bytes(value: int | float | str) -> int:
         >>> parse_bytes("80GB"), parse_bytes("16GiB"), parse_bytes(1024)
         (80000000000, 17179869184, 1024)
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?\s*", str(value), flags=re.IGNORECASE)
-    if not match:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value >= 1 and float(value).is_integer():
+            return int(value)
+        meant = f' ("{value}GB" or "{value}GiB", if that is what you meant)' if value > 0 else ""
         raise InvalidOptionError(
-            f"Cannot read a memory size from {value!r}. Write it as a number of bytes or with a unit, "
-            'e.g. "80GB" or "16GiB".'
+            f"A memory size of {value!r} bytes is not a whole, positive number of bytes. Write it in "
+            f"bytes (80e9) or with a unit{meant}."
+        )
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?\s*", str(value), flags=re.IGNORECASE)
+    if not match or float(match[1]) * _UNITS[(match[2] or "").upper()] < 1:
+        why = " (a memory size is positive)" if str(value).strip().startswith(("-", "0")) or match else ""
+        raise InvalidOptionError(
+            f"Cannot read a memory size from {value!r}{why}. Write it as a number of bytes or with a "
+            'unit, e.g. "80GB" or "16GiB".'
         )
     return int(float(match[1]) * _UNITS[(match[2] or "").upper()])
 

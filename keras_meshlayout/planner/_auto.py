@@ -34,7 +34,7 @@ from typing import Any
 import keras
 
 from .. import _compat
-from ..core._errors import InvalidOptionError, InvalidRuleError, MemoryBudgetError
+from ..core._errors import IndivisibleBatchError, InvalidOptionError, InvalidRuleError, MemoryBudgetError
 from ..core._format import format_bytes
 from ..core._grouped_scan import abstract_batch
 from ..core._memory import parse_bytes
@@ -226,10 +226,10 @@ def plan_rules(
     if fully_sharded:
         model_axis = _fully_sharded_model_axis(mesh, model_axis, batch_axis)
     size = mesh_axis_sizes(mesh)[model_axis]
-    _check_budget_args(memory_budget, batch, fully_sharded)
+    batch_size = mesh_axis_sizes(mesh).get(batch_axis, 1) if batch_axis else 1
+    _check_budget_args(memory_budget, batch, fully_sharded, batch_axis, batch_size)
     chosen_policy = resolve_policy("auto_rules()", policy, replicate_below=replicate_below)
     trace = _trace(model, batch)
-    batch_size = mesh_axis_sizes(mesh).get(batch_axis, 1) if batch_axis else 1
     expert = _expert_axis(mesh, model_axis, batch_axis)
     setting = Setting(
         model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace, batch_size,
@@ -262,7 +262,7 @@ def plan_rules(
         table = cost_units(model, proposal, trace, sizes, optimizer, below, compiler, reduced_gathers=reduced)
     step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis, compiler, _peak.chip_of(mesh))
     table, chosen, peak = _search_within_peak(table, budget, step, fully_sharded)
-    _apply(ledger, table, chosen)
+    _apply(ledger, table, chosen, budget is not None)
     rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy)
     rules.cost = plan_cost(table, chosen, budget, peak)
     return rules
@@ -390,7 +390,15 @@ def _fully_sharded_model_axis(mesh: Any, model_axis: str, batch_axis: str | None
     return expert if expert is not None and sizes[model_axis] == 1 and sizes[expert] > 1 else model_axis
 
 
-def _check_budget_args(memory_budget: int | str | None, batch: Any, fully_sharded: bool = False) -> None:
+def _check_budget_args(
+    memory_budget: int | str | None,
+    batch: Any,
+    fully_sharded: bool = False,
+    batch_axis: str | None = None,
+    axis_size: int = 1,
+) -> None:
+    if memory_budget is not None:
+        parse_bytes(memory_budget)  # a size that is no positive number of bytes: refused before planning
     if fully_sharded and batch is None:
         raise InvalidOptionError(
             "the fully sharded plan needs batch=: one global batch of inputs, to cost each layout "
@@ -401,6 +409,14 @@ def _check_budget_args(memory_budget: int | str | None, batch: Any, fully_sharde
             "auto_rules(memory_budget=...) needs batch=: one global batch of inputs (arrays, or "
             "anything with .shape and .dtype), to size the activations and the traffic they cause. "
             'Fix: auto_rules(model, mesh, memory_budget="16GiB", batch=x).'
+        )
+    rows = {int(leaf.shape[0]) for leaf in keras.tree.flatten(batch) if len(getattr(leaf, "shape", ())) > 0}
+    if axis_size > 1 and any(count % axis_size for count in rows):
+        count = min(count for count in rows if count % axis_size)
+        raise IndivisibleBatchError(
+            f"auto_rules: a batch of {count} samples cannot be split over batch axis {batch_axis!r} of "
+            f"size {axis_size}: {count} is not a multiple of {axis_size}, so fit could not run it. "
+            f"Fix: pass batch= with a multiple of {axis_size} samples, the global batch fit will see."
         )
 
 
@@ -431,13 +447,13 @@ def _trace(model: keras.Model, batch: Any) -> Trace | None:
     return trace
 
 
-def _apply(ledger: Ledger, table: CostTable, chosen: Sequence[int]) -> None:
+def _apply(ledger: Ledger, table: CostTable, chosen: Sequence[int], budgeted: bool) -> None:
     """Rewrites the rules of every unit to the candidate the search chose, with its note."""
     for unit, index in zip(table.units, chosen, strict=True):
         if len(unit.candidates) == 1:
             continue
         candidate = unit.candidates[index]
-        why = explain(unit, index)
+        why = explain(unit, index, budgeted)
         for path, axes in candidate.axes.items():
             detail = candidate.notes.get(path) or unit.notes.get(path, "")
             note = why if candidate.layout == "replicated" or not detail else f"{why} ({detail})"

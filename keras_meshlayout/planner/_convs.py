@@ -238,7 +238,9 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
     channels of the output gradient: no traffic; the kernel's gradient is
     all-reduced over the batch axis at `1/model` of its size. A smaller one (a
     ResNet's stem, a ViT-B/16's patch conv beside its 768 × 3,072 MLP kernels)
-    stays replicated: its gathered output would cost more than it saves.
+    stays replicated: its gathered output would cost more than it saves. A budget
+    can still split its kernel over the batch axis (or both), gathered once forward
+    (`_one_weight.OneWeightCosts._reads_the_input`).
     """
     trace = setting.trace
     if trace is None or setting.size <= 1:

@@ -23,6 +23,7 @@ import numpy as np
 from ..report._collectives import wire_bytes
 from . import _notes
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes
+from ._grouped import CONV, conv_kernel
 from ._layers import idle_axes, lookup_table, tied_table
 from ._tables_2d import BothAxesTables, no_budget_choice
 
@@ -229,13 +230,14 @@ class OneWeightCosts(BothAxesTables, Bytes):
         both = dict(wire)  # split over every axis: the same gradient all-reduce, gathers over both
         if not uses and len(shape) > 1 and self._sliced(variable.path):
             return self._sliced_unit(variable)
-        if not uses and len(shape) == 1:
-            gathers = self._elementwise_gathers(variable.path)
+        if not uses and (len(shape) == 1 or self._reads_the_input(variable.path)):
+            # A scale read element-wise; or the kernel of a convolution of the input, gathered once.
+            gathers = self._elementwise_gathers(variable.path) if len(shape) == 1 else 1
             if not gathers:
                 return None
             add_wire(wire, self.batch_axis, gathers * wire_bytes("all-gather", size, d))
             add_wire(both, self.both, gathers * wire_bytes("all-gather", size, d * m))
-            when = "forward" + (" and backward" if gathers > 1 else "")
+            when = "forward" + (" and backward" if gathers > 1 else "") if len(shape) == 1 else "forward"
             how = f"gathered over {self.batch_axis!r} {when}"
         elif (
             len(uses) == 1
@@ -276,6 +278,22 @@ class OneWeightCosts(BothAxesTables, Bytes):
         if len(candidates) == 1:
             return None
         return UnitCosts(variable.path, tuple(candidates), frozen(notes))
+
+    def _reads_the_input(self, path: str) -> bool:
+        """Whether `path` is the kernel of one convolution of the model's input (a patch embedding).
+
+        Its kernel split over the batch axis (or both) is gathered once, forward: the input needs no
+        gradient, and the kernel's is computed from the input and the output gradient; the gradient
+        is all-reduced whole over the batch axis, as replicated.
+        """
+        reads = [
+            node
+            for node in self.trace.nodes
+            if node.primitive == CONV
+            and (found := conv_kernel(self.trace, node.inputs[1], 0, 1)) is not None
+            and found[0] == path
+        ]
+        return len(reads) == 1 and self.trace.from_input(reads[0].inputs[0])
 
     def _gathers_over_both(
         self, owner: keras.layers.Layer | None, variable: keras.Variable, size: int

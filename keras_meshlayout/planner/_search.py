@@ -153,8 +153,8 @@ def search(table: CostTable, budget: int | None) -> tuple[int, ...]:
     return tuple(chosen)
 
 
-def explain(unit: UnitCosts, index: int) -> str:
-    """Why `unit` takes its candidate `index`, against keeping it replicated."""
+def explain(unit: UnitCosts, index: int, budgeted: bool = True) -> str:
+    """Why `unit` takes its candidate `index`, against keeping it replicated (`budgeted`: under a budget)."""
     option, base = unit.candidates[index], unit.candidates[0]
     if base.layout != "replicated":  # a grouped conv's unit on a 2-D mesh (`_costs`)
         return f"{option.layout}: never replicated, which XLA trains wrongly (a grouped conv's channels)"
@@ -165,7 +165,8 @@ def explain(unit: UnitCosts, index: int) -> str:
             return "replicated"
         cheapest = min(unit.candidates[1:], key=lambda o: o.state)
         return (
-            f"replicated: the budget allows it; splitting ({cheapest.layout}) would save "
+            f"replicated: {'the budget allows it' if budgeted else 'the least traffic'}; splitting "
+            f"({cheapest.layout}) would save "
             f"{format_bytes(base.state - cheapest.state)}/device but cost "
             f"{format_bytes(cheapest.total - base.total)} more per step"
         )
@@ -192,7 +193,7 @@ def plan_cost(
         for axis, amount in candidate.cast.items():
             cast[axis] = cast.get(axis, 0.0) + amount
         if len(unit.candidates) > 1:
-            why = explain(unit, index)
+            why = explain(unit, index, budget is not None)
             choices.append(UnitChoice(unit.name, candidate.layout, candidate.state, candidate.total, why))
     return PlanCost(
         wire_bytes_by_axis=wire,

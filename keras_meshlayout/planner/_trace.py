@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -20,8 +20,8 @@ import keras
 import numpy as np
 
 from .. import _compat
-from ..core._errors import InvalidOptionError, MeshLayoutError
 from ..core._grouped_scan import abstract_value
+from ..core._model_calls import failing_on
 from ._memo import memoised
 
 __all__ = ["LITERALS", "Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
@@ -151,22 +151,14 @@ def trace_model(model: keras.Model, batch: Any) -> Trace:
     return memoised("forward", model, batch, lambda: _trace_model(model, batch))
 
 
-@contextlib.contextmanager
-def _calling(model: keras.Model, batch: Any) -> Iterator[None]:
-    """Turns the model's own failure on `batch` (wrong structure or shapes) into one clear error."""
-    try:
-        yield
-    except MeshLayoutError:
-        raise
-    except Exception as error:
-        shapes = keras.tree.map_structure(lambda v: tuple(getattr(v, "shape", ())), batch)
-        said = (str(error).strip().splitlines() or [""])[0].rstrip(". ")
-        raise InvalidOptionError(
-            f"Model {model.name!r} could not be called on the batch given (shapes {shapes}): "
-            f"{type(error).__name__}: {said}. The batch "
-            "is one global batch of the model's inputs alone, in the structure the model is called "
-            "with: x, not (x, y). Fix: pass batch=x, with the shapes fit will see."
-        ) from error
+def _calling(model: keras.Model, batch: Any) -> contextlib.AbstractContextManager[None]:
+    """The model's own failure on `batch` (wrong structure or shapes) as one clear error."""
+    return failing_on(
+        model,
+        {"batch": batch},
+        "batch= is one global batch of the model's inputs alone, in the structure the model is "
+        "called with: pass x, not (x, y), with the shapes fit will see.",
+    )
 
 
 def _trace_model(model: keras.Model, batch: Any) -> Trace:

@@ -20,6 +20,7 @@ from ..core._dry import _deferred_variables, names_handed_back, new_optimizer
 from ..core._errors import UnmatchedRuleWarning
 from ..core._format import Displayed, format_bytes, to_text
 from ..core._mesh import jax_device_grid
+from ..core._model_calls import failing_on
 from ..core._planning import plan_model
 from ._comm import CommReport, report_of
 
@@ -112,6 +113,12 @@ class CompiledStep(Displayed):
     _repr_pretty_ = Displayed._repr_pretty_
 
 
+_FIX = (
+    "x and y are one global batch of the model's inputs and of its targets, as fit takes them; y "
+    "shaped as the loss compares it with the model's output (or pass loss=)."
+)
+
+
 def compile_step(
     build: Callable[[], keras.Model],
     distribution: ModelParallel,
@@ -169,9 +176,10 @@ def compile_step(
                 model = build()
                 _compile_model(model, chosen, optimizer, loss)
                 data = (_abstract(x), _abstract(y), None)
-                _compat.symbolic_build(model, data)
-                # Traced in the scope too: the step reads the deferred variables' layouts.
-                lowered, compiled = _lower(model, distribution, data)
+                with failing_on(model, {"x": x, "y": y}, _FIX):
+                    _compat.symbolic_build(model, data)
+                    # Traced in the scope too: the step reads the deferred variables' layouts.
+                    lowered, compiled = _lower(model, distribution, data)
             comm = report_of(model, distribution.device_mesh, lowered, compiled)
     device = jax_device_grid(distribution.device_mesh).flat[0]
     memory = comm.memory
