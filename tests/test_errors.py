@@ -932,6 +932,29 @@ def test_a_plan_without_a_budget_says_it_kept_a_weight_whole_for_the_traffic():
     assert any(rule.note.startswith("replicated: the budget allows it") for rule in budgeted.rules)
 
 
+def test_planning_for_muon_warns_that_its_update_of_split_kernels_is_not_costed():
+    import styles
+
+    x = np.zeros((16, styles.FEATURES), "float32")
+    with pytest.warns(kml.MeshLayoutWarning, match=r"Muon orthogonalises .* kernel\(s\) this plan splits"):
+        kml.auto_rules(
+            styles.mlp_functional_layers(),
+            mesh("data=2,model=4"),
+            batch=x,
+            optimizer="muon",
+            replicate_below=0,
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kml.auto_rules(
+            styles.mlp_functional_layers(),
+            mesh("data=2,model=4"),
+            batch=x,
+            optimizer="adam",
+            replicate_below=0,
+        )
+
+
 def _unnamed_mlp() -> keras.Model:
     return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32), keras.layers.Dense(8)])
 

@@ -374,6 +374,7 @@ PLANNER_ORDER = [
     "_liveness",
     "_peak",
     "_search",
+    "_updates",
     "_auto",
     "_flops",
     "_mesh_splits",

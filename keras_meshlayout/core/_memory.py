@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -139,7 +140,9 @@ def slot_model(optimizer: Any) -> SlotModel:
     if isinstance(optimizer, keras.optimizers.Adafactor):
         # Its build makes eager placeholders; its variables are known (see `SlotModel.factored`).
         return SlotModel(like_parameter=1, factored=True, scalar_bytes=_scalar_bytes(optimizer.variables))
-    fresh = optimizer.__class__.from_config(optimizer.get_config())
+    with warnings.catch_warnings():  # Keras's Muon reads its config with numpy 2's `copy=False` warning
+        warnings.simplefilter("ignore", DeprecationWarning)
+        fresh = optimizer.__class__.from_config(optimizer.get_config())
     probe = keras.Variable(np.zeros((4, 4), "float32"), name="kml_slot_probe")
     fresh.build([probe])
     slots = sum(int(np.prod(v.shape)) for v in fresh.variables if len(v.shape) > 0)

@@ -47,6 +47,7 @@ from ._layers import auto_named
 from ._ledger import Ledger, Setting
 from ._search import explain, plan_cost, search
 from ._trace import Trace, trace_model
+from ._updates import warn_unpredicted_updates
 
 __all__ = ["STRATEGIES", "auto_rules", "plan_rules", "smallest"]
 
@@ -265,6 +266,7 @@ def plan_rules(
     _apply(ledger, table, chosen, budget is not None)
     rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy)
     rules.cost = plan_cost(table, chosen, budget, peak)
+    warn_unpredicted_updates(model, rules, optimizer)
     return rules
 
 
