@@ -284,6 +284,32 @@ def test_the_smallest_patch_embedding_plan_sends_what_its_units_predict(patch_sm
     assert rules.cost.wire_bytes_by_axis["model"] == report.wire_bytes_by_axis["model"]
 
 
+def rgb_stem_chain() -> keras.Model:
+    """Three convolutions 3 → 32 → 64 → 64 under a pooled head: the first and the head too small to split."""
+    layers = [keras.Input((16, 16, 3))]
+    for index, filters in enumerate((32, 64, 64), start=1):
+        layers += [keras.layers.Conv2D(filters, 3, padding="same", name=f"c{index}"), keras.layers.ReLU()]
+    layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10, name="head")]
+    return keras.Sequential(layers, name="chain")
+
+
+def test_a_small_first_conv_does_not_keep_the_next_pair_whole():
+    """Paired greedily, c1 → c2 stayed whole (c1: 864 weights) and c3 → head too (the head: 640):
+    the 55,296 weights of c2 and c3 replicated. Now c2 → c3 is the unit, predicted as compiled."""
+    x, y = images(16, (16, 16, 3))
+    with kml.dry_build(rgb_stem_chain) as model:
+        rules = kml.auto_rules(model, mesh(), batch=x, optimizer="adam")
+    layouts = {name: rules.match(f"chain/{name}/kernel").axes for name in ("c1", "c2", "c3", "head")}
+    assert layouts == {
+        "c1": (None,) * 4,
+        "c2": (None, None, None, "model"),
+        "c3": (None, None, "model", None),
+        "head": (None, None),
+    }
+    assert "too small to split: c1/kernel has 864 weights" in rules.match("chain/c1/kernel").note
+    assert_predicted_as_compiled(rgb_stem_chain, rules, kml.ModelParallel(mesh(), rules), x, y)
+
+
 def small_patches() -> keras.Model:
     """A patch conv (12,288 weights) smaller than the MLP kernels (16,384): whole without a budget."""
     x = images_in = keras.Input((32, 32, 3))
@@ -304,7 +330,7 @@ def test_a_small_patch_conv_is_fully_sharded_in_the_smallest_plan_as_compiled(sh
     options = dict(replicate_below=0, batch=x, optimizer="adam")
     with kml.dry_build(small_patches) as model:
         whole = kml.auto_rules(model, grid, **options).match("patch/kernel")
-        assert whole.axes == (None,) * 4 and whole.note.startswith("replicated: the least traffic"), whole
+        assert whole.axes == (None,) * 4 and whole.note.startswith("replicated: no memory budget"), whole
         with pytest.raises(kml.MemoryBudgetError) as error:
             kml.auto_rules(model, grid, memory_budget=1, **options)
         rules = kml.auto_rules(model, grid, memory_budget=error.value.smallest_bytes, **options)

@@ -914,14 +914,15 @@ def test_a_memory_size_that_is_no_positive_number_of_bytes_is_refused(size: Any,
     assert said in str(info.value)
 
 
-def test_a_plan_without_a_budget_says_it_kept_a_weight_whole_for_the_traffic():
+def test_a_plan_without_a_budget_does_not_say_a_budget_allowed_a_weight_whole():
     """Its notes do not speak of a budget it was not given."""
     import styles
 
     x = np.zeros((64, styles.FEATURES), "float32")
     rules = kml.auto_rules(styles.mlp_functional_layers(), mesh("data=2,model=4"), batch=x, replicate_below=0)
     notes = [rule.note for rule in rules.rules if rule.note.startswith("replicated:")]
-    assert notes and all(note.startswith("replicated: the least traffic; splitting") for note in notes), notes
+    said = "replicated: no memory budget asks for it; splitting"
+    assert notes and all(note.startswith(said) for note in notes), notes
     budgeted = kml.auto_rules(
         styles.mlp_functional_layers(),
         mesh("data=2,model=4"),

@@ -116,8 +116,13 @@ class _ConvGrower(_Grower):
         return None
 
 
-def find_conv_units(trace: Trace, size: int, taken: frozenset[str] = frozenset()) -> tuple[Unit, ...]:
-    """The units of `trace` that start at a convolution, over a model axis of `size`, in trace order."""
+def find_conv_units(
+    trace: Trace, size: int, taken: frozenset[str] = frozenset(), seeds_not: frozenset[str] = frozenset()
+) -> tuple[Unit, ...]:
+    """The units of `trace` that start at a convolution, over a model axis of `size`, in trace order.
+
+    A convolution whose kernel is in `seeds_not` starts no unit (it may still end one).
+    """
     if size <= 1:
         return ()
     dynamic = _dynamic(trace)
@@ -132,6 +137,8 @@ def find_conv_units(trace: Trace, size: int, taken: frozenset[str] = frozenset()
         except _Fail:
             continue
         state = grower.state
+        if next(iter(state.members), None) in seeds_not:
+            continue
         if "row" not in {role for _, role in state.members.values()} or not _uses_inside(trace, state):
             continue
         members = tuple(Member(p, d, r) for p, (d, r) in state.members.items())
@@ -147,7 +154,7 @@ def conv_units(ledger: Ledger, setting: Setting) -> None:
         return
     variables = setting.variables
     decided = frozenset(p for p in variables if ledger.decided(p))
-    for unit in find_conv_units(setting.trace, setting.size, decided):
+    for unit in _units_past_small_seeds(setting, decided):
         members = [(variables[m.path], m) for m in unit.members if m.path in variables]
         if len(members) != len(unit.members):
             continue
@@ -178,6 +185,47 @@ def conv_units(ledger: Ledger, setting: Setting) -> None:
             if path in variables and not ledger.decided(path):
                 ledger.record(path, (None,) * len(variables[path].shape), _notes.conv_after(name))
         ledger.conv_units.add(name)
+
+
+def _units_past_small_seeds(setting: Setting, decided: frozenset[str]) -> tuple[Unit, ...]:
+    """The conv units that split the most weights, found again without the seeds too small to split.
+
+    Convolutions pair greedily in trace order: a small first convolution (an RGB stem's 864
+    weights) pairs with the second and the unit stays whole (`replicate_below`), and the third
+    pairs with a head too small to split. Found again without such small seeds, the second pairs
+    with the third. Kept only where that splits more weights: in a ResNet the greedy units run
+    along the residual stream and split more.
+    """
+    variables, trace = setting.variables, setting.trace
+    seeds_not: frozenset[str] = frozenset()
+    best, best_split = None, -1
+    while True:
+        units = find_conv_units(trace, setting.size, decided, seeds_not)
+        split = sum(_split_weights(setting, unit) for unit in units)
+        if split > best_split:
+            best, best_split = units, split
+        small = {
+            unit.members[0].path
+            for unit in units
+            if unit.members[0].path in variables
+            and math.prod(variables[unit.members[0].path].shape) < setting.replicate_below
+            and not must_stay_split(setting, unit)
+        }
+        if small <= seeds_not:
+            return best
+        seeds_not |= small
+
+
+def _split_weights(setting: Setting, unit: Unit) -> int:
+    """The weights `conv_units` splits in `unit`: none when a kernel is too small and it may stay whole."""
+    variables = setting.variables
+    members = [(variables[m.path], m) for m in unit.members if m.path in variables]
+    if len(members) != len(unit.members) or any(v.shape[m.dim] % setting.size for v, m in members):
+        return 0
+    small = any(m.role != "bias" and math.prod(v.shape) < setting.replicate_below for v, m in members)
+    if small and not must_stay_split(setting, unit):
+        return 0
+    return sum(math.prod(v.shape) for v, _ in members)
 
 
 def lone_conv_reads(trace: Trace, path: str, size: int) -> list[tuple[object, int]]:
@@ -263,7 +311,11 @@ def input_convs(ledger: Ledger, setting: Setting) -> None:
             continue
         (node, dim), channels = reads[0], kernel.shape[reads[0][1]]
         count = math.prod(kernel.shape)
-        if channels % setting.size or count < max(setting.replicate_below, 1):
+        if count < setting.replicate_below:
+            note = _notes.too_small(setting.display(kernel.path), count, setting.replicate_below)
+            ledger.record(kernel.path, (None,) * len(kernel.shape), note)
+            continue
+        if channels % setting.size or not count:
             continue
         if count < largest or not largest:
             ledger.record(

@@ -165,8 +165,8 @@ def explain(unit: UnitCosts, index: int, budgeted: bool = True) -> str:
             return "replicated"
         cheapest = min(unit.candidates[1:], key=lambda o: o.state)
         return (
-            f"replicated: {'the budget allows it' if budgeted else 'the least traffic'}; splitting "
-            f"({cheapest.layout}) would save "
+            f"replicated: {'the budget allows it' if budgeted else 'no memory budget asks for it'}; "
+            f"splitting ({cheapest.layout}) would save "
             f"{format_bytes(base.state - cheapest.state)}/device but cost "
             f"{format_bytes(cheapest.total - base.total)} more per step"
         )
