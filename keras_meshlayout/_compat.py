@@ -38,6 +38,7 @@ Keras's global state and distribution backend:
   slots for.
 - `Layer._flatten_layers`, `Model._symbolic_build`, `Model._get_state_sharding_spec`:
   every sub-layer, a build on symbolic inputs, and the shardings of a model's state.
+- `Layer._remat_mode`: the `keras.RematScope` mode a layer was made in (`None` outside one).
 - `keras.src.backend.compute_output_spec`: a model called on symbolic inputs, which builds
   the sub-layers a custom `build()` left for the first call (as `fit` does), allocating nothing
   else.
@@ -393,6 +394,11 @@ def own_variables(layer: Any) -> list[Any]:
 def symbolic_build(model: Any, data: Any) -> None:
     """Builds `model`, its optimizer and metrics on symbolic data as `fit` would."""
     model._symbolic_build(data_batch=data)
+
+
+def rematerialised(model: Any) -> bool:
+    """Whether a layer of `model` (itself included) was made in a `keras.RematScope`."""
+    return any(getattr(layer, "_remat_mode", None) is not None for layer in model._flatten_layers())
 
 
 def unbuilt_layers(model: Any) -> list[Any]:

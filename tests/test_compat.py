@@ -295,6 +295,30 @@ def _inbound_nodes():
     assert _compat.input_layers(model.get_layer("hidden")) == [model.layers[0]]  # the InputLayer
 
 
+def _remat_mode():
+    with keras.RematScope(mode="full"):
+        inside = keras.layers.Dense(2)
+    model = keras.Sequential([keras.Input((3,)), inside])
+    assert _compat.rematerialised(model) and not _compat.rematerialised(_model())
+
+
+def _compute_output_spec():
+    """A sub-layer left to the first call is built on symbolic inputs, as `fit` builds it."""
+
+    class Lazy(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Lazy()
+    assert _compat.unbuilt_layers(model) and not model.weights
+    _compat.build_layers(model, np.zeros((2, 3), "float32"))
+    assert not _compat.unbuilt_layers(model) and [tuple(w.shape) for w in model.weights] == [(3, 4), (4,)]
+
+
 def _lora_enabled():
     """`enable_lora` adds `lora_kernel_a`/`_b`; `kernel` is the base kernel again with `lora_enabled` off."""
     for layer, x in (
@@ -411,6 +435,8 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
     ("Layer._call_has_training_arg", "whether call takes training", _call_has_training_arg),
     ("KerasTensor._keras_history", "the layer that made a tensor", _keras_history),
     ("Layer._inbound_nodes", "the layers a layer is called on", _inbound_nodes),
+    ("Layer._remat_mode", "the RematScope a layer was made in", _remat_mode),
+    ("backend.compute_output_spec", "a lazy model's layers built as fit builds them", _compute_output_spec),
     ("Layer._trainable_variables/_non_trainable_variables", "a layer's own variables", _own_variables),
     ("Layer.lora_enabled", "a LoRA layer traced as its base kernel", _lora_enabled),
     ("Model._symbolic_build", "builds the optimizer as fit would", _symbolic_build),

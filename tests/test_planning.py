@@ -374,6 +374,7 @@ PLANNER_ORDER = [
     "_liveness",
     "_peak",
     "_search",
+    "_remat",
     "_updates",
     "_auto",
     "_flops",

@@ -45,6 +45,7 @@ from . import _by_layers, _by_name, _by_trace, _convs, _embeddings, _experts, _l
 from ._costs import CostTable, cost_units
 from ._layers import auto_named
 from ._ledger import Ledger, Setting
+from ._remat import recomputed_products
 from ._search import explain, plan_cost, search
 from ._trace import Trace, trace_model
 from ._updates import warn_unpredicted_updates
@@ -257,10 +258,10 @@ def plan_rules(
         budget = None if memory_budget is None else parse_bytes(memory_budget)
         if optimizer is None:
             optimizer = getattr(model, "optimizer", None)
-        proposal = ledger.proposal()
         below, compiler = chosen_policy.replicate_below, _peak.compiler_of(mesh)
         sizes, reduced = mesh_axis_sizes(mesh), _peak.reduced_gather_bytes_of(mesh)
-        table = cost_units(model, proposal, trace, sizes, optimizer, below, compiler, reduced_gathers=reduced)
+        again = recomputed_products(model, batch, trace)  # under remat (`_remat`)
+        table = cost_units(model, ledger.proposal(), trace, sizes, optimizer, below, compiler, reduced, again)
     step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis, compiler, _peak.chip_of(mesh))
     table, chosen, peak = _search_within_peak(table, budget, step, fully_sharded)
     _apply(ledger, table, chosen, budget is not None)

@@ -174,6 +174,9 @@ class Bytes(BatchGathers, ExpertGathers):
     #: The largest copy XLA:TPU gathers over `_batch_gathers.REDUCED_GROUP` devices or more as an
     #: all-reduce (`core._targets.Generation.reduced_gather_bytes`); 0: none (no TPU target).
     reduced_gathers: float = 0.0
+    #: Per `(weight path, "matmul" or "gather")`, the forward products (look-ups) a rematerialised
+    #: step computes again (`_remat`).
+    recomputed: Mapping[tuple[str, str], int] = MappingProxyType({})
     #: XLA:TPU's router kernels of split expert banks, by path, and how many shards of the bank's axis
     #: their gradients are summed in over the batch axis (`_expert_costs.ExpertCosts.tpu_router_shards`).
     router_shards: Mapping[str, int] = MappingProxyType({})

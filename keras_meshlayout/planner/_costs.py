@@ -92,6 +92,7 @@ def cost_units(
     replicate_below: int = 0,
     compiler: str = "cpu",
     reduced_gathers: float = 0.0,
+    recomputed: Mapping[tuple[str, str], int] | None = None,
 ) -> CostTable:
     """Every unit of `proposal` with its candidate layouts, costed on `trace`'s batch.
 
@@ -99,13 +100,15 @@ def cost_units(
     but replicated: the policy keeps it whole when the rules run. `compiler`
     (`"tpu"` on a TPU target, `_peak.compiler_of`) picks the formulas that differ
     between XLA:CPU and XLA:TPU (`Bytes.merged_input_grads`); `reduced_gathers` is the target
-    generation's `Generation.reduced_gather_bytes` (`Bytes.reduced_gathers`).
+    generation's `Generation.reduced_gather_bytes` (`Bytes.reduced_gathers`); `recomputed`, per
+    weight, the forward products a rematerialised step computes again (`_remat`).
     """
     coster = _Coster(model, proposal, trace, axis_sizes, optimizer)
     coster.grouped = grouped_kernels(trace)
     coster.replicate_below = replicate_below
     coster.compiler = compiler
     coster.reduced_gathers = reduced_gathers
+    coster.recomputed = dict(recomputed or {})
     coster.router_shards = coster.tpu_router_shards()
     whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
     units = tuple(coster.units())
@@ -380,19 +383,23 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
         merged = self.merged_input_grads(columns)  # XLA:TPU: one all-reduce for some shared inputs
         for kernel in kernels:
             side = self.side(kernel.path, self.tp_axes[kernel.path])
-            for use in (use for use in self.uses.get(kernel.path, ()) if use.kind == "matmul"):
+            products = [use for use in self.uses.get(kernel.path, ()) if use.kind == "matmul"]
+            # A row projection recomputed under remat all-reduces its output again (`_remat`).
+            times = 1 + self.recomputed.get((kernel.path, "matmul"), 0) / max(len(products), 1)
+            for use in products:
                 output, from_input, dtype = use.output, use.from_input, use.dtype
                 if final:
                     add_wire(wire, self.model_axis, self._loss_reductions(output, dtype))
                 if side == "row":
-                    add_wire(
-                        wire, self.model_axis, wire_bytes("all-reduce", self._summed(output, dtype), self.m)
-                    )
+                    summed = wire_bytes("all-reduce", self._summed(output, dtype), self.m)
+                    add_wire(wire, self.model_axis, times * summed)
                     if str(kernel.dtype) == "int8":
                         # Its input quantized per position over the split features: their absolute
                         # maximum all-reduced forward, one float32 per position (measured on XLA:CPU).
                         per_position = math.prod(output[:-1]) / self.d * 4
-                        add_wire(wire, self.model_axis, wire_bytes("all-reduce", per_position, self.m))
+                        add_wire(
+                            wire, self.model_axis, times * wire_bytes("all-reduce", per_position, self.m)
+                        )
                 elif side == "column" and not from_input and use.node not in merged:
                     rounded = str(kernel.dtype) == "int8" and kernel.path.endswith("/reverse_embeddings")
                     summed = self.head_input_grad(use, rounded)

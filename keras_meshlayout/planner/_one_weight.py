@@ -86,7 +86,9 @@ class OneWeightCosts(BothAxesTables, Bytes):
         int8 = str(variable.dtype) == "int8"
         rows = lookup.output, self.cast_dtype(lookup)
         looked = self._activation(*rows) if int8 else self._summed(*rows)
-        add_wire(wire, self.model_axis, wire_bytes("all-reduce", looked, self.m))
+        lookups = sum(use.kind == "gather" for use in self.uses.get(variable.path, ()))
+        again = self.recomputed.get((variable.path, "gather"), 0) / max(lookups, 1)  # under remat
+        add_wire(wire, self.model_axis, (1 + again) * wire_bytes("all-reduce", looked, self.m))
         for follower, _ in self.followers.get(variable.path, ()) if int8 else ():
             for use in self.uses.get(follower.path, ()):
                 scales = self._summed(use.output, use.dtype)
