@@ -168,37 +168,29 @@ def vit() -> keras.Model:
 SEQUENCE = 16
 
 
-def _contrastive(backbone: keras.Model, name: str) -> keras.Model:
-    """Image → text logits of a two-tower backbone, trained as CLIP is: each image's caption its class."""
-    return keras.Model(backbone.input, backbone(backbone.input)["vision_logits"], name=name)
+def _two_towers(vision: type, text: type, backbone: type, name: str, **config) -> keras.Model:
+    """A keras-hub two-tower backbone (each tower two blocks, 16 patches of 8 × 8 and 16 tokens) under
+    its image → text logits, trained as CLIP is: each image's caption its class."""
+    towers = (
+        vision(patch_size=8, hidden_dim=64, num_layers=2, num_heads=4, intermediate_dim=256,
+               image_shape=IMAGE, name="vision"),
+        text(vocabulary_size=VOCAB, embedding_dim=64, hidden_dim=64, num_layers=2, num_heads=4,
+             intermediate_dim=256, max_sequence_length=SEQUENCE, name="text"),
+    )  # fmt: skip
+    both = backbone(*towers, name="backbone", **config)
+    return keras.Model(both.input, both(both.input)["vision_logits"], name=name)
 
 
 def clip() -> keras.Model:
-    """keras-hub's CLIP: a vision and a text tower, each two blocks, 16 patches of 8 × 8 and 16 tokens."""
-    vision = keras_hub.models.CLIPVisionEncoder(
-        patch_size=8, hidden_dim=64, num_layers=2, num_heads=4, intermediate_dim=256, image_shape=IMAGE,
-        name="vision",
-    )  # fmt: skip
-    text = keras_hub.models.CLIPTextEncoder(
-        vocabulary_size=VOCAB, embedding_dim=64, hidden_dim=64, num_layers=2, num_heads=4,
-        intermediate_dim=256, max_sequence_length=SEQUENCE, name="text",
-    )  # fmt: skip
-    return _contrastive(
-        keras_hub.models.CLIPBackbone(vision, text, projection_dim=64, name="backbone"), "clip"
+    hub = keras_hub.models
+    return _two_towers(
+        hub.CLIPVisionEncoder, hub.CLIPTextEncoder, hub.CLIPBackbone, "clip", projection_dim=64
     )
 
 
 def siglip() -> keras.Model:
-    """keras-hub's SigLIP, the towers as CLIP's."""
-    vision = keras_hub.models.SigLIPVisionEncoder(
-        patch_size=8, hidden_dim=64, num_layers=2, num_heads=4, intermediate_dim=256, image_shape=IMAGE,
-        name="vision",
-    )  # fmt: skip
-    text = keras_hub.models.SigLIPTextEncoder(
-        vocabulary_size=VOCAB, embedding_dim=64, hidden_dim=64, num_layers=2, num_heads=4,
-        intermediate_dim=256, max_sequence_length=SEQUENCE, name="text",
-    )  # fmt: skip
-    return _contrastive(keras_hub.models.SigLIPBackbone(vision, text, name="backbone"), "siglip")
+    hub = keras_hub.models
+    return _two_towers(hub.SigLIPVisionEncoder, hub.SigLIPTextEncoder, hub.SigLIPBackbone, "siglip")
 
 
 def whisper() -> keras.Model:
