@@ -131,7 +131,7 @@ def _awaiting_a_call(model: keras.Model) -> list[Any]:
 
     if _compat.input_structure(model) is not None:
         return []
-    unbuilt = _compat.unbuilt_layers(model)
+    unbuilt = [layer for layer in _compat.unbuilt_layers(model) if layer is not model]
     return [layer for layer in unbuilt if type(layer).build is not keras.layers.Layer.build]
 
 

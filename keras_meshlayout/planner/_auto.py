@@ -438,7 +438,9 @@ def _trace(model: keras.Model, batch: Any) -> Trace | None:
             trace = trace_model(model, guess)
         except Exception:  # the spec was a guess (a batch of 2); the layer graph still plans
             trace = None
-    unbuilt = _compat.unbuilt_layers(model)
+    unbuilt = [
+        layer for layer in _compat.unbuilt_layers(model) if layer is not model
+    ] or _compat.unbuilt_layers(model)
     if unbuilt and (trace is None or not model.weights):  # a subclassed model never called
         names = ", ".join(repr(layer.name) for layer in unbuilt[:4]) + (", ..." if len(unbuilt) > 4 else "")
         raise InvalidOptionError(
