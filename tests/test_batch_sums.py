@@ -122,6 +122,33 @@ def test_the_plan_predicts_a_shared_layer_s_gradient_all_reduce_per_call():
     assert rules.cost.wire_bytes_by_axis == {"data": 2 * per_call + 4}  # and the loss's scalar
 
 
+def two_towers() -> keras.Model:
+    """Two projections of two inputs and their batch × batch similarity `a @ bᵀ`, as a contrastive head."""
+    a_in, b_in = keras.Input((32,), name="a"), keras.Input((48,), name="b")
+    a, b = keras.layers.Dense(64, name="pa")(a_in), keras.layers.Dense(64, name="pb")(b_in)
+    similarity = keras.layers.Lambda(lambda t: keras.ops.matmul(t[0], keras.ops.transpose(t[1])), name="sim")
+    return keras.Model({"a": a_in, "b": b_in}, similarity([a, b]), name="towers")
+
+
+def test_a_batch_by_batch_product_gathers_its_second_operand():
+    x = {"a": np.zeros((BATCH, 32), "float32"), "b": np.zeros((BATCH, 48), "float32")}
+    assert sums(two_towers(), x).crossed == (BATCH * 64 * 4,)
+
+
+@pytest.mark.parametrize(("shape", "rows"), [((2, 4), 8), ((2, 4), 32), ((4, 2), 32), ((8, 1), 32)])
+def test_a_contrastive_head_sends_what_is_predicted(shape, rows):
+    """Over a batch axis at least as large as the model axis: gathered and its gradient summed there;
+    over a smaller one, spread over the model axis and both (keras-hub CLIP's and SigLIP's heads)."""
+    x = {"a": np.zeros((rows, 32), "float32"), "b": np.zeros((rows, 48), "float32")}
+    y = np.arange(rows, dtype="int32")
+    mesh = kml.Mesh(data=shape[0], model=shape[1])
+    with kml.dry_build(two_towers) as model:
+        rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = kml.compile_step(two_towers, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
+    assert dict(rules.cost.wire_bytes_by_axis) == pytest.approx(dict(step.comm.wire_bytes_by_axis), rel=1e-9)
+
+
 HEADS, HEAD_DIM, BUCKETS = 4, 2, 6  # 6 buckets: not split over the model axis (4), kept whole
 
 

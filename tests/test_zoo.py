@@ -97,17 +97,7 @@ _HAND_2D = (
     "its attention and MLP kernels are over both axes too, 2-D candidates that send more per step "
     "(the plan without a budget is the least traffic; a budget takes them)"
 )
-_CONTRASTIVE = (
-    "the contrastive head's image × text similarity (two batch-split embeddings multiplied into a "
-    "batch × batch matrix) is not costed: XLA:CPU gathers one embedding over 'model' forward (64 × 8), "
-    "all-reduces its gradient there backward and moves the logits' shards over 'data'×'model' "
-    "(collective-permutes)"
-)
 MISSES: dict[tuple[str, str], str] = {
-    ("CLIPBackbone", "compiled"): "'data' 0.996 (313,352 predicted, 314,516 compiled), 'model' 0.995 "
-    f"(608,256, 611,328), 'data'×'model' 0.974 (57,344, 58,880): {_CONTRASTIVE}",
-    ("SigLIPBackbone", "compiled"): "'data' 0.979 (341,196, 348,504), 'model' 0.986 (651,264, 660,480), "
-    f"'data'×'model' 0.974 (57,344, 58,880): {_CONTRASTIVE}",
     # predicted ÷ compiled bytes per step, by axis
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "
