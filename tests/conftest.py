@@ -127,7 +127,10 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_the_smallest_patch_embedding_plan_sends_what_its_units_predict",
         "test_a_patch_embedding_trains_sharded_like_one_device",
         "test_mobilenet_trains_like_one_device",  # MobileNetV3Small fit on one device and on 2x4 (75 s)
+        "test_a_small_patch_conv_is_fully_sharded_in_the_smallest_plan_as_compiled",
+        "test_a_small_first_conv_does_not_keep_the_next_pair_whole",
     ),
+    "test_remat.py": ("test_a_rematerialised_step_sends_what_is_predicted",),  # a step compiled each (1-3 s)
     "test_docs.py": ("test_site_builds_with_no_warning",),  # runs `mkdocs build --strict`
     "test_targets.py": (  # XLA:TPU compiles (the toy steps' shared with the traffic test)
         "test_the_step_compiles_for_tpu_v5e_and_its_traffic_is_predicted",
@@ -180,6 +183,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_batch_sums.py": (  # one attention step with a relative-position bias compiled (5 s)
         "test_a_relative_bias_is_summed_in_the_heads_shards_and_its_table_gathered_after_the_update",
+        "test_a_contrastive_head_sends_what_is_predicted",  # a two-tower step compiled (XLA:CPU, XLA:TPU)
     ),
     "test_zoo.py": (  # ~45 architectures planned (1-20 s each: dry builds, budget searches) and compiled
         "test_no_budget_parameters_per_device_near_the_tensor_parallel_ideal",

@@ -132,20 +132,34 @@ def two_towers() -> keras.Model:
 
 def test_a_batch_by_batch_product_gathers_its_second_operand():
     x = {"a": np.zeros((BATCH, 32), "float32"), "b": np.zeros((BATCH, 48), "float32")}
-    assert sums(two_towers(), x).crossed == (BATCH * 64 * 4,)
+    assert sums(two_towers(), x).crossed == ((BATCH * 64 * 4, 4),)
 
 
-@pytest.mark.parametrize(("shape", "rows"), [((2, 4), 8), ((2, 4), 32), ((4, 2), 32), ((8, 1), 32)])
-def test_a_contrastive_head_sends_what_is_predicted(shape, rows):
+@pytest.mark.parametrize(
+    ("shape", "rows", "target"),
+    [
+        ((2, 4), 8, None),
+        ((2, 4), 32, None),
+        ((4, 2), 32, None),
+        ((8, 1), 32, None),
+        ((2, 4), 32, "tpu-v5e:2x4"),
+        ((4, 2), 32, "tpu-v5e:2x4"),
+    ],
+)
+def test_a_contrastive_head_sends_what_is_predicted(shape, rows, target):
     """Over a batch axis at least as large as the model axis: gathered and its gradient summed there;
-    over a smaller one, spread over the model axis and both (keras-hub CLIP's and SigLIP's heads)."""
-    x = {"a": np.zeros((rows, 32), "float32"), "b": np.zeros((rows, 48), "float32")}
-    y = np.arange(rows, dtype="int32")
-    mesh = kml.Mesh(data=shape[0], model=shape[1])
+    over a smaller one, spread over the model axis and both (keras-hub CLIP's and SigLIP's heads).
+    XLA:TPU moves the float32 operand forward in bfloat16."""
+    import jax
+
+    x = {"a": jax.ShapeDtypeStruct((rows, 32), "float32"), "b": jax.ShapeDtypeStruct((rows, 48), "float32")}
+    y = jax.ShapeDtypeStruct((rows,), "int32")
+    mesh = kml.Mesh(data=shape[0], model=shape[1], target=target)
     with kml.dry_build(two_towers) as model:
         rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     step = kml.compile_step(two_towers, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
+    assert step.platform == ("tpu" if target else "cpu")
     assert dict(rules.cost.wire_bytes_by_axis) == pytest.approx(dict(step.comm.wire_bytes_by_axis), rel=1e-9)
 
 

@@ -92,8 +92,8 @@ class BatchSums:
         reduced: Bytes of each auxiliary loss's reduction over the batch, all-reduced over
             the batch axis forward.
         met: Per entry of `meetings`, the value and the node where it meets the batch.
-        crossed: Bytes (whole) of the second operand of each product of two batch-split values
-            whose batch dimensions both stay free (batch × batch).
+        crossed: Bytes (whole) and item size of the second operand of each product of two
+            batch-split values whose batch dimensions both stay free (batch × batch).
     """
 
     reads: Mapping[str, float]
@@ -102,7 +102,7 @@ class BatchSums:
     routed: tuple[float, ...] = ()
     reduced: tuple[float, ...] = ()
     met: tuple[tuple[int, int], ...] = ()
-    crossed: tuple[float, ...] = ()
+    crossed: tuple[tuple[float, int], ...] = ()
 
 
 def batch_sums(trace: Trace) -> BatchSums:
@@ -144,8 +144,8 @@ def batch_sums(trace: Trace) -> BatchSums:
     )
 
 
-def _crossed(trace: Trace, live: list[bool], batch: Mapping[int, int]) -> tuple[float, ...]:
-    """Bytes of the second operand of each live product of two batch-split values, batch × batch."""
+def _crossed(trace: Trace, live: list[bool], batch: Mapping[int, int]) -> tuple[tuple[float, int], ...]:
+    """Bytes and item size of the second operand of each live product of two batch-split values."""
     crossed = []
     for node in trace.nodes:
         if not live[node.index] or node.primitive != "dot_general" or len(node.inputs) != 2:
@@ -153,7 +153,8 @@ def _crossed(trace: Trace, live: list[bool], batch: Mapping[int, int]) -> tuple[
         lhs, rhs = node.inputs
         (lc, rc), (lb, rb) = node.params["dimension_numbers"]
         if lhs in batch and rhs in batch and batch[lhs] not in (*lc, *lb) and batch[rhs] not in (*rc, *rb):
-            crossed.append(float(_size(trace, rhs) * np.dtype(trace.dtypes[rhs]).itemsize))
+            item = np.dtype(trace.dtypes[rhs]).itemsize
+            crossed.append((float(_size(trace, rhs) * item), item))
     return tuple(crossed)
 
 
