@@ -41,14 +41,23 @@ def data(family: str) -> tuple[np.ndarray, np.ndarray]:
     return x, np.zeros(16, "int32")
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
-@pytest.mark.parametrize(("family", "mode"), [("mlp", "full"), ("mlp", "activations"), ("block", "full")])
-def test_a_rematerialised_step_sends_what_is_predicted(family, mode, shape):
+MODES = [("mlp", "full"), ("mlp", "activations"), ("block", "full")]
+CASES = [
+    *((family, mode, shape, None) for family, mode in MODES for shape in [(2, 4), (4, 2)]),
+    ("mlp", "full", (2, 4), "tpu-v5e:2x4"),
+    ("block", "full", (2, 4), "tpu-v5e:2x4"),
+]
+
+
+@pytest.mark.parametrize(("family", "mode", "shape", "target"), CASES)
+def test_a_rematerialised_step_sends_what_is_predicted(family, mode, shape, target):
+    """XLA:CPU and XLA:TPU alike (v5e 2×4)."""
+
     def build() -> keras.Model:
         with keras.RematScope(mode=mode):
             return BUILDERS[family]()
 
-    mesh = kml.Mesh(data=shape[0], model=shape[1])
+    mesh = kml.Mesh(data=shape[0], model=shape[1], target=target)
     x, y = data(family)
     with kml.dry_build(build) as model:
         rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
