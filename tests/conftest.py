@@ -167,6 +167,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_a_tied_table_is_vocab_parallel_without_a_budget",
         "test_a_tied_table_prediction_matches_the_compiled_step",
         "test_a_tied_table_trains_sharded_as_on_one_device",
+        "test_a_position_table_looked_up_with_shared_ids_is_predicted_as_compiled",
         "test_the_smallest_plan_is_predicted_under_the_default_policy",
         # a shared table (two look-ups) planned and compiled: vocab-parallel, over both axes, and fit
         "test_a_shared_table_is_split_and_predicted",

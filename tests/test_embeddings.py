@@ -323,3 +323,35 @@ def test_a_sliced_position_table_over_both_axes_trains_as_on_one_device(position
         "model",
     )
     assert_same_weights(model, reference.trained)
+
+
+class SharedPositions(keras.layers.Layer):
+    """A position table looked up with one row of ids the whole batch shares (keras-hub SigLIP's)."""
+
+    def build(self, input_shape):
+        self.table = keras.layers.Embedding(LENGTH, 64, name="positions")
+        self.table.build((1, LENGTH))
+
+    def call(self, x):
+        return x + self.table(keras.ops.arange(LENGTH)[None, :])
+
+
+def build_shared_positions() -> keras.Model:
+    ids = keras.Input((LENGTH,), dtype="int32", name="token_ids")
+    x = SharedPositions(name="add_positions")(keras.layers.Embedding(1024, 64, name="token_embedding")(ids))
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(keras.layers.Dense(64, name="mix")(x))
+    return keras.Model(ids, keras.layers.Dense(CLASSES, name="head")(pooled), name="shared_positions")
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+def test_a_position_table_looked_up_with_shared_ids_is_predicted_as_compiled(mesh_shape):
+    """Vocab-parallel, its looked-up rows (one row of ids for the whole batch) are all-reduced whole
+    over 'model' and its gradient summed whole over 'data': not in batch shards (SigLIP's)."""
+    mesh = kml.Mesh(data=mesh_shape[0], model=mesh_shape[1])
+    x, y = tokens(1024), np.zeros(BATCH, "int32")
+    with kml.dry_build(build_shared_positions) as model:
+        rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
+    assert rules.match("add_positions/positions/embeddings").axes == ("model", None)
+    assert_predicted_as_compiled(
+        build_shared_positions, rules, kml.ModelParallel(mesh, rules, replicate_below=0), x, y
+    )

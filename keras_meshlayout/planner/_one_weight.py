@@ -44,7 +44,9 @@ class OneWeightCosts(BothAxesTables, Bytes):
             return None  # a tied embedding used twice, or one that does not divide: kept whole
         output, dtype = calls[0].output, calls[0].dtype
         wire: dict[str, float] = {}
-        add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
+        # Ids shared by the whole batch (positions): the gradient is summed over the batch axis whole.
+        shared = calls[0].inputs[:1] == (1,)
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, 1 if shared else self.m))
         int8 = str(variable.dtype) == "int8"
         self._lookup_wire(variable, calls[0], wire)
         split = candidate(
@@ -86,6 +88,8 @@ class OneWeightCosts(BothAxesTables, Bytes):
         int8 = str(variable.dtype) == "int8"
         rows = lookup.output, self.cast_dtype(lookup)
         looked = self._activation(*rows) if int8 else self._summed(*rows)
+        if lookup.inputs[:1] == (1,):  # ids shared by the whole batch (SigLIP's positions): rows whole
+            looked *= self.d
         lookups = sum(use.kind == "gather" for use in self.uses.get(variable.path, ()))
         again = self.recomputed.get((variable.path, "gather"), 0) / max(lookups, 1)  # under remat
         add_wire(wire, self.model_axis, (1 + again) * wire_bytes("all-reduce", looked, self.m))
