@@ -155,28 +155,16 @@ def conv_units(ledger: Ledger, setting: Setting) -> None:
     variables = setting.variables
     decided = frozenset(p for p in variables if ledger.decided(p))
     for unit in _units_past_small_seeds(setting, decided):
-        members = [(variables[m.path], m) for m in unit.members if m.path in variables]
-        if len(members) != len(unit.members):
+        members = _members(setting, unit)
+        if members is None:
             continue
         name = setting.display(unit.name)
-        indivisible = [(v, m) for v, m in members if v.shape[m.dim] % setting.size]
-        if indivisible:
-            variable, member = indivisible[0]
-            note = _notes.conv_indivisible(name, variable.shape[member.dim], setting.axis, setting.size)
+        whole = _whole_note(setting, unit, members)
+        if whole is not None:
             for variable, _ in members:
-                ledger.record(variable.path, (None,) * len(variable.shape), note)
+                ledger.record(variable.path, (None,) * len(variable.shape), whole)
             continue
         kept = must_stay_split(setting, unit)
-        small = [
-            (v, m) for v, m in members if m.role != "bias" and math.prod(v.shape) < setting.replicate_below
-        ]
-        if small and not kept:
-            # `kml.ModelParallel` keeps a suggested kernel this small whole: the unit would not be one.
-            label = setting.display(small[0][0].path)
-            note = _notes.too_small(label, math.prod(small[0][0].shape), setting.replicate_below)
-            for variable, _ in members:
-                ledger.record(variable.path, (None,) * len(variable.shape), note)
-            continue
         for variable, member in members:
             axes = tuple(setting.axis if i == member.dim else None for i in range(len(variable.shape)))
             note = _notes.conv(member.role, name, setting.axis)
@@ -216,14 +204,31 @@ def _units_past_small_seeds(setting: Setting, decided: frozenset[str]) -> tuple[
         seeds_not |= small
 
 
-def _split_weights(setting: Setting, unit: Unit) -> int:
-    """The weights `conv_units` splits in `unit`: none when a kernel is too small and it may stay whole."""
-    variables = setting.variables
-    members = [(variables[m.path], m) for m in unit.members if m.path in variables]
-    if len(members) != len(unit.members) or any(v.shape[m.dim] % setting.size for v, m in members):
-        return 0
-    small = any(m.role != "bias" and math.prod(v.shape) < setting.replicate_below for v, m in members)
+def _members(setting: Setting, unit: Unit) -> list[tuple[keras.Variable, Member]] | None:
+    """The unit's variables with their roles, or `None` when one is not a variable of the model."""
+    members = [(setting.variables[m.path], m) for m in unit.members if m.path in setting.variables]
+    return members if len(members) == len(unit.members) else None
+
+
+def _whole_note(setting: Setting, unit: Unit, members: list[tuple[keras.Variable, Member]]) -> str | None:
+    """Why `unit` stays whole (channels that do not divide, a kernel too small to split), or `None`."""
+    name = setting.display(unit.name)
+    indivisible = [(v, m) for v, m in members if v.shape[m.dim] % setting.size]
+    if indivisible:
+        variable, member = indivisible[0]
+        return _notes.conv_indivisible(name, variable.shape[member.dim], setting.axis, setting.size)
+    small = [(v, m) for v, m in members if m.role != "bias" and math.prod(v.shape) < setting.replicate_below]
     if small and not must_stay_split(setting, unit):
+        # `kml.ModelParallel` keeps a suggested kernel this small whole: the unit would not be one.
+        label = setting.display(small[0][0].path)
+        return _notes.too_small(label, math.prod(small[0][0].shape), setting.replicate_below)
+    return None
+
+
+def _split_weights(setting: Setting, unit: Unit) -> int:
+    """The weights `conv_units` splits in `unit`: none when it stays whole (`_whole_note`)."""
+    members = _members(setting, unit)
+    if members is None or _whole_note(setting, unit, members) is not None:
         return 0
     return sum(math.prod(v.shape) for v, _ in members)
 

@@ -23,7 +23,7 @@ import numpy as np
 from ..report._collectives import wire_bytes
 from . import _notes
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes
-from ._grouped import CONV, conv_kernel
+from ._convs import lone_conv_reads
 from ._layers import idle_axes, lookup_table, tied_table
 from ._tables_2d import BothAxesTables, no_budget_choice
 
@@ -45,8 +45,7 @@ class OneWeightCosts(BothAxesTables, Bytes):
         output, dtype = calls[0].output, calls[0].dtype
         wire: dict[str, float] = {}
         # Ids shared by the whole batch (positions): the gradient is summed over the batch axis whole.
-        shared = calls[0].inputs[:1] == (1,)
-        add_wire(wire, self.batch_axis, self._grad_sync(variable, 1 if shared else self.m))
+        add_wire(wire, self.batch_axis, self._grad_sync(variable, 1 if _shared_ids(calls[0]) else self.m))
         int8 = str(variable.dtype) == "int8"
         self._lookup_wire(variable, calls[0], wire)
         split = candidate(
@@ -88,7 +87,7 @@ class OneWeightCosts(BothAxesTables, Bytes):
         int8 = str(variable.dtype) == "int8"
         rows = lookup.output, self.cast_dtype(lookup)
         looked = self._activation(*rows) if int8 else self._summed(*rows)
-        if lookup.inputs[:1] == (1,):  # ids shared by the whole batch (SigLIP's positions): rows whole
+        if _shared_ids(lookup):  # the rows of the whole batch: not in batch shards
             looked *= self.d
         lookups = sum(use.kind == "gather" for use in self.uses.get(variable.path, ()))
         again = self.recomputed.get((variable.path, "gather"), 0) / max(lookups, 1)  # under remat
@@ -292,14 +291,8 @@ class OneWeightCosts(BothAxesTables, Bytes):
         gradient, and the kernel's is computed from the input and the output gradient; the gradient
         is all-reduced whole over the batch axis, as replicated.
         """
-        reads = [
-            node
-            for node in self.trace.nodes
-            if node.primitive == CONV
-            and (found := conv_kernel(self.trace, node.inputs[1], 0, 1)) is not None
-            and found[0] == path
-        ]
-        return len(reads) == 1 and self.trace.from_input(reads[0].inputs[0])
+        reads = lone_conv_reads(self.trace, path, 1)
+        return len(reads) == 1 and self.trace.from_input(reads[0][0].inputs[0])
 
     def _gathers_over_both(
         self, owner: keras.layers.Layer | None, variable: keras.Variable, size: int
@@ -438,3 +431,8 @@ class OneWeightCosts(BothAxesTables, Bytes):
             for use in uses:
                 total += self._activation(use.output, use.dtype)
         return int(total)
+
+
+def _shared_ids(lookup) -> bool:
+    """Whether a look-up's ids are one row the whole batch shares (SigLIP's position ids, `(1, L)`)."""
+    return lookup.inputs[:1] == (1,)
