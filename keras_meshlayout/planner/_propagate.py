@@ -15,7 +15,9 @@ rule keeps whole) is split over the batch axis only, as is the element-wise chai
 after it (its bias, its activation): the layer's output, all-gathered there. A kernel in
 `gathered` (a key/value kernel split on head_dim, `_kv_costs`) is all-gathered whole where it is
 read, as XLA does once per step: its gathered copy is a temporary from its first read to its last,
-and the projections read it whole.
+and the projections read it whole. With `float32_arithmetic` (XLA:CPU, which has no half-precision
+arithmetic of its own), a bfloat16 or float16 value takes four bytes an element: XLA:CPU converts
+such operands to float32, computes in float32 and writes most results so.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from ..core._axes import Axes, entry_axes
 from ._grower import ELEMENTWISE
 from ._trace import Node, Trace, trace_body
 
-__all__ = ["REDUCTIONS", "Specs", "copied_operands", "itemsize"]
+__all__ = ["HALF_PRECISION", "REDUCTIONS", "Specs", "copied_operands", "itemsize"]
 
 Spec = tuple[tuple[str, ...], ...]
 
+#: The floating-point types XLA:CPU computes in float32 (`Specs(float32_arithmetic=True)`).
+HALF_PRECISION = frozenset(("bfloat16", "float16"))
 #: Reductions: they read fused inputs, and write a buffer of their own.
 REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split()
@@ -55,8 +59,10 @@ class Specs:
         whole_after: frozenset[str] = frozenset(),
         inputs: Sequence[Spec] | None = None,
         gathered: frozenset[str] = frozenset(),
+        float32_arithmetic: bool = False,
     ) -> None:
         self.trace = trace
+        self.float32_arithmetic = float32_arithmetic
         self.whole_after = whole_after
         #: Variables read whole, gathered over every axis they are split over.
         self._read_whole = {value for value, path in trace.variables.items() if path in gathered}
@@ -103,8 +109,9 @@ class Specs:
     def bytes(self, value: int) -> int:
         if value in self._gathered_bytes:
             return self._gathered_bytes[value]
-        shape = self.trace.shapes[value]
-        whole = math.prod(shape) * itemsize(self.trace.dtypes[value])
+        shape, dtype = self.trace.shapes[value], self.trace.dtypes[value]
+        width = 4 if self.float32_arithmetic and dtype in HALF_PRECISION else itemsize(dtype)
+        whole = math.prod(shape) * width
         pieces = math.prod(self.sizes[a] for entry in self.spec.get(value, ()) for a in entry)
         return whole // max(pieces, 1)
 
