@@ -62,7 +62,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from ._trace import Node, Trace
+from ._trace import Node, Trace, trace_body
 
 __all__ = ["BatchSums", "batch_sums"]
 
@@ -259,19 +259,23 @@ def _fed(trace: Trace) -> set[int]:
     return fed
 
 
-def _batch_dims(trace: Trace) -> dict[int, int]:
+def _batch_dims(trace: Trace, initial: Mapping[int, int] | None = None) -> dict[int, int]:
     """Per value that carries the batch, the index of its batch dimension.
 
-    Forward from the inputs, then backward from each value that carries it to the operands
-    that line up with it (XLA's propagation both ways: a relative-position table broadcast
-    to the batch's size carries the batch where it meets the batch), until nothing changes.
+    Forward from the inputs (or from `initial`: a loop body's), then backward from each value
+    that carries it to the operands that line up with it (XLA's propagation both ways: a
+    relative-position table broadcast to the batch's size carries the batch where it meets the
+    batch), until nothing changes. A `scan` (a Keras RNN) is followed through its body
+    (`_scanned`).
     """
-    batch = {v: 0 for v in trace.inputs if trace.shapes[v]}
+    batch = dict(initial) if initial is not None else {v: 0 for v in trace.inputs if trace.shapes[v]}
     for _ in range(4):
         before = len(batch)
         for node in trace.nodes:
             carried = [(i, v) for i, v in enumerate(node.inputs) if v in batch]
-            if carried and node.outputs[0] not in batch:
+            if carried and node.primitive == "scan":
+                batch.update({v: d for v, d in _scanned(trace, node, batch).items() if v not in batch})
+            elif carried and node.outputs[0] not in batch:
                 position, value = carried[0]
                 dim = _carried(trace, node, position, value, batch)
                 extent = trace.shapes[value][batch[value]]
@@ -280,7 +284,12 @@ def _batch_dims(trace: Trace) -> dict[int, int]:
                     if dim is not None and dim < len(shape) and shape[dim] % extent == 0:
                         batch[out] = dim
         for node in reversed(trace.nodes):
-            if node.outputs[0] in batch:
+            if node.primitive == "scan":  # a carried value's initial state is laid out as the carry
+                first = node.params["num_consts"]
+                for value, out in zip(node.inputs[first:], node.outputs[: node.params["num_carry"]]):
+                    if out in batch and value >= 0 and value not in batch and value not in trace.variables:
+                        batch[value] = batch[out]
+            elif node.outputs[0] in batch:
                 for position, value in enumerate(node.inputs):
                     if value >= 0 and value not in batch and value not in trace.variables:
                         dim = _operand_dim(trace, node, position, batch[node.outputs[0]])
@@ -289,6 +298,39 @@ def _batch_dims(trace: Trace) -> dict[int, int]:
         if len(batch) == before:
             break
     return batch
+
+
+def _scanned(trace: Trace, node: Node, batch: Mapping[int, int]) -> dict[int, int]:
+    """The batch dimension of each output of a `scan` that carries it, read through its body.
+
+    The body sees each sequence's per-step slice (its leading, stepped dimension dropped) and the
+    carried values; what it carries out is carried in again, until the carry's layout settles. A
+    carried output keeps the body's dimension, a stacked one gains the leading steps.
+    """
+    body = trace_body(node.params["jaxpr"])
+    consts, carry = node.params["num_consts"], node.params["num_carry"]
+    ins = sorted(body.inputs)  # the body's inputs, in order (`trace_body`)
+    initial: dict[int, int] = {}
+    for position, (inner, outer) in enumerate(zip(ins, node.inputs, strict=True)):
+        stepped = position >= consts + carry
+        if outer in batch and batch[outer] - stepped >= 0:
+            initial[inner] = batch[outer] - stepped
+    inside = _batch_dims(body, initial)
+    for _ in range(carry):
+        more = {
+            ins[consts + i]: inside[out]
+            for i, out in enumerate(body.outputs[:carry])
+            if out in inside and ins[consts + i] not in initial
+        }
+        if not more:
+            break
+        initial.update(more)
+        inside = _batch_dims(body, initial)
+    return {
+        outer: inside[inner] + (position >= carry)
+        for position, (inner, outer) in enumerate(zip(body.outputs, node.outputs, strict=True))
+        if inner in inside
+    }
 
 
 def _operand_dim(trace: Trace, node: Node, position: int, dim: int) -> int | None:
