@@ -20,7 +20,9 @@ elements in the real models) and checked for:
    are compiled once, `SAME_STEP`; the few that take 40-100 s to compile are
    in `NOT_COMPILED` with the figures measured once);
 4. keras-hub's hand-written layout maps (`Backbone.get_layout_map`) matched or
-   beaten by the no-budget plan on state per device and on compiled bytes per step.
+   beaten by the no-budget plan on state per device and on compiled bytes per step;
+5. the no-budget plan's predicted peak per device within 10% of the compiled step's
+   (issue 21, item 3; the same compile as 3.).
 
 A model that misses a check today is in `MISSES` with the figure measured and
 why (a strict xfail: it fails as soon as the miss is fixed). Sharded `fit`
@@ -55,6 +57,7 @@ BOUNDS = {
 }  # fmt: skip
 FLOOR_BOUND = 1.10  # smallest budget plan ÷ fully sharded floor, every family
 TOLERANCE = 0.02  # predicted ÷ compiled bytes per axis
+PEAK_TOLERANCE = 0.10  # predicted ÷ compiled peak per device
 MOE = {"GptOssBackbone", "MixtralBackbone", "QwenMoeBackbone", "Qwen3MoeBackbone", "Qwen3_5MoeBackbone"}
 #: keras-hub 0.32's backbones with a hand-written `get_layout_map` (Llama3's and Qwen2's are Llama's and
 #: Qwen's).
@@ -98,6 +101,8 @@ _HAND_2D = (
     "(the plan without a budget is the least traffic; a budget takes them)"
 )
 MISSES: dict[tuple[str, str], str] = {
+    ("ViTBackbone", "peak"): "0.878 of the compiled peak (814,005 vs 927,052 bytes; 2026-12-06): not yet "
+    "read off XLA:CPU's buffers",
     # predicted ÷ compiled bytes per step, by axis
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "
@@ -379,6 +384,16 @@ def test_predicted_bytes_per_axis_match_the_compiled_step(name):
     assert got.rules.cost.state_bytes == state
 
 
+@pytest.mark.parametrize("name", _params("peak", COMPILED))
+def test_the_predicted_peak_is_within_ten_percent_of_the_compiled_one(name):
+    """Regression: 11 of these 35 were over by 11-23% (Llama 1.226, T5 1.218, BART 1.202): the walk wrote
+    an unread table's zero gradient and summed it, summed whole the gradient of a table whose rows move,
+    and left a shared table's per-look-up gradients whole (`planner/_liveness.py`, `_propagate.py`)."""
+    predicted, (_, _, peak) = planned(name).rules.cost.peak_bytes, compiled(name)
+    ratio = predicted / peak
+    assert ratio == pytest.approx(1.0, abs=PEAK_TOLERANCE), f"{name}: {predicted:,} vs {peak:,} bytes"
+
+
 HAND = [
     pytest.param(
         name,
@@ -441,7 +456,7 @@ def test_rows_that_share_a_compile_are_planned_alike(name):
 
 def test_every_family_has_its_bound_and_every_miss_names_a_real_check():
     assert {arch.family for arch in ARCHS.values()} == set(BOUNDS)
-    checks = {"no_budget", "smallest", "compiled", "hand_memory", "hand_bytes", "hand_budget"}
+    checks = {"no_budget", "smallest", "compiled", "peak", "hand_memory", "hand_bytes", "hand_budget"}
     assert not set(SAME_STEP) & set(SAME_STEP.values()) and set(SAME_STEP.values()) <= set(COMPILED)
     for name, check in MISSES:
         assert name in ARCHS and check in checks, (name, check)

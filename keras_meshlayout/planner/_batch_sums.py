@@ -286,7 +286,8 @@ def _batch_dims(trace: Trace, initial: Mapping[int, int] | None = None) -> dict[
         for node in reversed(trace.nodes):
             if node.primitive == "scan":  # a carried value's initial state is laid out as the carry
                 first = node.params["num_consts"]
-                for value, out in zip(node.inputs[first:], node.outputs[: node.params["num_carry"]]):
+                carried = zip(node.inputs[first:], node.outputs[: node.params["num_carry"]], strict=False)
+                for value, out in carried:
                     if out in batch and value >= 0 and value not in batch and value not in trace.variables:
                         batch[value] = batch[out]
             elif node.outputs[0] in batch:

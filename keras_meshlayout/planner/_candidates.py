@@ -94,12 +94,16 @@ class CostTable:
         gathered: Key/value kernels that, split on head_dim, XLA all-gathers whole once per step
             where they are read (`_kv_costs.KeyValueCosts.gathered_kernels`; the peak walk holds
             the gathered copy from the forward read to the backward one).
+        rows_moved: Tables whose split over both axes moves their looked-up rows, each device
+            summing its rows' gradient in its shard (`_tables_2d.BothAxesTables.rows_moved`; the
+            peak walk sums no whole copy of it).
     """
 
     units: tuple[UnitCosts, ...]
     reserve: int
     whole_after: frozenset[str] = frozenset()
     gathered: frozenset[str] = frozenset()
+    rows_moved: frozenset[str] = frozenset()
 
 
 def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:

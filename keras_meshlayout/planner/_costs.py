@@ -112,7 +112,8 @@ def cost_units(
     coster.router_shards = coster.tpu_router_shards()
     whole_after = frozenset(path for path, unit in proposal.units.items() if unit in proposal.input_convs)
     units = tuple(coster.units())
-    return CostTable(units, coster.activation_reserve(), whole_after, frozenset(coster.gathered_kernels()))
+    gathered, rows_moved = frozenset(coster.gathered_kernels()), frozenset(coster.rows_moved())
+    return CostTable(units, coster.activation_reserve(), whole_after, gathered, rows_moved)
 
 
 class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):

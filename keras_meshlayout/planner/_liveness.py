@@ -39,22 +39,27 @@ def transient_peak(
     whole_after: frozenset[str] = frozenset(),
     gathered: frozenset[str] = frozenset(),
     chip: _tpu_memory.Chip = _tpu_memory.DEFAULT_CHIP,
+    rows_moved: frozenset[str] = frozenset(),
 ) -> tuple[int, int]:
     """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
 
     `layouts` gives each variable path its axes (missing: replicated); `whole_after` and
     `gathered` are `_propagate.Specs`'; `chip` the TPU generation's on-chip figures (`_tpu_memory.Chip`:
-    the largest peak XLA:TPU keeps all on chip, `in_hbm`, and its vector memory, `_short_lived`).
+    the largest peak XLA:TPU keeps all on chip, `in_hbm`, and its vector memory, `_short_lived`);
+    `rows_moved` the tables split over the batch axis whose looked-up rows move instead
+    (`_tables_2d.BothAxesTables._moved_rows`): each device sums its own rows' gradient, in its
+    shard, with no all-reduce.
     """
     held = compiler != "tpu"
     # XLA:CPU computes bfloat16 in float32 and writes most of its buffers so: under
     # `mixed_bfloat16` its compiled peak is float32's (a transformer block on 2×4: 1,055,268
     # bytes against 1,059,108), 0.62-0.84 of the walk's with bfloat16 buffers (`_propagate`).
-    specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after, gathered=gathered, float32_arithmetic=held)
+    specs = Specs(
+        trace, layouts, axis_sizes, batch_axis, whole_after, gathered=gathered, float32_arithmetic=held
+    )
     sizes = {value: specs.bytes(value) for value in trace.shapes}
-    if held and axis_sizes.get(batch_axis or "", 1) > 1:
-        sizes.update(_summed_whole(trace, specs, batch_axis))
-    not_written = fused(trace) if held else _not_written_on_tpu(trace, specs, sizes)
+    zeros, summed = _gradients(trace, specs, sizes, held, rows_moved)
+    not_written = zeros | (fused(trace) if held else _not_written_on_tpu(trace, specs, sizes))
     recomputed = _recomputed_copies(trace) if held else {}
     last = _last_reads(trace, not_written, set(recomputed))
     end = len(trace.nodes)
@@ -80,7 +85,7 @@ def transient_peak(
     if held and axis_sizes.get(batch_axis or "", 1) > 1:
         # The gradients are summed over the batch axis into buffers of their own (one combined
         # all-reduce at the end of the backward pass, measured on XLA:CPU), before the update.
-        _add(specs.scratch, end, sum(sizes[value] for value in set(trace.outputs) if value >= 0))
+        _add(specs.scratch, end, sum(sizes[value] for value in summed))
     if not held:
         for first, final, size in _windowed_operands(trace, specs, layouts, batch_axis, set(buffers)):
             _add(starts, first, size)
@@ -112,7 +117,33 @@ def _not_written_on_tpu(trace: Trace, specs: Specs, sizes: dict[int, int]) -> se
     return not_written
 
 
-def _summed_whole(trace: Trace, specs: Specs, batch_axis: str | None) -> dict[int, int]:
+def _gradients(
+    trace: Trace, specs: Specs, sizes: dict[int, int], held: bool, rows_moved: frozenset[str]
+) -> tuple[set[int], set[int]]:
+    """`(zeros, summed)`: the gradients XLA never writes (`_zero_gradients`), and those it sums over the
+    batch axis: all others but the `rows_moved` tables'. On XLA:CPU (`held`) the summed gradients of
+    batch-split weights take their whole bytes in `sizes` (`_summed_whole`)."""
+    zeros = _zero_gradients(trace)
+    paths = dict(zip(trace.outputs, (trace.variables[v] for v in sorted(trace.variables)), strict=False))
+    summed = {v for v in trace.outputs if v >= 0 and v not in zeros and paths.get(v) not in rows_moved}
+    if held and specs.sizes.get(specs.batch_axis or "", 1) > 1:
+        sizes.update(_summed_whole(trace, specs, specs.batch_axis, summed))
+    return zeros, summed
+
+
+def _zero_gradients(trace: Trace) -> set[int]:
+    """The gradients of weights the step does not read: zeros broadcast from a literal, which XLA
+    never writes (the update reads the constant) nor sums (an untied output table under a pooled
+    head: 64 KiB a device counted twice at the walk's peak on a small keras-hub Llama, 2×4)."""
+    zeros = set()
+    for value in trace.outputs:
+        node = trace.nodes[trace.producer[value]] if value in trace.producer else None
+        if node is not None and node.primitive == "broadcast_in_dim" and all(v < 0 for v in node.inputs):
+            zeros.add(value)
+    return zeros
+
+
+def _summed_whole(trace: Trace, specs: Specs, batch_axis: str | None, summed: set[int]) -> dict[int, int]:
     """The bytes of each gradient of a batch-split weight, whole over the batch axis (XLA:CPU).
 
     XLA:CPU writes such a gradient whole on each device (the product's partial sum over the
@@ -122,9 +153,10 @@ def _summed_whole(trace: Trace, specs: Specs, batch_axis: str | None) -> dict[in
     Measured (jax 0.10.2) on Keras's `MultiHeadAttention` over 8 tokens of 64 features, fully
     sharded over `data=8`: its four 32 KiB kernels' gradients and their sums, 256 KiB, live together
     at the all-reduce, where the walk had counted 4 KiB shards (0.605 of the compiled peak).
+    Only the `summed` gradients are.
     """
     whole: dict[int, int] = {}
-    for value in {v for v in trace.outputs if v >= 0}:
+    for value in summed:
         spec = specs.spec.get(value, ())
         if not any(batch_axis in entry for entry in spec):
             continue

@@ -52,6 +52,11 @@ def kv_head_dim_split(count: int, head_dim: int, axis: str, size: int, dense: bo
     )
 
 
+#: What a table split over both axes whose looked-up rows move says of its gradient
+#: (`_tables_2d.BothAxesTables._moved_rows`): the peak walk (`_peak.plan_peak`) reads it off a plan's rules.
+ROWS_MOVED = "no gradient all-reduce"
+
+
 def heads_indivisible(heads: int, axis: str, size: int) -> str:
     return f"attention replicated: {heads} heads do not divide by {axis!r} ({size})"
 

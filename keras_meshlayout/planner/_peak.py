@@ -159,6 +159,7 @@ class PeakWalk:
             variables=len(self.trainable),
             whole_after=getattr(table, "whole_after", frozenset()),
             gathered=getattr(table, "gathered", frozenset()),
+            rows_moved=getattr(table, "rows_moved", frozenset()),
             tiles=_tiles(self.compiler, self.variables, layouts, self.axis_sizes),
         )
 
@@ -238,6 +239,7 @@ def plan_peak(
         variables=len(model.trainable_variables),
         whole_after=_whole_conv_outputs(model, plan, batch_axis),
         gathered=_gathered_kernels(model, plan),
+        rows_moved=_noted(plan, _notes.ROWS_MOVED),
         tiles=_tiles(compiler, model.variables, layouts, plan.axis_sizes),
     )
 
@@ -275,11 +277,12 @@ def _gathered_kernels(model: Any, plan: Any) -> frozenset[str]:
         if getattr(layer, "bias", None) is None
         and getattr(getattr(layer, "kernel", None), "trainable", False)
     }
-    return frozenset(
-        entry.path
-        for entry in plan.entries
-        if entry.path in unbiased and entry.rule is not None and _notes.KV_GATHERED in entry.rule.note
-    )
+    return frozenset(path for path in _noted(plan, _notes.KV_GATHERED) if path in unbiased)
+
+
+def _noted(plan: Any, note: str) -> frozenset[str]:
+    """The paths whose rule's note says `note`."""
+    return frozenset(e.path for e in plan.entries if e.rule is not None and note in e.rule.note)
 
 
 def peak_memory(
@@ -296,6 +299,7 @@ def peak_memory(
     gathered: frozenset[str] = frozenset(),
     chip: _tpu_memory.Chip = _tpu_memory.DEFAULT_CHIP,
     variables: int = 0,
+    rows_moved: frozenset[str] = frozenset(),
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
@@ -304,10 +308,11 @@ def peak_memory(
     whose convolution's layer output a rule keeps whole and `gathered` the kernels XLA gathers whole
     where they are read (`_propagate.Specs`); `tiles` the factor by which the parameters and slots
     are padded in the compiler's layouts; `chip` the TPU generation's figures and `variables` the
-    trainable variables' count (`_tpu_memory.aligned_bytes`).
+    trainable variables' count (`_tpu_memory.aligned_bytes`); `rows_moved` the tables whose gradient
+    each device sums in its own shard (`CostTable.rows_moved`).
     """
     transient, batch = transient_peak(
-        trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered, chip
+        trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered, chip, rows_moved
     )
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
         padding = round((state - gradients) * (tiles - 1))

@@ -104,7 +104,29 @@ class Specs:
         for output, variable in zip(trace.outputs, sorted(trace.variables), strict=False):
             if output >= 0 and trace.shapes[output] == trace.shapes[variable]:
                 self.spec[output] = self.spec[variable]
+                self._lay_out_summands(output)
         self._gathers(weights)
+
+    def _lay_out_summands(self, gradient: int) -> None:
+        """The pieces a gradient is summed from (`add_any`, a look-up's `scatter-add`), laid out as it.
+
+        A table read twice (T5's token table, shared by its encoder and decoder) has its gradient
+        summed from one scatter per read; XLA writes each in the table's layout, where propagating
+        forward from the zeros it scatters into leaves them whole (T5 on 2×4: two 256 KiB pieces
+        at the walk's peak where XLA:CPU holds 32 KiB shards).
+        """
+        pending = [gradient]
+        while pending:
+            value = pending.pop()
+            producer = self.trace.producer.get(value)
+            node = None if producer is None else self.trace.nodes[producer]
+            if node is None or node.primitive not in ("add_any", "scatter-add"):
+                continue
+            for operand in node.inputs:
+                same = operand >= 0 and self.trace.shapes[operand] == self.trace.shapes[value]
+                if same and operand not in self.trace.variables and not any(self.spec.get(operand, ())):
+                    self.spec[operand] = self.spec[value]
+                    pending.append(operand)
 
     def bytes(self, value: int) -> int:
         if value in self._gathered_bytes:

@@ -29,6 +29,7 @@ import keras
 import numpy as np
 
 from ..report._collectives import wire_bytes
+from . import _notes
 from ._candidates import Candidate, add_wire, candidate, nbytes, plus_wire
 from ._trace import Use
 
@@ -134,6 +135,15 @@ class BothAxesTables:
     both: str
     uses: Mapping[str, tuple[Use, ...]]
 
+    _rows_moved: set[str] | None = None
+
+    def rows_moved(self) -> set[str]:
+        """The tables offered a split over both axes whose looked-up rows move (`_moved_rows`): each
+        device sums its rows' gradient in its own shard (the peak walk's `rows_moved`)."""
+        if self._rows_moved is None:
+            self._rows_moved = set()
+        return self._rows_moved
+
     def _shared_over_both(self, variable: keras.Variable, lookups: list) -> list[Candidate]:
         """A shared table (look-ups only) split over both axes, larger than what each look-up reads.
 
@@ -218,9 +228,11 @@ class BothAxesTables:
             add_wire(wire, self.both, wire_bytes("all-reduce", rows, self.d * self.m))
         if not gradient_moved:
             add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m))
+        else:
+            self.rows_moved().add(variable.path)
         note = {
             variable.path: f"embedding: vocabulary split {self.d * self.m} ways over {self.model_axis!r} and "
             f"{self.batch_axis!r}; the batch's ids gathered and its looked-up vectors all-reduced over both"
-            + (", no gradient all-reduce" if gradient_moved else "")
+            + (f", {_notes.ROWS_MOVED}" if gradient_moved else "")
         }
         return candidate("fully sharded", axes, state, wire, note)
