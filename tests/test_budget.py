@@ -104,15 +104,15 @@ CHOSEN_LAYOUTS = {
         "split, unused": 1,
         "head_dim split": 4,
     },
-    # Since a batch-split weight's gradient counts whole until its sum (planner/_liveness.py
-    # `_summed_whole`), the budget (the no-budget plan's activations and 80% of its state) is
-    # 4,908,820 bytes, was 4,712,212, and holds a third 2-D unit: predicted peak 4,552,912, compiled
-    # 4,519,652 (1.007; the former plan's 0.938).
+    # Since the walk neither writes nor sums the unread output table's zero gradient and scatters the
+    # token table's gradient into early zeros (planner/_liveness.py), the budget (the no-budget plan's
+    # activations and 80% of its state) is 4,515,604 bytes, was 4,908,820: two units fully sharded,
+    # predicted peak 4,139,176, compiled 4,398,876 (0.941), under the budget.
     ("llama", "4x2", 0.8): {
-        "replicated": 6,
-        "2-D": 3,
-        "tensor-parallel": 1,
-        "vocab-parallel": 1,
+        "replicated": 5,
+        "2-D": 2,
+        "fully sharded": 2,
+        "tensor-parallel": 2,
         "split, unused": 1,
     },
     ("gemma", "2x4", 1.05): {
