@@ -61,6 +61,10 @@ def attention():
     hidden = keras.layers.LayerNormalization(name="norm")(hidden + x)
     return keras.Model(x, keras.layers.Dense(4, name="head")(hidden), name="attention")
 
+def aborts():  # a native crash in the process that plans and compiles (as XLA's aborts look to it)
+    import os
+    os.abort()
+
 def convnet():
     x = keras.Input((8, 8, 3), name="image")
     hidden = keras.layers.Conv2D(32, 3, name="conv1")(x)
@@ -689,6 +693,20 @@ def test_plan_mesh_auto_on_a_v5e_16x16_lists_the_alternatives_and_plans_the_best
     tight = lines(*AUTO_TIGHT)
     assert tight.returncode == 1 and len(tight.stderr.strip().splitlines()) == 1
     assert "no data × model split of 8 devices fits" in tight.stderr and "Fix:" in tight.stderr
+
+
+ABORTED = line("plan", "--mesh", "2x4", "--model", "models:aborts", "--compile", "--batch-size", "16")
+
+
+def test_a_compile_check_whose_process_dies_is_one_line_and_exit_1(lines):
+    """`--compile` runs in a child process: one that dies by a signal (XLA's compiler aborts so on some
+    plans, JAX's Shardy partitioner with `free(): invalid pointer`) ends in one `plan fails:` line
+    naming the signal and the way around it, not a core dump of the shell's command."""
+    result = lines(*ABORTED)
+    assert result.returncode == 1
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("plan fails: the process compiling the training step died of SIGABRT")
+    assert "JAX_USE_SHARDY_PARTITIONER=false" in message and "Fix:" in message
 
 
 #: The Keras attention model planned and compiled on XLA:CPU's 2x4 mesh: its no-budget plan is

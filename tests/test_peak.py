@@ -197,7 +197,7 @@ def attention() -> keras.Model:
 @pytest.mark.parametrize("shape", [(8, 1), (4, 2)], ids=["8x1", "4x2"])
 def test_the_peak_of_a_fully_sharded_step_counts_its_gradients_whole_until_they_are_summed(shape):
     """XLA:CPU writes a batch-split kernel's gradient whole and sums all of them in one all-reduce at the
-    end of the backward pass, before slicing the shards (`_liveness._summed_whole`). The walk had
+    end of the backward pass, before slicing the shards (`_walk_gradients.summed_whole`). The walk had
     counted the shards: predicted ÷ compiled 0.605 (8x1) and 0.768 (4x2), now 0.997 and 0.990."""
     from keras_meshlayout.planner._auto import plan_rules
 

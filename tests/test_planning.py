@@ -371,6 +371,7 @@ PLANNER_ORDER = [
     "_costs",
     "_tpu_memory",
     "_fusion",
+    "_walk_gradients",
     "_liveness",
     "_peak",
     "_search",

@@ -11,6 +11,7 @@ assembles the parser and turns errors into exit statuses.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from ..core._errors import MemoryBudgetError, MeshLayoutError
 from . import _demo, _devices, _launch, _plan
 from ._args import EXIT_HELP, EXIT_INVALID, EXIT_PLAN_FAILS, InputError, Parser, lines, one_line
+from ._compile_guard import CHILD, in_child
 
 __all__ = ["build_parser", "main"]
 
@@ -41,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     named = next((word for word in argv if not word.startswith("-")), None)
     parser = build_parser(named if named in _NAMES else "")
     args = parser.parse_args(argv)
+    if getattr(args, "compile", False) and not os.environ.get(CHILD):
+        return in_child(argv)  # XLA may abort while compiling: a child process dies in its place
     try:
         return args.run(args)
     except MemoryBudgetError as err:

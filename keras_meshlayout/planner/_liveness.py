@@ -22,6 +22,7 @@ from ._batch_gathers import windowed_on_tpu
 from ._fusion import ELEMENTWISE, EXPENSIVE, fused, fused_on_tpu, laid_out, shared_constants
 from ._propagate import REDUCTIONS, Specs, copied_operands, itemsize
 from ._trace import Node, Trace
+from ._walk_gradients import walked_gradients
 
 __all__ = ["SHORT_LIVED", "live_code", "transient_peak"]
 
@@ -58,7 +59,7 @@ def transient_peak(
         trace, layouts, axis_sizes, batch_axis, whole_after, gathered=gathered, float32_arithmetic=held
     )
     sizes = {value: specs.bytes(value) for value in trace.shapes}
-    zeros, summed = _gradients(trace, specs, sizes, held, rows_moved)
+    zeros, summed = walked_gradients(trace, specs, sizes, held, rows_moved)
     not_written = zeros | (fused(trace) if held else _not_written_on_tpu(trace, specs, sizes))
     recomputed = _recomputed_copies(trace) if held else {}
     last = _last_reads(trace, not_written, set(recomputed))
@@ -142,60 +143,6 @@ def _extend_lives(
         written[node.outputs[0]] = 0
         if zeros in buffers:
             buffers.remove(zeros)
-
-
-def _gradients(
-    trace: Trace, specs: Specs, sizes: dict[int, int], held: bool, rows_moved: frozenset[str]
-) -> tuple[set[int], set[int]]:
-    """`(zeros, summed)`: the gradients XLA never writes (`_zero_gradients`), and those it sums over the
-    batch axis: all others but the `rows_moved` tables'. On XLA:CPU (`held`) the summed gradients of
-    batch-split weights take their whole bytes in `sizes` (`_summed_whole`)."""
-    zeros = _zero_gradients(trace)
-    paths = dict(zip(trace.outputs, (trace.variables[v] for v in sorted(trace.variables)), strict=False))
-    summed = {v for v in trace.outputs if v >= 0 and v not in zeros and paths.get(v) not in rows_moved}
-    if held and specs.sizes.get(specs.batch_axis or "", 1) > 1:
-        sizes.update(_summed_whole(trace, specs, specs.batch_axis, summed))
-    return zeros, summed
-
-
-def _zero_gradients(trace: Trace) -> set[int]:
-    """The gradients of weights the step does not read: zeros broadcast from a literal, which XLA
-    never writes (the update reads the constant) nor sums (an untied output table under a pooled
-    head: 64 KiB a device counted twice at the walk's peak on a small keras-hub Llama, 2×4)."""
-    zeros = set()
-    for value in trace.outputs:
-        node = trace.nodes[trace.producer[value]] if value in trace.producer else None
-        if node is not None and node.primitive == "broadcast_in_dim" and all(v < 0 for v in node.inputs):
-            zeros.add(value)
-    return zeros
-
-
-def _summed_whole(trace: Trace, specs: Specs, batch_axis: str | None, summed: set[int]) -> dict[int, int]:
-    """The bytes of each gradient of a batch-split weight, whole over the batch axis (XLA:CPU).
-
-    XLA:CPU writes such a gradient whole on each device (the product's partial sum over the
-    batch), sums every gradient in the one combined all-reduce at the end of the backward pass
-    (the second copy `transient_peak` counts there), and slices each device's shard only then;
-    the partial sum is not all-reduced at its product (its `partial_sums` entry is dropped).
-    Measured (jax 0.10.2) on Keras's `MultiHeadAttention` over 8 tokens of 64 features, fully
-    sharded over `data=8`: its four 32 KiB kernels' gradients and their sums, 256 KiB, live together
-    at the all-reduce, where the walk had counted 4 KiB shards (0.605 of the compiled peak).
-    Only the `summed` gradients are.
-    """
-    whole: dict[int, int] = {}
-    for value in summed:
-        spec = specs.spec.get(value, ())
-        if not any(batch_axis in entry for entry in spec):
-            continue
-        pieces = math.prod(specs.sizes[a] for entry in spec for a in entry if a != batch_axis)
-        whole[value] = math.prod(trace.shapes[value]) * itemsize(trace.dtypes[value]) // pieces
-        node = trace.nodes[trace.producer[value]]
-        while node.primitive in ("transpose", "reshape", "convert_element_type") and node.inputs[0] >= 0:
-            if node.inputs[0] not in trace.producer:
-                break
-            node = trace.nodes[trace.producer[node.inputs[0]]]
-        specs.partial_sums.pop(node.index, None)
-    return whole
 
 
 def live_code(trace: Trace) -> Trace:
