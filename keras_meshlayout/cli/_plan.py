@@ -317,9 +317,9 @@ def _failure(args: argparse.Namespace, plan: Any, peak: Any) -> str | None:
     capacity = plan.memory(args.device_memory).capacity
     if peak is not None and capacity is not None and peak.peak > capacity:
         return (
-            f"one training step needs {format_bytes(peak.peak)} per device at its predicted peak (training "
-            f"state {format_bytes(peak.state)}, batch, activations and temporaries "
-            f"{format_bytes(peak.non_state)}), more than the {format_bytes(capacity)} available. Fix: a "
+            f"one training step needs {format_bytes(peak.peak)} per device at its predicted peak ("
+            f"{_resident(peak)} {format_bytes(peak.resident)}, batch, {_working(peak)} "
+            f"{format_bytes(peak.working)}), more than the {format_bytes(capacity)} available. Fix: a "
             "smaller --batch-size, a mesh with a larger model axis, or --auto --memory-budget SIZE"
         )
     return None
@@ -395,7 +395,7 @@ def _print_json(
         data["fsdp"] = choice.best.fsdp  # whether the chosen plan is the mesh's fully sharded one
     data["memory_per_device"] = plan.memory(args.device_memory).to_dict()
     data["memory_per_device"]["peak_bytes"] = None if peak is None else peak.peak
-    data["memory_per_device"]["activation_bytes"] = None if peak is None else peak.non_state
+    data["memory_per_device"]["activation_bytes"] = None if peak is None else peak.working
     if args.target is not None:
         data["target"] = mesh_target(args.target).to_dict()
     # The prediction per device, beside the compiled figures (`--compile`): the training state,
@@ -436,9 +436,9 @@ def _print_table(planned: _Planned, messages: list[str], note: str | None, *, fu
     console.print(plan if full or len(plan) <= SUMMARY_ABOVE else plan.summary())
     if peak is not None:
         console.print(
-            f"Peak per device (one training step, predicted): {format_bytes(peak.peak)} (training state "
-            f"{format_bytes(peak.state)}, batch {format_bytes(peak.batch)}, activations and temporaries "
-            f"{format_bytes(peak.non_state - peak.batch)})",
+            f"Peak per device (one training step, predicted): {format_bytes(peak.peak)} ({_resident(peak)} "
+            f"{format_bytes(peak.resident)}, batch {format_bytes(peak.batch)}, {_working(peak)} "
+            f"{format_bytes(peak.working - peak.batch)})",
             markup=False,
         )
     if getattr(rules, "cost", None) is not None:
@@ -480,3 +480,13 @@ def _parse_mesh(spec: str, emulated: int, target: str | None = None) -> Any:
     except InvalidMeshError as err:
         hint = f"plan on that many emulated CPU devices with --emulate-devices N (now {emulated})"
         raise InputError(str(err).replace(DEVICES_HINT, hint)) from None
+
+
+def _resident(peak: Any) -> str:
+    """What `PeakMemory.resident` is, in words: on XLA:TPU the state without its gradients."""
+    return "training state" if peak.held else "parameters and optimizer slots"
+
+
+def _working(peak: Any) -> str:
+    """What `PeakMemory.working` less the batch is, in words."""
+    return "activations and temporaries" if peak.held else "activations, temporaries and gradients"

@@ -188,8 +188,9 @@ class GroupedConvWarning(MeshLayoutWarning):
 
     Issued by `dist.plan(model)`, and by `model.fit` when it starts, for Keras
     `DepthwiseConv1D`/`DepthwiseConv2D`, `SeparableConv1D`/`SeparableConv2D` and
-    `Conv1D`/`Conv2D`/`Conv3D` with `groups > 1` (and custom layers, below) when a
-    mesh axis other than the batch axis is larger than 1, except those `kml.auto_rules`
+    `Conv1D`/`Conv2D`/`Conv3D` with `groups > 1` (and custom layers, below) when the batch
+    is split and a mesh axis other than the batch axis is larger than 1 (over a batch axis
+    of 1 nothing is summed: exact), except those `kml.auto_rules`
     split over their channels together with their input (a convolution unit of the
     planner), which `replicate_below` leaves split (`Rule.keep_split`).
     A rule of your own that splits such a kernel still gets the warning: a

@@ -20,7 +20,7 @@ from ._errors import GroupedConvWarning, LayoutMismatchWarning, MeshLayoutWarnin
 from ._format import format_axes
 from ._held import Held, held, off_mesh_message
 from ._placement import process_layout
-from ._plan import Plan
+from ._plan import Plan, grouped_conv_axes
 from ._resolve import Resolution
 
 if TYPE_CHECKING:
@@ -176,9 +176,9 @@ def _mismatch_messages(
 def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tuple[tuple[str, str], ...]:
     """`(path, class name)` of each layer running a grouped convolution that XLA would train wrongly.
 
-    That is every such layer (see `kml.GroupedConvWarning`) when a mesh axis
-    other than the batch axis is larger than 1, except the ones the planner
-    (`kml.auto_rules`, a suggested rule) split over their channels with their
+    That is every such layer (see `kml.GroupedConvWarning`) when the batch is split and a
+    mesh axis other than the batch axis is larger than 1 (`_plan.grouped_conv_axes`), except
+    the ones the planner (`kml.auto_rules`, a suggested rule) split over their channels with their
     input, as part of a convolution unit: there each device convolves its own
     channels and XLA computes the kernel gradient right. A rule of the
     user's own that splits such a kernel is not trusted: a kernel split
@@ -186,11 +186,7 @@ def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tupl
     Keras's conv layers are found by their class; a model with custom layers is also
     traced (`_grouped_scan`), for the convolutions those run themselves.
     """
-    others = {
-        axis
-        for axis, size in distribution.axis_sizes.items()
-        if axis != distribution.batch_dim_name and size > 1
-    }
+    others = set(grouped_conv_axes(distribution.axis_sizes, distribution.batch_dim_name))
     found = []
     layers = _grouped_convs(model)
     for path, cls, kernel, dim in layers:

@@ -58,7 +58,7 @@ import keras
 from .. import _compat as internals
 from ._errors import GroupedConvWarning
 from ._held import check_on_mesh
-from ._plan import grouped_conv_message
+from ._plan import grouped_conv_axes, grouped_conv_message
 from ._planning import grouped_convs_at_risk
 
 __all__ = [
@@ -199,7 +199,7 @@ def warn_grouped_convs(model: Any, distribution: Any) -> None:
     """
     layers = grouped_convs_at_risk(distribution, model)
     batch_axis = distribution.batch_dim_name
-    others = {a: s for a, s in distribution.axis_sizes.items() if a != batch_axis and s > 1}
+    others = grouped_conv_axes(distribution.axis_sizes, batch_axis)
     if layers and others:
         message = grouped_conv_message(layers, distribution.axis_sizes, batch_axis, others)
         warnings.warn(f"fit: {message}", GroupedConvWarning, stacklevel=4)

@@ -318,7 +318,7 @@ def _search_within_peak(
     needed = _needed(least, headroom)
     raise MemoryBudgetError(
         f"auto_rules: the smallest plan needs {format_bytes(least.peak)} per device at its predicted "
-        f"peak ({format_bytes(least.non_state)} of it the batch, activations and temporaries), "
+        f"peak ({format_bytes(least.working)} of it the batch, activations and temporaries), "
         f"{format_bytes(needed)} with the {headroom:.0%} headroom kept for the prediction's error, "
         f"over the memory budget of {format_bytes(given)}. Fix: a larger budget, a mesh with a larger "
         "model axis, a smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor).",

@@ -93,6 +93,19 @@ class PeakMemory:
         return self.peak - self.state
 
     @property
+    def resident(self) -> int:
+        """What the step holds from its start to its end: the state, and on XLA:TPU, where each
+        gradient is applied as it is written, the state less its gradients, in XLA:TPU's tiles."""
+        return self.state + self.tiles + self.aligned - (0 if self.held else self.gradients)
+
+    @property
+    def working(self) -> int:
+        """The rest of the peak, never negative: the batch, activations and temporaries (on XLA:TPU
+        the gradients written so far too). `non_state`, the search's reserve, is the peak less the
+        whole state, which XLA:TPU never holds at once."""
+        return self.peak - self.resident
+
+    @property
     def peak(self) -> int:
         """State without gradients, the batch, and the transient peak (gradients included)."""
         transient = max(self.transient, self.gradients) if self.held else self.transient

@@ -93,10 +93,12 @@ class PlanCost:
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {format_bytes(self.budget)}"
         layouts = ", ".join(f"{n} {name}" for name, n in sorted(self.layouts().items()))
+        memory = f"{format_bytes(self.state_bytes)} state + {format_bytes(self.activation_bytes)} activations"
+        if self.activation_bytes < 0:  # XLA:TPU applies each gradient as it is written: never all held
+            memory = f"{format_bytes(self.state_bytes)} state, a peak of {format_bytes(self.memory_bytes)}"
         return (
-            f"{format_bytes(self.wire_bytes)} sent per device per step; "
-            f"{format_bytes(self.state_bytes)} state + {format_bytes(self.activation_bytes)} "
-            f"activations per device ({budget}); units: {layouts or 'none'}"
+            f"{format_bytes(self.wire_bytes)} sent per device per step; {memory} per device ({budget}); "
+            f"units: {layouts or 'none'}"
         )
 
 
