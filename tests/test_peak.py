@@ -230,3 +230,22 @@ def test_attention_scores_of_query_heads_grouped_by_a_reshape_stay_split_over_th
     dist = kml.ModelParallel(mesh, rules, replicate_below=0)
     step = kml.compile_step(gemma_lm, dist, x, np.zeros((8, 256), "int32"), optimizer="adam", loss=LOSS)
     assert 0.97 <= rules.cost.peak_bytes / step.peak_bytes <= 1.03, (rules.cost.peak_bytes, step.peak_bytes)
+
+
+def test_a_tpu_peak_is_shown_as_what_it_holds_never_a_negative_figure():
+    """Regression: on XLA:TPU each gradient is applied as it is written, so the peak can be under the
+    state: `plan` printed "activations and temporaries -389.7 KiB" and "8.6 MiB state + -5.7 KiB
+    activations". The peak is the parameters and slots plus what the step writes."""
+    from keras_meshlayout.planner._peak import PeakMemory
+    from keras_meshlayout.planner._search import PlanCost
+
+    tpu = PeakMemory(state=100_000, gradients=40_000, batch=5_000, transient=10_000, held=False)
+    assert (tpu.peak, tpu.resident, tpu.working, tpu.non_state) == (75_000, 60_000, 15_000, -25_000)
+    cpu = PeakMemory(state=100_000, gradients=40_000, batch=5_000, transient=10_000)
+    assert (cpu.peak, cpu.resident, cpu.working) == (
+        145_000,
+        100_000,
+        45_000,
+    ) and cpu.working == cpu.non_state
+    cost = PlanCost({}, 100_000, -25_000, None, (), peak_bytes=75_000)
+    assert "-" not in str(cost) and "97.7 KiB state, a peak of 73.2 KiB per device" in str(cost)
