@@ -411,6 +411,11 @@ BAD_INPUT_CASES = [
         "error: keras-meshlayout plan: argument --max-replicated-fraction: expected a number from 0 to 1",
     ),
     (["--auto"], "error: keras-meshlayout plan: the following arguments are required: --model"),
+    (  # a negative size is the option's value, not an unknown option (argparse read `-5GiB` as one)
+        ["--model", "models:mlp", "--auto", "--batch-size", "8", "--memory-budget", "-5GiB"],
+        "error: Cannot read a memory size from '-5GiB' (a memory size is positive). Write it as a number "
+        'of bytes or with a unit, e.g. "80GB" or "16GiB".',
+    ),
 ]
 for case in BAD_INPUT_CASES:
     line("plan", "--mesh", "2x4", *case[0])
@@ -425,6 +430,7 @@ BAD_INPUT_IDS = [
     "negative-length",
     "fraction-above-1",
     "missing-model",
+    "negative-budget",
 ]
 
 

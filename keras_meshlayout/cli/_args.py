@@ -9,6 +9,8 @@ one line on stderr and `EXIT_INVALID`.
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Sequence
 
 __all__ = [
     "EXIT_HELP",
@@ -17,10 +19,12 @@ __all__ = [
     "EXIT_PLAN_FAILS",
     "InputError",
     "Parser",
+    "SIZE_OPTIONS",
     "add_emulate",
     "fraction",
     "lines",
     "one_line",
+    "sizes_joined",
     "positive_int",
 ]
 
@@ -35,6 +39,22 @@ EXIT_INVALID = 2
 EXIT_HELP = (
     f"exit status: {EXIT_OK} valid, {EXIT_PLAN_FAILS} the plan fails a check, {EXIT_INVALID} invalid input."
 )
+
+
+#: Options that take a memory size: a negative one (`-5GiB`) is still their value, not an option.
+SIZE_OPTIONS = ("--memory-budget", "--device-memory")
+
+
+def sizes_joined(argv: Sequence[str]) -> list[str]:
+    """`argv` with `--memory-budget -5GiB` as `--memory-budget=-5GiB`, so that argparse hands the size
+    to its check ("a memory size is positive") instead of reading `-5GiB` as an unknown option."""
+    out: list[str] = []
+    for word in argv:
+        if out and out[-1] in SIZE_OPTIONS and re.match(r"-[\d.]", word):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
 
 
 class InputError(Exception):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from ..core._errors import MemoryBudgetError, MeshLayoutError
 from . import _demo, _devices, _launch, _plan
-from ._args import EXIT_HELP, EXIT_INVALID, EXIT_PLAN_FAILS, InputError, Parser, lines, one_line
+from ._args import EXIT_HELP, EXIT_INVALID, EXIT_PLAN_FAILS, InputError, Parser, lines, one_line, sizes_joined
 from ._compile_guard import CHILD, in_child
 
 __all__ = ["build_parser", "main"]
@@ -40,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:  # everything after it is the launcher's and the script's
         return _launch.run(argv[1:])
+    argv = sizes_joined(argv)
     named = next((word for word in argv if not word.startswith("-")), None)
     parser = build_parser(named if named in _NAMES else "")
     args = parser.parse_args(argv)
