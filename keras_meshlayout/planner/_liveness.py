@@ -55,9 +55,7 @@ def transient_peak(
     # XLA:CPU computes bfloat16 in float32 and writes most of its buffers so: under
     # `mixed_bfloat16` its compiled peak is float32's (a transformer block on 2×4: 1,055,268
     # bytes against 1,059,108), 0.62-0.84 of the walk's with bfloat16 buffers (`_propagate`).
-    specs = Specs(
-        trace, layouts, axis_sizes, batch_axis, whole_after, gathered=gathered, float32_arithmetic=held
-    )
+    specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after, gathered=gathered, xla_cpu=held)
     sizes = {value: specs.bytes(value) for value in trace.shapes}
     zeros, summed = walked_gradients(trace, specs, sizes, held, rows_moved)
     not_written = zeros | (fused(trace) if held else _not_written_on_tpu(trace, specs, sizes))

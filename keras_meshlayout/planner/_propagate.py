@@ -15,9 +15,10 @@ rule keeps whole) is split over the batch axis only, as is the element-wise chai
 after it (its bias, its activation): the layer's output, all-gathered there. A kernel in
 `gathered` (a key/value kernel split on head_dim, `_kv_costs`) is all-gathered whole where it is
 read, as XLA does once per step: its gathered copy is a temporary from its first read to its last,
-and the projections read it whole. With `float32_arithmetic` (XLA:CPU, which has no half-precision
-arithmetic of its own), a bfloat16 or float16 value takes four bytes an element: XLA:CPU converts
-such operands to float32, computes in float32 and writes most results so.
+and the projections read it whole. With `xla_cpu`, the buffers are XLA:CPU's: a bfloat16 or
+float16 value takes four bytes an element (it has no half-precision arithmetic of its own: it
+converts such operands to float32, computes in float32 and writes most results so), and a
+depthwise kernel's gradient is computed densely, channel by channel, into two scratch buffers.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ __all__ = ["HALF_PRECISION", "REDUCTIONS", "Specs", "copied_operands", "itemsize
 
 Spec = tuple[tuple[str, ...], ...]
 
-#: The floating-point types XLA:CPU computes in float32 (`Specs(float32_arithmetic=True)`).
+#: The floating-point types XLA:CPU computes in float32 (`Specs(xla_cpu=True)`).
 HALF_PRECISION = frozenset(("bfloat16", "float16"))
 #: Reductions: they read fused inputs, and write a buffer of their own.
 REDUCTIONS = frozenset(
@@ -59,10 +60,12 @@ class Specs:
         whole_after: frozenset[str] = frozenset(),
         inputs: Sequence[Spec] | None = None,
         gathered: frozenset[str] = frozenset(),
-        float32_arithmetic: bool = False,
+        xla_cpu: bool = False,
     ) -> None:
         self.trace = trace
-        self.float32_arithmetic = float32_arithmetic
+        self.xla_cpu = xla_cpu
+        #: Per grouped convolution `(groups, kernel shape)`, the pieces its kernel's channels are split in.
+        self._grouped_splits: dict[tuple[int, tuple[int, ...]], int] = {}
         self.whole_after = whole_after
         #: Variables read whole, gathered over every axis they are split over.
         self._read_whole = {value for value, path in trace.variables.items() if path in gathered}
@@ -132,7 +135,7 @@ class Specs:
         if value in self._gathered_bytes:
             return self._gathered_bytes[value]
         shape, dtype = self.trace.shapes[value], self.trace.dtypes[value]
-        width = 4 if self.float32_arithmetic and dtype in HALF_PRECISION else itemsize(dtype)
+        width = 4 if self.xla_cpu and dtype in HALF_PRECISION else itemsize(dtype)
         whole = math.prod(shape) * width
         pieces = math.prod(self.sizes[a] for entry in self.spec.get(value, ()) for a in entry)
         return whole // max(pieces, 1)
@@ -287,6 +290,22 @@ class Specs:
         copies = sum(self.bytes(v) for v in copied_operands(node))
         if tuple(numbers.out_spec[:2]) != (0, rank - 1):
             copies += self.bytes(node.outputs[0])
+        groups = node.params.get("batch_group_count", 1)
+        features = numbers.out_spec[1]
+        if self.xla_cpu and groups > 1 and self.trace.shapes[node.outputs[0]][features] == groups:
+            # A depthwise kernel's gradient: XLA:CPU convolves densely, every channel with every other
+            # (`C × kh × kw × C` for the device's C channels), then keeps the diagonal in a copy of as
+            # many bytes (MobileNetV2 on 2×4: two 2 MB buffers for a 3×3 kernel of 240 channels a
+            # device; the walk had 0.71 of the compiled peak).
+            # The device's channels are the forward convolution's kernel's: XLA slices its operands
+            # there where the walk may see them whole (an input gradient summed over 'model').
+            pieces = self._grouped_splits.get((groups, self.trace.shapes[node.outputs[0]]), 1)
+            copies += 2 * self.bytes(node.outputs[0]) * (groups // pieces)
+        elif node.params.get("feature_group_count", 1) > 1 and node.inputs[1] >= 0:
+            kernel = self.spec.get(node.inputs[1]) or _none(self.trace.shapes[node.inputs[1]])
+            pieces = math.prod(self.sizes[a] for a in kernel[numbers.rhs_spec[0]])
+            key = (node.params["feature_group_count"], self.trace.shapes[node.inputs[1]])
+            self._grouped_splits[key] = max(self._grouped_splits.get(key, 1), pieces)
         return copies
 
     def _valid(self, spec: Spec, shape: tuple[int, ...]) -> Spec:
