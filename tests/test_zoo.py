@@ -108,8 +108,6 @@ MISSES: dict[tuple[str, str], str] = {
     "gradient's zeros, which XLA:CPU allocates early in the forward pass (32 KiB a device)",
     ("RWKV7Backbone", "peak"): "1.113 of the compiled peak (1,450,368 vs 1,302,948 bytes; 2026-12-06, 1.088 "
     "before the table gradient's early zeros): its recurrence's scan not yet read off XLA:CPU's buffers",
-    ("ViTBackbone", "peak"): "0.883 of the compiled peak (818,357 vs 927,052 bytes; 2026-12-06): not yet "
-    "read off XLA:CPU's buffers",
     # predicted ÷ compiled bytes per step, by axis
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "
