@@ -715,6 +715,18 @@ def test_a_compile_check_whose_process_dies_is_one_line_and_exit_1(lines):
     assert "JAX_USE_SHARDY_PARTITIONER=false" in message and "Fix:" in message
 
 
+IDLE = line("plan", "--mesh", "auto", "--target", "tpu-v5e:2x4", "--model", "models:mlp", "--batch-size", "8")
+
+
+def test_mesh_auto_says_when_its_choice_runs_the_same_step_on_every_device(lines):
+    """The small MLP at 8 rows on v5e 2×4: no split pays for its traffic, so `data=1,model=8` with every
+    weight whole ranks first; one device would be as fast, and the output says so."""
+    result = lines(*IDLE)
+    assert result.returncode == 0, result.stderr
+    assert "data=1,model=8 │ least traffic" in result.stdout
+    assert "note: the chosen split runs the same step on each of its 8 devices" in result.stdout
+
+
 #: The Keras attention model planned and compiled on XLA:CPU's 2x4 mesh: its no-budget plan is
 #: predicted to peak at 242,893 bytes and compiles to 268,660 (predicted ÷ compiled 0.904).
 COMPILED = ("plan", "--mesh", "2x4", "--model", "models:attention", "--auto", "--optimizer", "adam",

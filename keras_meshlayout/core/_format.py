@@ -78,6 +78,15 @@ def format_bytes(count: float) -> str:
     return f"{count:.0f} B" if power == 0 else f"{count:.1f} {units[power]}"
 
 
+def format_seconds(value: float | None) -> str:
+    """`1.5 ms`, `2.3 µs`, `-` for none."""
+    if value is None:
+        return "-"
+    scale, unit = next(((s, u) for s, u in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs"))
+                        if value >= s), (1e-9, "ns"))  # fmt: skip
+    return f"{value / scale:.3g} {unit}"
+
+
 def id_ranges(ids: Sequence[int]) -> str:
     """Device ids as text, runs collapsed: `[0, 1, 2, 3, 8]` → `'0-3, 8'` (the one format for id lists)."""
     if not ids:

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core._dry import dry_build
 from ..core._errors import InvalidOptionError, MemoryBudgetError
-from ..core._format import Displayed, format_bytes, to_text
+from ..core._format import Displayed, format_bytes, format_seconds, to_text
 from ..core._memory import parse_bytes
 from ..core._targets import Target, parse_target
 from ._auto import plan_rules
@@ -210,17 +210,17 @@ class MeshChoice(Displayed):
         for index, option in enumerate(self.alternatives):
             note = option.excluded or ("chosen" if index == 0 else "")
             used = option.excluded is None
-            times = (_seconds(option.comm_seconds),)
+            times = (format_seconds(option.comm_seconds),)
             if slices:
                 comm_s, dcn_s = option.comm_seconds, option.dcn_seconds
                 ici = None if comm_s is None else comm_s - (dcn_s or 0.0)
-                times = (_seconds(ici), _seconds(option.dcn_seconds),
+                times = (format_seconds(ici), format_seconds(option.dcn_seconds),
                          format_bytes(option.dcn_wire_bytes) if used else "-")  # fmt: skip
             table.add_row(
                 option.spec,
                 "fully sharded" if option.fsdp else "least traffic",
-                _seconds(option.step_seconds),
-                _seconds(option.compute_seconds),
+                format_seconds(option.step_seconds),
+                format_seconds(option.compute_seconds),
                 *times,
                 "-" if option.flops_per_device is None else f"{option.flops_per_device:.3g}",
                 format_bytes(option.wire_bytes) if used else "-",
@@ -230,18 +230,15 @@ class MeshChoice(Displayed):
         yield table
         budget = "no budget" if self.budget is None else f"budget {format_bytes(self.budget)}/device"
         yield f"{self.flops:.3g} FLOPs per step (XLA, unsharded), {budget}; compute and comm not overlapped"
+        if self.best.axis_sizes.get("data", 1) == 1 and set(self.best.layouts or {}) <= {"replicated"}:
+            yield (
+                f"note: the chosen split runs the same step on each of its {self.mesh.size} devices (the "
+                "batch not split, every weight whole): here no split pays for its traffic, so one device "
+                "would be as fast; a larger batch or model changes that"
+            )
 
     def __str__(self) -> str:
         return to_text(self)
-
-
-def _seconds(value: float | None) -> str:
-    """`1.5 ms`, `2.3 µs`, `-` for none."""
-    if value is None:
-        return "-"
-    scale, unit = next(((s, u) for s, u in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs"))
-                        if value >= s), (1e-9, "ns"))  # fmt: skip
-    return f"{value / scale:.3g} {unit}"
 
 
 def choose_mesh(
