@@ -96,7 +96,7 @@ CASES = [
     pytest.param(functools.partial(mlp, remat=True), (2, 4), np.zeros((32, 256), "float32"), id="remat-2x4"),
     # Was 0.713: XLA:CPU computes a depthwise kernel's gradient densely, every channel of the device
     # with every other, into two scratch buffers (2 MB each for 240 channels), then keeps the diagonal
-    # (planner/_propagate.py); 0.943 since (Xception at 71 x 71: 0.871 -> 0.957).
+    # (planner/_propagate.py); 0.949 since (Xception at 71 x 71: 0.871 -> 0.898).
     pytest.param(mobilenet_v2, (2, 4), np.zeros((16, 32, 32, 3), "float32"), id="mobilenet-v2-2x4"),
     # Were 0.737 and 0.624: XLA:CPU computes bfloat16 in float32 and writes its buffers so (its compiled
     # peak under `mixed_bfloat16` is float32's within 0.4%), where the walk had counted two bytes an element

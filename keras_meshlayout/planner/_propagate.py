@@ -140,8 +140,7 @@ class Specs:
         if value in self._gathered_bytes:
             return self._gathered_bytes[value]
         shape, dtype = self.trace.shapes[value], self.trace.dtypes[value]
-        width = 4 if self.xla_cpu and dtype in HALF_PRECISION else itemsize(dtype)
-        whole = math.prod(shape) * width
+        whole = math.prod(shape) * self._width(dtype)
         pieces = math.prod(self.sizes[a] for entry in self.spec.get(value, ()) for a in entry)
         return whole // max(pieces, 1)
 
@@ -200,7 +199,11 @@ class Specs:
             # Partial sums over a mesh axis: XLA all-reduces them into a second buffer.
             self.partial_sums[node.index] = self.partial_sums.get(node.index, 0) + self.bytes(node.outputs[0])
         elif name == "conv_general_dilated":
-            self.scratch[node.index] = self.scratch.get(node.index, 0) + self._conv_copies(node)
+            scratch = self._conv_copies(node) + (self._depthwise_gradient(node) if self.xla_cpu else 0)
+            self.scratch[node.index] = self.scratch.get(node.index, 0) + scratch
+            early = sum(self.bytes(v) for v in copied_operands(node) if self._early(v))
+            if early:
+                self.early_copies[node.index] = early
 
     def _activations_first(self, node: Node, ins: list[Spec], in_shapes: list[tuple[int, ...]]) -> list[Spec]:
         """An element-wise operation of activations and weights is laid out as its activations: XLA
@@ -286,37 +289,48 @@ class Specs:
 
         The forward convolution reads its input batch-first, features last, and
         its kernel output-features last; the backward ones (JAX's transposes)
-        read them in other orders, and XLA copies each such operand first.
+        read them in other orders, and XLA copies each such operand first. On XLA:CPU
+        the batch's copy is not one of them: it lives from the step's start (`early_copies`).
         """
         numbers = node.params.get("dimension_numbers")
         if getattr(numbers, "lhs_spec", None) is None:
             return 0
         rank = len(numbers.lhs_spec)
-        copied = copied_operands(node)
-        if self.xla_cpu:  # the batch's copy: from the step's start (`early_copies`)
-            early = [v for v in copied if v in self.trace.inputs]
-            self.early_copies[node.index] = sum(self.bytes(v) for v in early)
-            copied = [v for v in copied if v not in early]
-        copies = sum(self.bytes(v) for v in copied)
+        copies = sum(self.bytes(v) for v in copied_operands(node) if not self._early(v))
         if tuple(numbers.out_spec[:2]) != (0, rank - 1):
             copies += self.bytes(node.outputs[0])
+        return copies
+
+    def _width(self, dtype: str) -> int:
+        """Bytes an element of `dtype` takes in a buffer: four for half precision on XLA:CPU."""
+        return 4 if self.xla_cpu and dtype in HALF_PRECISION else itemsize(dtype)
+
+    def _early(self, value: int) -> bool:
+        """Whether XLA:CPU copies `value`, read by a convolution, as soon as the step starts: the batch."""
+        return self.xla_cpu and value in self.trace.inputs
+
+    def _depthwise_gradient(self, node: Node) -> int:
+        """Bytes of XLA:CPU's scratch for a depthwise kernel's gradient, 0 for any other convolution.
+
+        XLA:CPU convolves densely, every channel of the device with every other (`C × kh × kw × C`),
+        then keeps the diagonal in a copy of as many bytes (MobileNetV2 on 2×4: two 2 MB buffers
+        for a 3×3 kernel of 240 channels a device; the walk had 0.71 of the compiled peak). The
+        device's C is the forward convolution's kernel's (`_grouped_splits`, recorded here): XLA
+        slices the gradient's operands there where the walk may see them whole.
+        """
+        numbers = node.params["dimension_numbers"]
+        out = self.trace.shapes[node.outputs[0]]
         groups = node.params.get("batch_group_count", 1)
-        features = numbers.out_spec[1]
-        if self.xla_cpu and groups > 1 and self.trace.shapes[node.outputs[0]][features] == groups:
-            # A depthwise kernel's gradient: XLA:CPU convolves densely, every channel with every other
-            # (`C × kh × kw × C` for the device's C channels), then keeps the diagonal in a copy of as
-            # many bytes (MobileNetV2 on 2×4: two 2 MB buffers for a 3×3 kernel of 240 channels a
-            # device; the walk had 0.71 of the compiled peak).
-            # The device's channels are the forward convolution's kernel's: XLA slices its operands
-            # there where the walk may see them whole (an input gradient summed over 'model').
-            pieces = self._grouped_splits.get((groups, self.trace.shapes[node.outputs[0]]), 1)
-            copies += 2 * self.bytes(node.outputs[0]) * (groups // pieces)
-        elif node.params.get("feature_group_count", 1) > 1 and node.inputs[1] >= 0:
+        if groups > 1 and out[numbers.out_spec[1]] == groups:
+            pieces = self._grouped_splits.get((groups, out), 1)
+            whole = math.prod(out) * self._width(self.trace.dtypes[node.outputs[0]])
+            return 2 * (whole // pieces) * (groups // pieces)
+        if node.params.get("feature_group_count", 1) > 1 and node.inputs[1] >= 0:
             kernel = self.spec.get(node.inputs[1]) or _none(self.trace.shapes[node.inputs[1]])
             pieces = math.prod(self.sizes[a] for a in kernel[numbers.rhs_spec[0]])
             key = (node.params["feature_group_count"], self.trace.shapes[node.inputs[1]])
             self._grouped_splits[key] = max(self._grouped_splits.get(key, 1), pieces)
-        return copies
+        return 0
 
     def _valid(self, spec: Spec, shape: tuple[int, ...]) -> Spec:
         """`spec` with each axis used once, only where it divides its dimension or is split over it whole.
