@@ -357,6 +357,7 @@ PLANNER_ORDER = [
     "_embeddings",
     "_experts",
     "_convs",
+    "_conv_regions",
     "_lora",
     "_quantized",
     "_batch_gathers",

@@ -21,11 +21,16 @@ compiled HLO):
   replicated). Under the 2-D layout XLA was seen to reduce some of them
   whole and some split; the 2-D layout's bytes are not checked yet.
 
+- a lone grouped convolution's channel-split region (`_conv_regions`), measured on
+  keras.applications ConvNeXtTiny (32 × 32) and Xception (71 × 71): see
+  `ConvCosts.region_traffic`.
+
 Partial sums travel in float32, as for projections (`Bytes._summed`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import keras
@@ -33,6 +38,7 @@ import keras
 from .. import _compat
 from ..report._collectives import wire_bytes
 from ._candidates import Bytes, Candidate, add_wire, candidate, nbytes, plus_wire
+from ._conv_regions import Region, channel_region, split_kind
 from ._convs import CONV, conv_kernel
 from ._grower import ELEMENTWISE
 
@@ -73,7 +79,7 @@ class ConvCosts(Bytes):
                         self.model_axis,
                         wire_bytes("all-reduce", self._summed(self.trace.shapes[out], dtype), self.m),
                     )
-                    if lone and not self._no_gradient(lhs):
+                    if lone and not self._no_gradient(lhs) and lhs not in self.region.values:
                         gathered = self._activation(self.trace.shapes[lhs], dtype)
                         add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
                         self._split_before(lhs, wire)
@@ -235,3 +241,136 @@ class ConvCosts(Bytes):
         whole = sum(self.batch_norm_stats(layer, 1) for layer in norms)
         wire = plus_wire(replicated.wire, self.batch_axis, whole)
         return candidate("replicated", replicated.axes, replicated.state, wire)
+
+    # -- a lone grouped convolution's channel-split region (`_conv_regions`) -----------------
+
+    @functools.cached_property
+    def region(self) -> Region:
+        """The values XLA keeps split on their channels around the lone grouped convolutions."""
+        seeds = []
+        for node in self.trace.nodes:
+            if node.primitive != CONV or node.params["feature_group_count"] == 1:
+                continue
+            found = conv_kernel(self.trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[0], 1)
+            if found is not None and self.proposal.units.get(found[0]) in self.proposal.lone_grouped:
+                if self.model_axis in self.tp_axes.get(found[0], ()):
+                    seeds.append(node.index)
+        if not seeds:
+            return Region()
+        return channel_region(self.trace, seeds, lambda node: split_kind(node, self._kernel_axes))
+
+    @functools.cached_property
+    def _by_path(self) -> dict[str, keras.Variable]:
+        return {v.path: v for v in self.model.weights}
+
+    def _kernel_axes(self, node: object) -> tuple[int, int, int] | None:
+        """`(split, input-channel, output-channel)` dimensions of the kernel variable `node` reads."""
+        found = self._kernel_of(node)
+        if found is None:
+            return None
+        path, inner, outer = found
+        axes = self.tp_axes.get(path, ())
+        return (axes.index(self.model_axis) if self.model_axis in axes else -1), inner, outer
+
+    def _kernel_of(self, node: object) -> tuple[str, int, int] | None:
+        """`(path, input-channel dimension, output-channel dimension)` of the kernel `node` reads."""
+        if node.primitive == CONV:
+            rhs, spec = node.inputs[1], node.params["dimension_numbers"].rhs_spec
+            outer = conv_kernel(self.trace, rhs, spec[0], self.m)
+            inner = conv_kernel(self.trace, rhs, spec[1], self.m)
+            if outer is None:
+                return None
+            return outer[0], (inner[1] if inner is not None else -2), outer[1]
+        (_, rhs_contracted), (_, rhs_batch) = node.params["dimension_numbers"]
+        found = self.trace.weight_of(node.inputs[1])
+        if found is None or len(rhs_contracted) != 1:
+            return None
+        path, perm = found
+        rank = len(self.trace.shapes[node.inputs[1]])
+        free = [i for i in range(rank) if i not in rhs_contracted and i not in rhs_batch]
+        if len(free) != 1:
+            return None
+        mapped = (lambda d: perm[d]) if perm is not None else (lambda d: d)
+        return path, mapped(rhs_contracted[0]), mapped(free[0])
+
+    def region_traffic(self, wire: dict[str, float]) -> None:
+        """The collectives of the lone grouped convolutions' channel-split region, added to `wire`.
+
+        Measured on XLA:CPU (jax 0.10.2; keras.applications ConvNeXtTiny at 32 × 32 and Xception
+        at 71 × 71 on data=2 × model=4, `tests/test_conv_regions.py`):
+
+        - leaving it, a column (a kernel split on its output channels) all-gathers its input
+          forward; a whole kernel computes on the split input as a row end, its output
+          all-reduced and its kernel's gradient split, updated split and all-gathered after;
+        - entering it, the output gradient of a row end (or of a whole kernel) is all-gathered
+          backward; a whole kernel reading the model's input instead has its gradient split,
+          updated split and all-gathered after the update (ConvNeXt's stem);
+        - a gathered activation is gathered once more for the kernel gradient when the
+          convolution's input and output on each device together outnumber its kernel's
+          elements (ConvNeXt's first stage: 512 rows of 96 → 384 channels; not its second, 128
+          rows of 192 → 768; Xception's entry blocks and its 1 × 1 shortcut of stride 2 from 648
+          rows of 256 to 200 of 728, not its middle blocks; `_split_before`'s rule for a 1 × 1
+          convolution keeping its channels);
+        - each reduction over the channels (a layer norm's two means and its variance) is
+          all-reduced forward, and once backward;
+        - each channel-wise weight the region meets (a bias, a norm's scale and offset, a layer
+          scale, a batch norm's, whose batch statistics are then summed over the batch axis on
+          1/model of the channels) is updated split and all-gathered after the update with its
+          optimizer slots (its gradient summed over the batch axis in those shards), a batch
+          norm's moving statistics once.
+        """
+        region = self.region
+        if not region.values:
+            return
+        gathered: set[int] = set()
+        for value, index in region.exits:
+            node = self.trace.nodes[index]
+            if value in gathered:
+                continue
+            gathered.add(value)
+            if split_kind(node, self._kernel_axes) == "" and self._kernel_of(node) is not None:
+                out = node.outputs[0]
+                summed = self._summed(self.trace.shapes[out], self.trace.dtypes[out])
+                add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
+                self._updated_split(self._kernel_of(node)[0], wire)
+                continue
+            self._gather_activation(value, node, wire)
+        for value, index in region.entries:
+            node = self.trace.nodes[index]
+            found = self._kernel_of(node)
+            whole = found is not None and split_kind(node, self._kernel_axes) == ""
+            if whole and self._no_gradient(node.inputs[0]):
+                self._updated_split(found[0], wire)
+            elif not self._no_gradient(value):
+                self._gather_activation(value, node, wire)
+        for reduced in region.reductions:
+            summed = self._summed(self.trace.shapes[reduced], self.trace.dtypes[reduced])
+            add_wire(wire, self.model_axis, 2 * wire_bytes("all-reduce", summed, self.m))
+        vectors = [p for p in region.vectors if not any(self.tp_axes.get(p, ()))]
+        for path in vectors:
+            self._updated_split(path, wire)
+        for layer in self.batch_norms():  # its moving statistics are among `vectors` (their update)
+            if any(v.path in vectors for v in (layer.gamma, layer.beta) if v is not None):
+                whole, split = self.batch_norm_stats(layer, 1), self.batch_norm_stats(layer, self.m)
+                add_wire(wire, self.batch_axis, split - whole)
+
+    def _gather_activation(self, value: int, node: object, wire: dict[str, float]) -> None:
+        """A region value all-gathered for `node`, once or twice (see `region_traffic`)."""
+        shape, dtype = self.trace.shapes[value], self.trace.dtypes[value]
+        found = self._kernel_of(node)
+        kernel = self._by_path.get(found[0]) if found else None
+        activations = sum(math.prod(self.trace.shapes[v]) for v in (node.inputs[0], node.outputs[0])) / self.d
+        times = 2 if kernel is not None and activations > math.prod(kernel.shape) else 1
+        gathered = wire_bytes("all-gather", self._activation(shape, dtype), self.m)
+        add_wire(wire, self.model_axis, times * gathered)
+
+    def _updated_split(self, path: str, wire: dict[str, float]) -> None:
+        """A whole weight updated in model-axis shards and all-gathered after, with its slots if trained."""
+        variable = self._by_path.get(path)
+        if variable is None:
+            return
+        trainable = any(v is variable for v in self.model.trainable_weights)
+        copies = 1 + self.memory.like_parameter if trainable else 1
+        add_wire(wire, self.model_axis, copies * wire_bytes("all-gather", nbytes(variable), self.m))
+        if trainable:  # its gradient summed over the batch axis in the same shards
+            add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m) - self._grad_sync(variable, 1))

@@ -366,3 +366,4 @@ def lone_grouped_convs(ledger: Ledger, setting: Setting) -> None:
         name = setting.display(path)
         axes = tuple(setting.axis if i == dim else None for i in range(len(variables[path].shape)))
         ledger.record(path, axes, _notes.conv_grouped_lone(name, setting.axis), unit=name, keep_split=True)
+        ledger.lone_grouped.add(name)

@@ -175,6 +175,7 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
         for crossed, item in self.sums.crossed:
             self._crossed_wire(crossed, item, fixed_wire)
         add_wire(fixed_wire, self.batch_axis, self.batch_norm_traffic())
+        self.region_traffic(fixed_wire)
         units.append(UnitCosts("(everything else)", (candidate("replicated", {}, fixed_state, fixed_wire),)))
         return units
 

@@ -48,6 +48,8 @@ class Proposal:
         expert_units: Units that are expert banks split on their expert dimension.
         conv_units: Units of convolutions split over their channels (`_convs`).
         lone_convs: Units of one convolution kernel split on its input channels alone (`_convs`).
+        lone_grouped: Units of one grouped convolution's kernel split on its channels alone
+            (`_convs.lone_grouped_convs`): the seeds of `_conv_regions`.
         input_convs: Units of one convolution reading the model's input, its output channels split
             and its output gathered (`_convs.input_convs`).
         expert_axis: The axis expert banks are split over when it is not the model axis (a mesh
@@ -68,6 +70,7 @@ class Proposal:
     expert_units: frozenset[str] = frozenset()
     conv_units: frozenset[str] = frozenset()
     lone_convs: frozenset[str] = frozenset()
+    lone_grouped: frozenset[str] = frozenset()
     input_convs: frozenset[str] = frozenset()
     expert_axis: str | None = None
     kept_split: frozenset[str] = frozenset()
@@ -160,6 +163,7 @@ class Ledger:
         self.expert_axis: str | None = None
         self.conv_units: set[str] = set()
         self.lone_convs: set[str] = set()
+        self.lone_grouped: set[str] = set()
         self.input_convs: set[str] = set()
 
     # -- writing --------------------------------------------------------------------------
@@ -280,6 +284,7 @@ class Ledger:
             expert_units=frozenset(self.expert_units),
             conv_units=frozenset(self.conv_units),
             lone_convs=frozenset(self.lone_convs),
+            lone_grouped=frozenset(self.lone_grouped),
             input_convs=frozenset(self.input_convs),
             expert_axis=self.expert_axis,
             kept_split=frozenset(p for p, d in variables if d.keep_split),
