@@ -305,12 +305,11 @@ class ConvCosts(Bytes):
         - entering it, the output gradient of a row end (or of a whole kernel) is all-gathered
           backward; a whole kernel reading the model's input instead has its gradient split,
           updated split and all-gathered after the update (ConvNeXt's stem);
-        - a gathered activation is gathered once more for the kernel gradient when the
-          convolution's input and output on each device together outnumber its kernel's
-          elements (ConvNeXt's first stage: 512 rows of 96 → 384 channels; not its second, 128
-          rows of 192 → 768; Xception's entry blocks and its 1 × 1 shortcut of stride 2 from 648
-          rows of 256 to 200 of 728, not its middle blocks; `_split_before`'s rule for a 1 × 1
-          convolution keeping its channels);
+        - a gathered activation is gathered once more, for the kernel gradient, when it holds more
+          than twice the elements of the kernel's shard (ConvNeXt's first stage, 512 rows of 96
+          channels a device against a 96 × 384 kernel over 4; not its second, 128 of 192 against
+          192 × 768; Xception's entry blocks, not its middle ones; `_split_before`'s rule for a
+          1 × 1 convolution keeping its channels is this one);
         - each reduction over the channels (a layer norm's two means and its variance) is
           all-reduced forward, and once backward;
         - each channel-wise weight the region meets (a bias, a norm's scale and offset, a layer
@@ -359,8 +358,8 @@ class ConvCosts(Bytes):
         shape, dtype = self.trace.shapes[value], self.trace.dtypes[value]
         found = self._kernel_of(node)
         kernel = self._by_path.get(found[0]) if found else None
-        activations = sum(math.prod(self.trace.shapes[v]) for v in (node.inputs[0], node.outputs[0])) / self.d
-        times = 2 if kernel is not None and activations > math.prod(kernel.shape) else 1
+        shard = math.prod(kernel.shape) / self.m if kernel is not None else math.inf
+        times = 2 if math.prod(shape) / self.d > 2 * shard else 1
         gathered = wire_bytes("all-gather", self._activation(shape, dtype), self.m)
         add_wire(wire, self.model_axis, times * gathered)
 
