@@ -118,6 +118,8 @@ SLOW: dict[str, tuple[str, ...]] = {
     # a keras-hub Llama planned and compiled once (7 s), and trained sharded and on one device (4 s)
     "test_grouped_kv.py": ("*",),
     "test_cli_light.py": ("test_the_package_itself_imports_neither_until_a_name_is_used",),  # imports Keras
+    # ConvNeXtTiny and Xception from keras.applications planned and compiled (12-13 s each)
+    "test_conv_regions.py": ("test_keras_applications_depthwise_convnets_send_what_is_predicted",),
     "test_convs.py": (  # convnets compiled, trained against one device, or keras.applications built
         "test_the_planner_never_leaves_a_depthwise_conv_to_be_miscompiled",
         "test_fit_warns_when_it_starts_on_a_grouped_conv_of_the_users_own_layout",
