@@ -296,6 +296,14 @@ def conv_lone(kernel: str, axis: str) -> str:
     )
 
 
+def conv_lone_concatenated(kernel: str, axis: str) -> str:
+    return (
+        f"replicated: {kernel} reads a concatenation of feature maps; split on its input channels over "
+        f"{axis!r}, XLA would carry the split back into every map the concatenation joins and reshuffle "
+        "them each step (all-to-alls and permutes)"
+    )
+
+
 def conv_grouped_lone(kernel: str, axis: str) -> str:
     return (
         f"grouped conv, channels split over {axis!r}, no unit: {kernel}; XLA splits the values around it "
