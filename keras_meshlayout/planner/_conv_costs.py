@@ -11,19 +11,19 @@ compiled HLO):
   model's input; a grouped or depthwise convolution inside the unit sends
   nothing;
 - a lone convolution split on its input channels: its output all-reduced
-  over the model axis forward, its input gradient (split over the channels)
-  all-gathered backward; the bias and batch norm before it computed split and
-  all-gathered after the update (`ConvCosts._split_before`);
+  over the model axis forward; XLA holds the values its input is computed from
+  channel-wise split too, a region (`_conv_regions`) costed with the lone
+  convolution's split: its input gradient gathered where the region begins, the
+  bias and batch norm before it updated split and gathered after;
+- a lone grouped convolution's region, the same way, costed with every plan
+  (`_convs.lone_grouped_convs` leaves none whole); measured on keras.applications
+  ConvNeXtTiny (32 × 32) and Xception (71 × 71): see `ConvCosts.region_traffic`;
 - batch normalisation in training: its batch statistics, per channel, summed
   over the batch axis, twice forward and twice backward, at the size each
   device holds (1/model of the channels in a unit), costed with the unit
   whose channels it normalises (whole when the search leaves that unit
   replicated). Under the 2-D layout XLA was seen to reduce some of them
   whole and some split; the 2-D layout's bytes are not checked yet.
-
-- a lone grouped convolution's channel-split region (`_conv_regions`), measured on
-  keras.applications ConvNeXtTiny (32 × 32) and Xception (71 × 71): see
-  `ConvCosts.region_traffic`.
 
 Partial sums travel in float32, as for projections (`Bytes._summed`).
 """
@@ -40,7 +40,6 @@ from ..report._collectives import wire_bytes
 from ._candidates import Bytes, Candidate, add_wire, candidate, nbytes, plus_wire
 from ._conv_regions import Region, channel_region, split_kind
 from ._convs import CONV, conv_kernel
-from ._grower import ELEMENTWISE
 
 __all__ = ["ConvCosts"]
 
@@ -79,10 +78,8 @@ class ConvCosts(Bytes):
                         self.model_axis,
                         wire_bytes("all-reduce", self._summed(self.trace.shapes[out], dtype), self.m),
                     )
-                    if lone and not self._no_gradient(lhs) and lhs not in self.region.values:
-                        gathered = self._activation(self.trace.shapes[lhs], dtype)
-                        add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
-                        self._split_before(lhs, wire)
+                    if lone:  # the channel-split region its input seeds, when it is that region's owner
+                        self.region_traffic(wire, owner=self.proposal.units.get(variable.path))
                 elif not self._no_gradient(lhs):
                     summed = self._summed(self.trace.shapes[lhs], dtype)
                     add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
@@ -116,94 +113,6 @@ class ConvCosts(Bytes):
         padding) gets no input gradient, as one reading the batch itself.
         """
         return self.trace.from_input(value) or value not in self.trace.trained
-
-    def _split_before(self, lhs: int, wire: dict[str, float]) -> None:
-        """What a lone convolution's input-channel split does to the layer before it.
-
-        Measured on XLA:CPU (ResNet50, keras-hub ResNet, probes of conv → batch norm →
-        ReLU → lone conv): XLA computes the channel-wise weights between the
-        convolution that writes the lone convolution's input and the lone convolution
-        (a bias, a batch norm) split over the model axis, as the lone convolution
-        reads that input, and all-gathers each of them (with its optimizer slots, a
-        batch norm's moving statistics once) after the update. The weights after the
-        lone convolution's own all-reduce stay whole and send nothing.
-
-        When a convolution not reading the model's input writes that input, its
-        output gradient (gathered for it) is gathered twice, once for its input
-        gradient and once for its kernel's, when the rows each device holds
-        (batch × spatial positions) outnumber half the channels: probed with a 1 × 1
-        convolution of 16 to 512 channels over 16 to 1,024 rows per device (twice at
-        64 rows of 96 or 112 channels, once at 64 of 128 and 256 of 512); the two
-        gathers differ only in how their device groups are written, so XLA keeps both.
-        """
-        found, ends = self._channelwise_before(lhs)
-        if found and any(self._gathered_twice(node, lhs) for node in ends):
-            gathered = self._activation(self.trace.shapes[lhs], self.trace.dtypes[lhs])
-            add_wire(wire, self.model_axis, wire_bytes("all-gather", gathered, self.m))
-        variables = {v.path: v for v in self.model.weights}
-        for layer in self.batch_norms():
-            if any(v.path in found for v in layer.weights):
-                found.extend(v.path for v in layer.weights if v.path not in found)
-        trainable = {v.path for v in self.model.trainable_weights}
-        for path in found:
-            variable = variables.get(path)
-            if variable is None or any(self.tp_axes.get(path, ())):
-                continue
-            copies = 1 + self.memory.like_parameter if path in trainable else 1
-            add_wire(wire, self.model_axis, copies * wire_bytes("all-gather", nbytes(variable), self.m))
-
-    def _gathered_twice(self, node: object, lhs: int) -> bool:
-        """Whether convolution `node`'s output gradient is gathered twice (see `_split_before`)."""
-        if node.primitive != CONV or self._no_gradient(node.inputs[0]):
-            return False
-        shape = self.trace.shapes[lhs]
-        channels = shape[node.params["dimension_numbers"].out_spec[1]]
-        return 2 * math.prod(shape) / channels / self.d > channels
-
-    def _channelwise_before(self, value: int) -> tuple[list[str], list[object]]:
-        """The variables combined element-wise into `value`, and the operations before that are not."""
-        found: list[str] = []
-        ends: list[object] = []
-        stack, seen = [value], set()
-        while stack:
-            current = stack.pop()
-            index = self.trace.producer.get(current)
-            if current in seen or index is None:
-                continue
-            if self.trace.nodes[index].primitive not in ELEMENTWISE:
-                ends.append(self.trace.nodes[index])
-                continue
-            seen.add(current)
-            for operand in self.trace.nodes[index].inputs:
-                if operand < 0:
-                    continue
-                leaves = self._weights_of(operand)
-                if leaves:
-                    found.extend(p for p in leaves if p not in found)
-                else:
-                    stack.append(operand)
-        return found, ends
-
-    def _weights_of(self, value: int, limit: int = 64) -> list[str]:
-        """Variables `value` is computed from with no activation (none if it reads one, or past `limit`)."""
-        leaves: list[str] = []
-        stack, seen = [value], set()
-        while stack and len(seen) < limit:
-            current = stack.pop()
-            if current < 0 or current in seen:
-                continue
-            seen.add(current)
-            if current in self.trace.variables:
-                leaves.append(self.trace.variables[current])
-                continue
-            index = self.trace.producer.get(current)
-            if index is None:
-                return []  # a model input: an activation, not a weight
-            node = self.trace.nodes[index]
-            if node.primitive not in ELEMENTWISE and node.primitive not in ("broadcast_in_dim", "reshape"):
-                return []
-            stack.extend(node.inputs)
-        return [] if stack else leaves
 
     def batch_norms(self) -> list[keras.layers.BatchNormalization]:
         """The model's trainable batch norms (their statistics are summed over the batch axis in training)."""
@@ -242,22 +151,39 @@ class ConvCosts(Bytes):
         wire = plus_wire(replicated.wire, self.batch_axis, whole)
         return candidate("replicated", replicated.axes, replicated.state, wire)
 
-    # -- a lone grouped convolution's channel-split region (`_conv_regions`) -----------------
+    # -- channel-split regions (`_conv_regions`) ---------------------------------------------
 
     @functools.cached_property
-    def region(self) -> Region:
-        """The values XLA keeps split on their channels around the lone grouped convolutions."""
-        seeds = []
+    def regions(self) -> tuple[tuple[Region, str | None], ...]:
+        """The channel-split regions (`_conv_regions`) and the unit each is costed with.
+
+        The lone grouped convolutions' region together, costed with every plan (no plan leaves
+        them whole); then, for each lone convolution whose input no earlier region holds, the
+        region its input seeds, costed with its unit's split (whole, it has none).
+        """
+        grouped, lone = [], []
         for node in self.trace.nodes:
-            if node.primitive != CONV or node.params["feature_group_count"] == 1:
+            if node.primitive != CONV:
                 continue
             found = conv_kernel(self.trace, node.inputs[1], node.params["dimension_numbers"].rhs_spec[0], 1)
-            if found is not None and self.proposal.units.get(found[0]) in self.proposal.lone_grouped:
-                if self.model_axis in self.tp_axes.get(found[0], ()):
-                    seeds.append(node.index)
-        if not seeds:
-            return Region()
-        return channel_region(self.trace, seeds, lambda node: split_kind(node, self._kernel_axes))
+            if found is None or self.model_axis not in self.tp_axes.get(found[0], ()):
+                continue
+            unit = self.proposal.units.get(found[0])
+            if unit in self.proposal.lone_grouped:
+                grouped.append(node.index)
+            elif unit in self.proposal.lone_convs and not self._no_gradient(node.inputs[0]):
+                lone.append((node.index, unit))
+        kind = functools.partial(split_kind, kernel_axes=self._kernel_axes)
+        found: list[tuple[Region, str | None]] = []
+        held: set[int] = set()
+        if grouped:
+            found.append((channel_region(self.trace, grouped, kind), None))
+            held.update(found[-1][0].values)
+        for index, unit in lone:
+            if self.trace.nodes[index].inputs[0] not in held:
+                found.append((channel_region(self.trace, (), kind, inputs=(index,)), unit))
+                held.update(found[-1][0].values)
+        return tuple(found)
 
     @functools.cached_property
     def _by_path(self) -> dict[str, keras.Variable]:
@@ -293,8 +219,8 @@ class ConvCosts(Bytes):
         mapped = (lambda d: perm[d]) if perm is not None else (lambda d: d)
         return path, mapped(rhs_contracted[0]), mapped(free[0])
 
-    def region_traffic(self, wire: dict[str, float]) -> None:
-        """The collectives of the lone grouped convolutions' channel-split region, added to `wire`.
+    def region_traffic(self, wire: dict[str, float], owner: str | None = None) -> None:
+        """The collectives of the channel-split regions costed with `owner` (`regions`), added to `wire`.
 
         Measured on XLA:CPU (jax 0.10.2; keras.applications ConvNeXtTiny at 32 × 32 and Xception
         at 71 × 71 on data=2 × model=4, `tests/test_conv_regions.py`):
@@ -308,8 +234,10 @@ class ConvCosts(Bytes):
         - a gathered activation is gathered once more, for the kernel gradient, when it holds more
           than twice the elements of the kernel's shard (ConvNeXt's first stage, 512 rows of 96
           channels a device against a 96 × 384 kernel over 4; not its second, 128 of 192 against
-          192 × 768; Xception's entry blocks, not its middle ones; `_split_before`'s rule for a
-          1 × 1 convolution keeping its channels is this one);
+          192 × 768; Xception's entry blocks, not its middle ones; probed before on a 1 × 1
+          convolution of 16 to 512 channels over 16 to 1,024 rows a device, twice at 64 rows of 96
+          or 112 channels, once at 64 of 128 and 256 of 512), on a mesh splitting the batch:
+          on `data=1` never (ConvNeXtTiny on 1×8, 21 times its shard);
         - each reduction over the channels (a layer norm's two means and its variance) is
           all-reduced forward, and once backward;
         - each channel-wise weight the region meets (a bias, a norm's scale and offset, a layer
@@ -318,9 +246,11 @@ class ConvCosts(Bytes):
           optimizer slots (its gradient summed over the batch axis in those shards), a batch
           norm's moving statistics once.
         """
-        region = self.region
-        if not region.values:
-            return
+        for region, unit in self.regions:
+            if unit == owner:
+                self._region_traffic(region, wire)
+
+    def _region_traffic(self, region: Region, wire: dict[str, float]) -> None:
         gathered: set[int] = set()
         for value, index in region.exits:
             node = self.trace.nodes[index]
@@ -345,6 +275,10 @@ class ConvCosts(Bytes):
         for reduced in region.reductions:
             summed = self._summed(self.trace.shapes[reduced], self.trace.dtypes[reduced])
             add_wire(wire, self.model_axis, 2 * wire_bytes("all-reduce", summed, self.m))
+        for index in region.kernels:
+            found = self._kernel_of(self.trace.nodes[index])
+            if found is not None:
+                self._updated_split(found[0], wire)
         vectors = [p for p in region.vectors if not any(self.tp_axes.get(p, ()))]
         for path in vectors:
             self._updated_split(path, wire)
@@ -359,7 +293,7 @@ class ConvCosts(Bytes):
         found = self._kernel_of(node)
         kernel = self._by_path.get(found[0]) if found else None
         shard = math.prod(kernel.shape) / self.m if kernel is not None else math.inf
-        times = 2 if math.prod(shape) / self.d > 2 * shard else 1
+        times = 2 if self.d > 1 and math.prod(shape) / self.d > 2 * shard else 1
         gathered = wire_bytes("all-gather", self._activation(shape, dtype), self.m)
         add_wire(wire, self.model_axis, times * gathered)
 

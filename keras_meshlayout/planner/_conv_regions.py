@@ -6,9 +6,10 @@ halves of Xception's separable convolutions) computes on its own channels, and X
 sharding propagation carries that split, both ways, to every value joined to it by
 channel-wise operations: element-wise arithmetic, a bias, a norm's scale and offset,
 pooling and padding over the other dimensions. ConvNeXt's residual stream is held split over the
-model axis from one stage's first block to its last. `channel_region` finds those values
-and where the region meets the rest of the step; `_conv_costs.ConvCosts.region_traffic`
-costs it.
+model axis from one stage's first block to its last. A lone convolution split on its input
+channels alone (`_convs.lone_convs`: ConvNeXt's downsampling, a ResNet's middle 3 × 3) does the
+same to the values its input is computed from. `channel_region` finds those values and where
+the region meets the rest of the step; `_conv_costs.ConvCosts.region_traffic` costs it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class Region:
             is not split on its output channels (its output is whole).
         reductions: The results of reductions over the channels (a norm's statistics).
         vectors: Channel-wise weights the region's values are combined with.
+        kernels: Grouped convolutions with their kernel whole that read a region value: XLA
+            computes them on the region's channels.
     """
 
     values: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -47,6 +50,7 @@ class Region:
     entries: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     reductions: list[int] = dataclasses.field(default_factory=list)
     vectors: list[str] = dataclasses.field(default_factory=list)
+    kernels: list[int] = dataclasses.field(default_factory=list)
 
 
 def split_kind(node: Node, kernel_axes: Callable[[Node], tuple[int, int, int] | None]) -> str:
@@ -61,8 +65,11 @@ def split_kind(node: Node, kernel_axes: Callable[[Node], tuple[int, int, int] | 
     return "in" if split == inner else "out" if split == outer else ""
 
 
-def channel_region(trace: Trace, seeds: Iterable[int], kind_of: Callable[[Node], str]) -> Region:
-    """The region around the convolution nodes `seeds`, `kind_of(node)` as `split_kind` says."""
+def channel_region(
+    trace: Trace, seeds: Iterable[int], kind_of: Callable[[Node], str], inputs: Iterable[int] = ()
+) -> Region:
+    """The region around the convolution nodes `seeds` (their input and output) and `inputs` (their
+    input alone: a lone convolution split on its input channels), `kind_of(node)` as `split_kind` says."""
     region = Region()
     seeds = set(seeds)
     queue: list[tuple[int, int]] = []
@@ -70,6 +77,9 @@ def channel_region(trace: Trace, seeds: Iterable[int], kind_of: Callable[[Node],
         node = trace.nodes[index]
         numbers = node.params["dimension_numbers"]
         queue += [(node.outputs[0], numbers.out_spec[1]), (node.inputs[0], numbers.lhs_spec[1])]
+    for index in inputs:
+        node = trace.nodes[index]
+        queue.append((node.inputs[0], node.params["dimension_numbers"].lhs_spec[1]))
     while queue:
         value, dim = queue.pop()
         if value < 0 or value in region.values or trace.from_input(value):
@@ -82,6 +92,7 @@ def channel_region(trace: Trace, seeds: Iterable[int], kind_of: Callable[[Node],
             if index not in seeds:
                 queue += _forward(trace, trace.nodes[index], value, dim, kind_of, region)
     region.vectors = list(dict.fromkeys(region.vectors))
+    region.kernels = list(dict.fromkeys(region.kernels))  # met from its input and from its output
     return region
 
 
@@ -89,10 +100,13 @@ def _backward(trace: Trace, node: Node, value: int, dim: int, kind_of, region: R
     """What `value`'s split reaches through the node writing it."""
     shape = trace.shapes[value]
     if node.primitive in (CONV, "dot_general"):
-        if kind_of(node) not in ("out", "grouped"):
-            region.entries.append((value, node.index))
-        elif node.primitive == CONV:
+        kind = kind_of(node)
+        if node.primitive == CONV and node.params["feature_group_count"] > 1 and kind in ("grouped", ""):
+            if kind == "":  # its kernel whole: computed on the region's channels, updated split
+                region.kernels.append(node.index)
             return [(node.inputs[0], node.params["dimension_numbers"].lhs_spec[1])]
+        if kind != "out":
+            region.entries.append((value, node.index))
         return []
     if node.primitive in REDUCTIONS and node.primitive.startswith("reduce_"):
         axes = tuple(node.params["axes"])
@@ -120,7 +134,9 @@ def _forward(trace: Trace, node: Node, value: int, dim: int, kind_of, region: Re
         kind = kind_of(node)
         if node.inputs[0] != value and node.primitive == CONV:
             return []  # a kernel computed from the region: not seen in these models
-        if kind == "grouped":
+        if node.primitive == CONV and node.params["feature_group_count"] > 1 and kind in ("grouped", ""):
+            if kind == "":
+                region.kernels.append(node.index)
             return [(node.outputs[0], node.params["dimension_numbers"].out_spec[1])]
         if kind != "in":
             region.exits.append((value, node.index))
