@@ -98,7 +98,9 @@ def test_a_convnext_like_block_sends_what_its_region_predicts(shape):
 def test_keras_applications_depthwise_convnets_send_what_is_predicted(name, size, shape):
     """Exact on every axis (also ConvNeXtTiny at 64 × 64 on 4x2 and Xception on 2x4, measured):
     each stage's first blocks gather twice, where the gathered activation outgrows twice the
-    kernel's shard."""
+    kernel's shard. And the peak within 10%: Xception's 0.840 on 4x2 (under) before its pointwise
+    kernels' transposed copies were held from the forward pass (`_propagate.Specs._early`), 0.974
+    since (1.004 on 2x4, was 0.898); ConvNeXtTiny's 1.002."""
     build = functools.partial(
         getattr(keras.applications, name), weights=None, input_shape=(size, size, 3), classes=10
     )
@@ -106,7 +108,11 @@ def test_keras_applications_depthwise_convnets_send_what_is_predicted(name, size
     mesh = _mesh(shape)
     with kml.dry_build(build) as model:
         rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam")
-    assert_predicted_as_compiled(build, rules, kml.ModelParallel(mesh, rules), x, y)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = kml.compile_step(build, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
+    for axis, measured in step.comm.wire_bytes_by_axis.items():
+        assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(measured, rel=0.02), axis
+    assert 0.9 <= rules.cost.peak_bytes / step.peak_bytes <= 1.1, (rules.cost.peak_bytes, step.peak_bytes)
 
 
 def densenet_like(layers: int = 2, growth: int = 16) -> keras.Model:
