@@ -272,13 +272,18 @@ class Specs:
 
     def _kernel_path(self, value: int) -> str | None:
         """The variable `value` is (cast, transposed or reshaped at most), or `None`."""
+        found = self._variable_of(value, ("convert_element_type", "transpose", "reshape", "copy"))
+        return None if found is None else self.trace.variables[found]
+
+    def _variable_of(self, value: int, passes: tuple[str, ...]) -> int | None:
+        """The variable's value id `value` is, through the operations `passes` at most, or `None`."""
         while value not in self.trace.variables:
             index = self.trace.producer.get(value)
             node = None if index is None else self.trace.nodes[index]
-            if node is None or node.primitive not in ("convert_element_type", "transpose", "reshape", "copy"):
+            if node is None or node.primitive not in passes:
                 return None
             value = node.inputs[0]
-        return self.trace.variables[value]
+        return value
 
     def _summed_over_axis(self, node: Node, ins: list[Spec]) -> bool:
         (lc, rc), _ = node.params["dimension_numbers"]
@@ -321,13 +326,8 @@ class Specs:
 
     def _pointwise_kernel(self, value: int) -> bool:
         """Whether `value` is a variable of a 1 × 1 convolution's kernel, reversed or transposed at most."""
-        while value not in self.trace.variables:
-            index = self.trace.producer.get(value)
-            node = None if index is None else self.trace.nodes[index]
-            if node is None or node.primitive not in ("rev", "convert_element_type", "transpose", "reshape"):
-                return False
-            value = node.inputs[0]
-        shape = self.trace.shapes[value]
+        found = self._variable_of(value, ("rev", "convert_element_type", "transpose", "reshape"))
+        shape = () if found is None else self.trace.shapes[found]
         return len(shape) > 2 and math.prod(shape[:-2]) == 1
 
     def _depthwise_gradient(self, node: Node) -> int:
