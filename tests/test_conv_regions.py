@@ -36,8 +36,22 @@ def convnext_like(blocks: int = 2, channels: int = 32) -> keras.Model:
         y = L.Dense(4 * channels, activation="gelu", name=f"up{i}")(y)
         y = L.Dense(channels, name=f"down{i}")(y)
         x = L.Add(name=f"residual{i}")([x, y])
-    x = L.GlobalAveragePooling2D(name="pool")(x)
-    return keras.Model(images, L.Dense(10, name="head")(x), name="convnext_like")
+    return keras.Model(images, L.Dense(10, name="head")(L.GlobalAveragePooling2D(name="pool")(x)))
+
+
+def convnext_stages() -> keras.Model:
+    """Two ConvNeXt stages joined by its downsampling (a norm, a 2 × 2 convolution of stride 2)."""
+    images = keras.Input((8, 8, 3))
+    x = L.Conv2D(32, 2, strides=2, name="stem")(images)
+    for stage, channels in enumerate((32, 64)):
+        if stage:
+            x = L.LayerNormalization(epsilon=1e-6, name=f"downsample{stage}_norm")(x)
+            x = L.Conv2D(channels, 2, strides=2, name=f"downsample{stage}")(x)
+        y = L.DepthwiseConv2D(3, padding="same", name=f"dw{stage}")(x)
+        y = L.LayerNormalization(epsilon=1e-6, name=f"norm{stage}")(y)
+        y = L.Dense(4 * channels, activation="gelu", name=f"up{stage}")(y)
+        x = L.Add(name=f"residual{stage}")([x, L.Dense(channels, name=f"down{stage}")(y)])
+    return keras.Model(images, L.Dense(10, name="head")(L.GlobalAveragePooling2D(name="pool")(x)))
 
 
 def _batch(count: int = 16, shape: tuple[int, ...] = (8, 8, 3)) -> tuple[np.ndarray, np.ndarray]:
@@ -149,3 +163,20 @@ def test_a_convolution_reading_a_concatenation_stays_whole_and_the_step_sends_wh
     assert_predicted_as_compiled(
         densenet_like, rules, kml.ModelParallel(mesh, rules, replicate_below=0), x, y
     )
+
+
+@pytest.mark.parametrize("shape", ["1x8", "2x4"])
+def test_a_downsampling_convolution_split_alone_seeds_the_region_before_it(shape):
+    """On 1x8 nothing splits the depthwise kernels (nothing is summed over a batch axis of 1), yet
+    the downsampling convolution, split on its input channels alone, makes XLA hold the first
+    stage split over `model` (its depthwise convolution computed on split channels, its kernel
+    updated split); on 2x4 the depthwise convolutions' own region holds it already."""
+    x, y = _batch()
+    mesh = _mesh(shape)
+    with kml.dry_build(convnext_stages) as model:
+        rules = kml.auto_rules(model, mesh, replicate_below=0, batch=x, optimizer="adam")
+    axes = {"/".join(r.pattern.split("/")[-2:]): r.axes for r in rules.rules}
+    assert axes["downsample1/kernel"] == (None, None, "model", None)
+    assert ("model" in axes["dw0/kernel"]) == (shape == "2x4")
+    dist = kml.ModelParallel(mesh, rules, replicate_below=0)
+    assert_predicted_as_compiled(convnext_stages, rules, dist, x, y)
