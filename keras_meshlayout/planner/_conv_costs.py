@@ -189,6 +189,10 @@ class ConvCosts(Bytes):
     def _by_path(self) -> dict[str, keras.Variable]:
         return {v.path: v for v in self.model.weights}
 
+    @functools.cached_property
+    def _trainable_ids(self) -> frozenset[int]:
+        return frozenset(id(v) for v in self.model.trainable_weights)
+
     def _kernel_axes(self, node: object) -> tuple[int, int, int] | None:
         """`(split, input-channel, output-channel)` dimensions of the kernel variable `node` reads."""
         found = self._kernel_of(node)
@@ -257,11 +261,12 @@ class ConvCosts(Bytes):
             if value in gathered:
                 continue
             gathered.add(value)
-            if split_kind(node, self._kernel_axes) == "" and self._kernel_of(node) is not None:
+            found = self._kernel_of(node)
+            if found is not None and split_kind(node, self._kernel_axes) == "":
                 out = node.outputs[0]
                 summed = self._summed(self.trace.shapes[out], self.trace.dtypes[out])
                 add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
-                self._updated_split(self._kernel_of(node)[0], wire)
+                self._updated_split(found[0], wire)
                 continue
             self._gather_activation(value, node, wire)
         for value, index in region.entries:
@@ -302,7 +307,7 @@ class ConvCosts(Bytes):
         variable = self._by_path.get(path)
         if variable is None:
             return
-        trainable = any(v is variable for v in self.model.trainable_weights)
+        trainable = id(variable) in self._trainable_ids
         copies = 1 + self.memory.like_parameter if trainable else 1
         add_wire(wire, self.model_axis, copies * wire_bytes("all-gather", nbytes(variable), self.m))
         if trainable:  # its gradient summed over the batch axis in the same shards
