@@ -38,6 +38,7 @@ __all__ = [
     "MemoryEstimate",
     "PlanEntries",
     "SlotModel",
+    "accumulates",
     "check_plan",
     "memory_of",
     "parse_bytes",
@@ -149,6 +150,21 @@ def slot_model(optimizer: Any) -> SlotModel:
     return SlotModel(
         like_parameter=round(slots / 16), factored=False, scalar_bytes=_scalar_bytes(fresh.variables)
     )
+
+
+def accumulates(optimizer: Any) -> bool:
+    """Whether `optimizer` accumulates gradients over steps (`gradient_accumulation_steps` above 1).
+
+    Its update is then a conditional (apply, or add to the accumulators) that the peak walk
+    counts (`planner._peak.peak_memory`); a name or `None` never accumulates.
+
+    Example:
+        >>> import keras
+        >>> accumulates(keras.optimizers.Adam(gradient_accumulation_steps=4)), accumulates("adam")
+        (True, False)
+    """
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    return isinstance(steps, int) and steps > 1
 
 
 def _scalar_bytes(variables: Any) -> int:

@@ -262,7 +262,7 @@ def plan_rules(
         sizes, reduced = mesh_axis_sizes(mesh), _peak.reduced_gather_bytes_of(mesh)
         again = recomputed_products(model, batch, trace)  # under remat (`_remat`)
         table = cost_units(model, ledger.proposal(), trace, sizes, optimizer, below, compiler, reduced, again)
-    step = _peak.PeakWalk.of(model, batch, mesh_axis_sizes(mesh), batch_axis, compiler, _peak.chip_of(mesh))
+    step = _peak.PeakWalk.of(model, batch, sizes, batch_axis, compiler, _peak.chip_of(mesh), optimizer)
     table, chosen, peak = _search_within_peak(table, budget, step, fully_sharded)
     _apply(ledger, table, chosen, budget is not None)
     rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy)

@@ -41,6 +41,7 @@ def transient_peak(
     gathered: frozenset[str] = frozenset(),
     chip: _tpu_memory.Chip = _tpu_memory.DEFAULT_CHIP,
     rows_moved: frozenset[str] = frozenset(),
+    update: int = 0,
 ) -> tuple[int, int]:
     """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
 
@@ -49,7 +50,8 @@ def transient_peak(
     the largest peak XLA:TPU keeps all on chip, `in_hbm`, and its vector memory, `_short_lived`);
     `rows_moved` the tables split over the batch axis whose looked-up rows move instead
     (`_tables_2d.BothAxesTables._moved_rows`): each device sums its own rows' gradient, in its
-    shard, with no all-reduce.
+    shard, with no all-reduce. `update` is what the optimizer's update holds beyond the gradients at
+    the end of the step (`_peak.accumulated_update`): on XLA:TPU it is in HBM, whatever stays on chip.
     """
     held = compiler != "tpu"
     # XLA:CPU computes bfloat16 in float32 and writes most of its buffers so: under
@@ -86,6 +88,7 @@ def transient_peak(
         # The gradients are summed over the batch axis into buffers of their own (one combined
         # all-reduce at the end of the backward pass, measured on XLA:CPU), before the update.
         _add(specs.scratch, end, sum(sizes[value] for value in summed))
+    _add(specs.scratch, end, update if held else 0)  # the update's own copies (XLA:TPU's: in HBM, below)
     if not held:
         for first, final, size in _windowed_operands(trace, specs, layouts, batch_axis, set(buffers)):
             _add(starts, first, size)
@@ -101,7 +104,7 @@ def transient_peak(
     vmem = 0 if held else chip.vmem
     peak = _sweep(starts, frees, end, _short_lived(trace, buffers, sizes, last, written, vmem), vmem)
     if not held:  # XLA:TPU keeps a step whose temporaries are small in on-chip memory, not HBM
-        peak = _tpu_memory.in_hbm(peak, chip.on_chip)
+        peak = _tpu_memory.in_hbm(peak, chip.on_chip) + update
     return peak, batch
 
 

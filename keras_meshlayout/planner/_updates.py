@@ -37,9 +37,9 @@ def warn_unpredicted_updates(model: keras.Model, rules: LayoutRules, optimizer: 
         warnings.warn(
             f"Muon orthogonalises each matrix's update whole (Newton-Schulz iterations): for the "
             f"{len(split)} kernel(s) this plan splits ({split[0]!r}...), XLA sends collectives in the "
-            "optimizer update at every iteration that rules.cost does not count (an MLP on 2x4: 13x "
-            "its predicted bytes). Compile the plan for the real figures: kml.compile_step, or "
-            "plan --compile.",
+            "optimizer update at every iteration, and holds the iterations' products, that rules.cost "
+            "does not count (an MLP on 2x4: 13x its predicted bytes, 3x its predicted peak). Compile "
+            "the plan for the real figures: kml.compile_step, or plan --compile.",
             MeshLayoutWarning,
             stacklevel=4,
         )

@@ -10,6 +10,7 @@ variable the sharding the distribution resolves for it, and compiles Keras's own
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -44,8 +45,12 @@ class CompiledStep(Displayed):
         output_bytes: Its outputs (the new state, the metrics).
         alias_bytes: Outputs written over donated inputs (the state, as `fit` donates it).
         temp_bytes: Temporaries: activations kept for the backward pass, gradients, workspace.
-        peak_bytes: `argument_bytes + output_bytes - alias_bytes + temp_bytes`, what one
-            device holds at most while the step runs: what XLA allocates for it.
+        unread_bytes: State the step never reads, which `jax.jit` drops from the executable (and
+            `memory_analysis()` from its arguments) while the device still holds it through the
+            step: Adafactor's velocity of a matrix, rewritten from its row and column statistics
+            each step, not updated from its old value.
+        peak_bytes: `argument_bytes + output_bytes - alias_bytes + temp_bytes + unread_bytes`,
+            what one device holds at most while the step runs.
         live_peak_bytes: On XLA:TPU, its own peak of the bytes live at once
             (`memory_analysis()`'s `peak_memory_in_bytes`, over HBM and the chip's vector
             memory together); `peak_bytes` far above it is how loosely the HBM heap is
@@ -62,6 +67,7 @@ class CompiledStep(Displayed):
     output_bytes: int
     alias_bytes: int
     temp_bytes: int
+    unread_bytes: int
     peak_bytes: int
     live_peak_bytes: int | None
     compile_seconds: float
@@ -76,6 +82,7 @@ class CompiledStep(Displayed):
             "output_bytes": self.output_bytes,
             "alias_bytes": self.alias_bytes,
             "temp_bytes": self.temp_bytes,
+            "unread_bytes": self.unread_bytes,
             "peak_bytes": self.peak_bytes,
             "live_peak_bytes": self.live_peak_bytes,
             "compile_seconds": self.compile_seconds,
@@ -164,8 +171,9 @@ def compile_step(
         >>> step = kml.compile_step(build, dist, x, jax.ShapeDtypeStruct((16, 512), "float32"))
         >>> step.platform, step.device_kind
         ('tpu', 'TPU v5 lite')
-        >>> step.peak_bytes == step.argument_bytes + step.output_bytes - step.alias_bytes + step.temp_bytes
-        True
+        >>> parts = step.argument_bytes + step.output_bytes - step.alias_bytes + step.temp_bytes
+        >>> step.peak_bytes == parts + step.unread_bytes, step.unread_bytes
+        (True, 0)
     """
 
     started = time.perf_counter()
@@ -179,7 +187,7 @@ def compile_step(
                 with failing_on(model, {"x": x, "y": y}, _FIX):
                     _compat.symbolic_build(model, data)
                     # Traced in the scope too: the step reads the deferred variables' layouts.
-                    lowered, compiled = _lower(model, distribution, data)
+                    lowered, compiled, unread = _lower(model, distribution, data)
             comm = report_of(model, distribution.device_mesh, lowered, compiled)
     device = jax_device_grid(distribution.device_mesh).flat[0]
     memory = comm.memory
@@ -190,7 +198,8 @@ def compile_step(
         output_bytes=memory["outputs"],
         alias_bytes=memory["aliased"],
         temp_bytes=memory["temporaries"],
-        peak_bytes=memory["total"],
+        unread_bytes=unread,
+        peak_bytes=memory["total"] + unread,
         compile_seconds=time.perf_counter() - started,
         live_peak_bytes=memory["live_peak"] if device.platform == "tpu" else None,
         comm=comm,
@@ -213,8 +222,11 @@ def _compile_model(model: Any, chosen: Any, optimizer: Any, loss: Any) -> None:
         )
 
 
-def _lower(model: Any, distribution: Any, data: Any) -> tuple[Any, Any]:
-    """Keras's `train_step` lowered and compiled over abstract, sharded state; state donated as in `fit`."""
+def _lower(model: Any, distribution: Any, data: Any) -> tuple[Any, Any, int]:
+    """Keras's `train_step` lowered and compiled over abstract, sharded state; state donated as in `fit`.
+
+    Returns the lowered and compiled step and the per-device bytes of the state it never reads
+    (`CompiledStep.unread_bytes`)."""
     import jax
     import keras
 
@@ -245,7 +257,25 @@ def _lower(model: Any, distribution: Any, data: Any) -> tuple[Any, Any]:
     shardings = tuple([s.sharding for s in group] for group in state)
     step = jax.jit(model.train_step, donate_argnums=0, out_shardings=(None, shardings))
     lowered = step.lower(state, batch)
-    return lowered, lowered.compile()
+    compiled = lowered.compile()
+    return lowered, compiled, _unread_bytes(state, compiled)
+
+
+def _unread_bytes(state: Any, compiled: Any) -> int:
+    """Per-device bytes of the `state` leaves `compiled` does not take: `jax.jit` drops the arguments
+    its program never reads (their input sharding is `None`), the device still holds them."""
+    import jax
+    import numpy as np
+
+    kept = jax.tree.leaves(compiled.input_shardings[0][0], is_leaf=lambda s: s is None)
+    leaves = jax.tree.leaves(state)
+    if len(kept) != len(leaves):  # not the structure expected: count nothing rather than guess
+        return 0
+    return sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        for leaf, sharding in zip(leaves, kept, strict=True)
+        if sharding is None
+    )
 
 
 def _abstract(data: Any) -> Any:
