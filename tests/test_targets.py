@@ -483,9 +483,9 @@ def _windowed_mlp() -> WindowedMlp:
     lower = _compile._lower
 
     def keep(*args):
-        lowered, step = lower(*args)
+        lowered, step, unread = lower(*args)
         compiled.append(step)
-        return lowered, step
+        return lowered, step, unread
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_compile, "_lower", keep)
