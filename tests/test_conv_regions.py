@@ -7,7 +7,9 @@ block's. `planner/_conv_regions.py` finds that region, `ConvCosts.region_traffic
 Before, ConvNeXtTiny's model axis was predicted 0.600 of its compiled bytes and Xception's
 0.690 (2x4); both are exact since, on 2x4 and 4x2. A convolution reading a concatenation (a
 DenseNet's transition) is not split on its input channels at all: XLA would carry that split
-back into every feature map the concatenation joins and reshuffle them each layer.
+back into every feature map the concatenation joins and reshuffle them each layer; nor is one
+reading a token sequence laid out as an image (SegFormer's spatial reduction and patch merging):
+XLA would carry it back through the transformer stage's residual stream.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 from helpers import assert_predicted_as_compiled
@@ -180,3 +183,37 @@ def test_a_downsampling_convolution_split_alone_seeds_the_region_before_it(shape
     assert ("model" in axes["dw0/kernel"]) == (shape == "2x4")
     dist = kml.ModelParallel(mesh, rules, replicate_below=0)
     assert_predicted_as_compiled(convnext_stages, rules, dist, x, y)
+
+
+def mit() -> keras.Model:
+    """keras-hub's Mix Transformer (SegFormer's encoder), two small stages, under a pooled head."""
+    backbone = keras_hub.models.MiTBackbone(
+        layerwise_depths=[1, 1],
+        num_layers=2,
+        layerwise_num_heads=[1, 2],
+        layerwise_sr_ratios=[2, 1],
+        max_drop_path_rate=0.0,
+        layerwise_patch_sizes=[7, 3],
+        layerwise_strides=[4, 2],
+        image_shape=(32, 32, 3),
+        hidden_dims=[32, 64],
+    )
+    pooled = L.GlobalAveragePooling2D()(backbone.output)  # its last stage laid out as an image
+    return keras.Model(backbone.input, L.Dense(10, name="head")(pooled), name="mit")
+
+
+@pytest.mark.parametrize("shape", ["2x4", "4x2"])
+def test_a_convolution_reading_a_token_sequence_stays_whole_and_the_step_sends_what_is_predicted(shape):
+    """Split on its input channels (a lone conv), the spatial-reduction and patch-merging convolutions
+    made XLA hold the first stage's residual stream split over `model`, its layer norms all-reduced
+    and every projection's input gathered, forward and backward (64 × 64 images on 2x4: `model`
+    0.489 of the compiled bytes, 3,013,056 a step; whole: exact, 1,179,648, 2.6x less)."""
+    x, y = _batch(shape=(32, 32, 3))
+    mesh = _mesh(shape)
+    with kml.dry_build(mit) as model:
+        rules = kml.auto_rules(model, mesh, replicate_below=0, batch=x, optimizer="adam")
+    convs = [r for r in rules.rules if "token sequence laid out as an image" in r.note]
+    assert [r.pattern.split("/")[0] for r in convs] == ["hierarchical_encoder_0_0", "patch_and_embed_1"]
+    assert all(r.axes == (None,) * 4 for r in convs), convs
+    assert rules.cost.layouts()["tensor-parallel"] >= 2  # the Mix-FFN pairs, their depthwise conv inside
+    assert_predicted_as_compiled(mit, rules, kml.ModelParallel(mesh, rules, replicate_below=0), x, y)

@@ -273,8 +273,9 @@ def lone_convs(ledger: Ledger, setting: Setting) -> None:
         if variable.shape[dim] % setting.size or math.prod(variable.shape) < setting.replicate_below:
             continue
         name = setting.display(variable.path)
-        if _concatenated(trace, reads[0][0].inputs[0]):
-            note = _notes.conv_lone_concatenated(name, setting.axis)
+        assembled = _assembled(trace, reads[0][0].inputs[0])
+        if assembled:
+            note = _notes.conv_lone_assembled(name, setting.axis, assembled)
             ledger.record(variable.path, (None,) * len(variable.shape), note)
             continue
         axes = tuple(setting.axis if i == dim else None for i in range(len(variable.shape)))
@@ -282,8 +283,9 @@ def lone_convs(ledger: Ledger, setting: Setting) -> None:
         ledger.lone_convs.add(name)
 
 
-def _concatenated(trace: Trace, value: int) -> bool:
-    """Whether `value` is a concatenation, through channel-wise operations (a batch norm, an activation)."""
+def _assembled(trace: Trace, value: int) -> str:
+    """How `value` is assembled, through channel-wise operations (a norm, an activation): `"concatenate"`
+    (feature maps joined), `"reshape"` (a token sequence laid out as an image), else `""`."""
     stack, seen = [value], set()
     while stack:
         current = stack.pop()
@@ -293,10 +295,14 @@ def _concatenated(trace: Trace, value: int) -> bool:
         seen.add(current)
         node = trace.nodes[index]
         if node.primitive == "concatenate":
-            return True
-        if node.primitive in ELEMENTWISE:
+            return "concatenate"
+        if node.primitive == "reshape" and len(trace.shapes[node.inputs[0]]) < len(trace.shapes[current]):
+            return "reshape"
+        if node.primitive == "pad":  # a convolution's own padding, spatial
+            stack.append(node.inputs[0])
+        elif node.primitive in ELEMENTWISE:
             stack.extend(v for v in node.inputs if v >= 0 and trace.shapes[v] == trace.shapes[current])
-    return False
+    return ""
 
 
 #: The Keras layers whose output `input_convs` can keep whole with a layer-output rule.

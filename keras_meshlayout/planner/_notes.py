@@ -296,11 +296,17 @@ def conv_lone(kernel: str, axis: str) -> str:
     )
 
 
-def conv_lone_concatenated(kernel: str, axis: str) -> str:
+def conv_lone_assembled(kernel: str, axis: str, how: str) -> str:
+    if how == "concatenate":
+        return (
+            f"replicated: {kernel} reads a concatenation of feature maps; split on its input channels over "
+            f"{axis!r}, XLA would carry the split back into every map the concatenation joins and reshuffle "
+            "them each step (all-to-alls and permutes)"
+        )
     return (
-        f"replicated: {kernel} reads a concatenation of feature maps; split on its input channels over "
-        f"{axis!r}, XLA would carry the split back into every map the concatenation joins and reshuffle "
-        "them each step (all-to-alls and permutes)"
+        f"replicated: {kernel} reads a token sequence laid out as an image; split on its input channels "
+        f"over {axis!r}, XLA would carry the split back through the stage's residual stream and gather it "
+        "for every projection reading it"
     )
 
 
