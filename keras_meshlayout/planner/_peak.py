@@ -266,7 +266,7 @@ def plan_peak(
     )
 
 
-def accumulated_update(gradients: int, compiler: str, arrays: float = 4.0) -> int:
+def accumulated_update(gradients: int, compiler: str, arrays: float) -> int:
     """What an optimizer accumulating gradients adds to the step's peak at its update, per device.
 
     Keras applies such an update as a conditional (apply the accumulated gradients, or add these to

@@ -103,6 +103,7 @@ class CompiledStep(Displayed):
             f"peak {format_bytes(self.peak_bytes)} (arguments {format_bytes(self.argument_bytes)}, outputs "
             f"{format_bytes(self.output_bytes)}, of which {format_bytes(self.alias_bytes)} over the donated "
             f"state, temporaries {format_bytes(self.temp_bytes)}"
+            + (f", state the step never reads {format_bytes(self.unread_bytes)}" if self.unread_bytes else "")
             + ("" if self.live_peak_bytes is None else f"; live at once {format_bytes(self.live_peak_bytes)}")
             + ")"
         )
