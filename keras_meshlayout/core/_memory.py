@@ -76,12 +76,20 @@ class SlotModel:
                 slots += [((), "int32", False)] * 2
         return slots
 
-    def state_bytes(self, shape: tuple[int, ...], dtype: str, shards: int, trainable: bool = True) -> int:
-        """Per-device bytes of a parameter split into `shards`, its gradient and its slots."""
+    def state_bytes(
+        self, shape: tuple[int, ...], dtype: str, shards: int, trainable: bool = True, slots: bool = True
+    ) -> int:
+        """Per-device bytes of a parameter split into `shards`, its gradient and its slots.
+
+        Without `slots`: a variable Keras's optimizers overwrite with its gradient (float8's scales
+        and amax histories, `overwrite_with_gradient`), which they keep no slots for.
+        """
         per_device = _nbytes(shape, dtype) // shards
         if not trainable:
             return per_device
         total = 2 * per_device
+        if not slots:
+            return total
         for slot_shape, slot_dtype, follows in self.slot_shapes(tuple(shape), dtype):
             size = _nbytes(slot_shape, slot_dtype)
             total += size // shards if follows else size

@@ -305,7 +305,8 @@ class Bytes(BatchGathers, ExpertGathers):
         return wire
 
     def _state(self, variable: keras.Variable, shards: int, trainable: bool) -> int:
-        return self.memory.state_bytes(tuple(variable.shape), str(variable.dtype), shards, trainable)
+        slots = not getattr(variable, "overwrite_with_gradient", False)  # float8's scales and histories
+        return self.memory.state_bytes(tuple(variable.shape), str(variable.dtype), shards, trainable, slots)
 
     def _activation(self, shape: Sequence[int], dtype: str) -> float:
         """Per-device bytes of an activation whose first dimension is the batch."""

@@ -86,8 +86,11 @@ class Specs:
         self.scratch: dict[int, int] = {}
         #: Per node, bytes of partial sums it writes before their all-reduce (XLA:CPU's second buffer).
         self.partial_sums: dict[int, int] = {}
-        #: The weights and what element-wise operations make of them alone (a broadcast scale, `1 + scale`).
-        self._of_weights: set[int] = set(trace.variables)
+        #: The weights, the constants and what element-wise operations make of them alone (a broadcast
+        #: scale, `1 + scale`, a kernel clipped to float8's range).
+        self._of_weights: set[int] = set(trace.variables) | {
+            value for value in trace.shapes if value not in trace.producer and value not in trace.inputs
+        }  # and the constants (float8's bounds), read as the weights are
         weights: dict[int, Spec] = {}
         for value, path in trace.variables.items():
             axes = layouts.get(path)
@@ -161,6 +164,8 @@ class Specs:
         ins = [self._input(v) for v in node.inputs]
         in_shapes = [shapes[v] if v >= 0 else () for v in node.inputs]
         name = node.primitive
+        if not any(v >= 0 for v in node.inputs):
+            self._of_weights.update(node.outputs)  # a constant (`iota`, a literal broadcast)
         if name in ELEMENTWISE or name in _REARRANGING:
             ins = self._activations_first(node, ins, in_shapes)
         if name == "dot_general":
@@ -212,7 +217,7 @@ class Specs:
         layer fully sharded on 2x4, 16 KiB buffers the walk had taken as 4 KiB); an operation of
         weights alone is one too (`_of_weights`)."""
         read = [v for v in node.inputs if v >= 0]
-        if read and all(v in self._of_weights for v in read):
+        if all(v in self._of_weights for v in read):
             self._of_weights.update(node.outputs)
             return ins
         if not any(v in self._of_weights for v in read):

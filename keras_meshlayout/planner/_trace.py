@@ -30,6 +30,10 @@ __all__ = ["LITERALS", "Node", "Trace", "Use", "trace_body", "trace_model", "tra
 LITERALS = "kml_literals"
 #: Operations a weight passes through unchanged on its way to being used (a cast under mixed precision).
 _PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
+#: Element-wise operations that scale or clip a weight by scalars on its way to being used, as float8's
+#: quantize-dequantize does (`quantize("float8")`: divided by its scale, clipped to float8's range, cast
+#: to float8 and back, multiplied by its scale): the projection still reads that weight.
+_SCALED = ("mul", "div", "max", "min", "clamp", "round")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +118,7 @@ class Trace:
         )
 
     def weight_of(self, value: int) -> tuple[str, tuple[int, ...]] | None:
-        """`(path, permutation)` when `value` is a variable, cast or transposed at most."""
+        """`(path, permutation)` when `value` is a variable, cast, transposed or scaled by scalars at most."""
         perm: tuple[int, ...] | None = None
         while value not in self.variables:
             node = self.producer.get(value)
@@ -124,11 +128,24 @@ class Trace:
             if op.primitive == "transpose":
                 inner = tuple(op.params["permutation"])
                 perm = inner if perm is None else tuple(inner[p] for p in perm)
+            elif op.primitive in _SCALED:
+                scaled = self.scaled(op)
+                if scaled is None:
+                    return None
+                value = scaled
+                continue
             elif op.primitive not in _PASS:
                 return None
             value = op.inputs[0]
         rank = len(self.shapes[value])
         return self.variables[value], perm if perm is not None else tuple(range(rank))
+
+    def scaled(self, node: Node) -> int | None:
+        """The one array `node` scales or clips by scalars (`_SCALED`), else `None`."""
+        if node.primitive not in _SCALED:
+            return None
+        arrays = [v for v in node.inputs if v >= 0 and self.shapes[v]]
+        return arrays[0] if len(arrays) == 1 else None
 
     def from_input(self, value: int) -> bool:
         """Whether `value` is one of the batch's arrays, cast at most."""

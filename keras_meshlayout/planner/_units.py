@@ -122,7 +122,12 @@ def find_added(trace: Trace, rows: list[int]) -> list[str]:
 
 
 def _uses_inside(trace: Trace, state: _State) -> bool:
-    """Whether every read of every member weight is one the unit accounted for."""
+    """Whether every read of every member weight is one the unit accounted for.
+
+    On its way to them a weight may be cast, transposed, or scaled and clipped by scalars (float8's
+    quantize-dequantize), and its absolute maximum taken (float8's amax history: all-reduced over
+    the split, one float32).
+    """
     for path in state.members:
         values = [v for v, name in trace.variables.items() if name == path]
         stack = list(values)
@@ -130,13 +135,26 @@ def _uses_inside(trace: Trace, state: _State) -> bool:
             value = stack.pop()
             for index in trace.consumers.get(value, ()):
                 node = trace.nodes[index]
-                if index in state.visited:
+                if index in state.visited or _absolute_maximum(trace, node):
                     continue
                 if node.primitive in ("convert_element_type", "copy", "copy_p", "transpose"):
                     stack.extend(node.outputs)
                     continue
+                if trace.scaled(node) == value:
+                    stack.extend(node.outputs)
+                    continue
                 return False
     return True
+
+
+def _absolute_maximum(trace: Trace, node) -> bool:
+    """Whether `node` takes an absolute value only read by maxima to a scalar."""
+    readers = [trace.nodes[i] for v in node.outputs for i in trace.consumers.get(v, ())]
+    return (
+        node.primitive == "abs"
+        and bool(readers)
+        and all(r.primitive == "reduce_max" and not trace.shapes[r.outputs[0]] for r in readers)
+    )
 
 
 def _name(members: tuple[Member, ...]) -> str:
