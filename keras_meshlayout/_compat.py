@@ -8,9 +8,8 @@ series in `pyproject.toml`).
 
 Keras's JAX trainer (predict/evaluate support, multi-process pacing):
 
-- `keras.src.backend.jax.trainer.JAXTrainer`: the class whose `fit`, `evaluate`,
-  `predict`, `train_on_batch`, `test_on_batch` and `predict_on_batch` every
-  `keras.Model` inherits on JAX. `kml` wraps them.
+- `keras.src.backend.jax.trainer.JAXTrainer`: the class whose `fit`, `evaluate`, `predict`,
+  `train_on_batch`, `test_on_batch` and `predict_on_batch` every `keras.Model` inherits on JAX.
 - `Variable._value`: the array a variable holds. Keras's trainer sets it to `None`
   while a loop runs ("purge", to save memory) and puts the values back only when the
   loop ends normally.
@@ -34,8 +33,7 @@ Keras's global state and distribution backend:
   every batch, and `initialize_rng`, the first collective of a multi-process run.
 - `Variable._layout`: the layout Keras gave an optimizer slot (its parameter's).
 - `Callback._model`: the model a callback is attached to, read without a state sync.
-- `Optimizer._overwrite_variable_with_gradient`: parameters an optimizer keeps no
-  slots for.
+- `Optimizer._overwrite_variable_with_gradient`: parameters an optimizer keeps no slots for.
 - `Layer._flatten_layers`, `Model._symbolic_build`, `Model._get_state_sharding_spec`:
   every sub-layer, a build on symbolic inputs, and the shardings of a model's state.
 - `Layer._remat_mode`: the `keras.RematScope` mode a layer was made in (`None` outside one).
@@ -47,15 +45,14 @@ Keras's global state and distribution backend:
   input structure, whether `call` takes `training`, and whether a tensor comes from a layer.
 - `Layer._inbound_nodes`, `KerasTensor._keras_history.operation`: the layers a layer of a
   functional model is called on, and the layer that made a tensor.
-- `Layer._trainable_variables`, `Layer._non_trainable_variables`: the variables a layer
-  created itself (not its sub-layers').
-- `LayoutMap._device_mesh`: the mesh a layout map was made with, read by `kml.LayoutRules`
-  (whose public `device_mesh` raises when unbound).
-- `ModelParallel._layout_map`: rebound when the Keras `LayoutMap` a `kml.ModelParallel` was
-  given changes.
+- `Layer._trainable_variables`, `Layer._non_trainable_variables`: a layer's own variables.
+- `LayoutMap._device_mesh`: a layout map's mesh, read by `kml.LayoutRules` (`device_mesh` may raise).
+- `ModelParallel._layout_map`: rebound when the `LayoutMap` a `kml.ModelParallel` was given changes.
 - `Layer.lora_enabled` (`Dense`, `EinsumDense`, `Embedding`): switched off while the planner
   traces a LoRA model, so that the trace reads each base kernel as a projection weight
   (`kernel` adds the adapters' product to it); the adapters follow their kernel's split.
+- `Dense._kernel`, `EinsumDense._kernel`, `Embedding._embeddings`: the variable a layer stores; an
+  int4 layer's `kernel` (`embeddings`) property unpacks it, replaced while the planner reads layers.
 - `TensorLayout._device_mesh`: set directly for a layout that splits one dimension over
   several mesh axes (an entry `("data", "model")`), which JAX's `PartitionSpec` takes but
   Keras 3.15's `TensorLayout` check of axis names refuses.
@@ -158,9 +155,7 @@ def set_raw_value(variable: Any, value: Any) -> None:
 def pending_state(model: Any) -> dict[str, Any] | None:
     """The state of the last completed step that the trainer has not written back, if any."""
     state = getattr(model, "_jax_state", None)
-    if not state or getattr(model, "_jax_state_synced", True):
-        return None
-    return state
+    return None if not state or getattr(model, "_jax_state_synced", True) else state
 
 
 def state_object(model: Any) -> Any:
@@ -235,6 +230,22 @@ def lora_off(model: Any) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.lora_enabled = True
+
+
+def stored_weight(layer: Any, name: str) -> Any:
+    """`layer._kernel` (`_embeddings`): the variable stored, which an int4 layer's `kernel` unpacks."""
+    return getattr(layer, f"_{name}", None)
+
+
+@contextlib.contextmanager
+def property_replaced(cls: type, name: str, read: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """Inside the block, `cls`'s property `name` reads `read(instance, Keras's own getter)`."""
+    own = cls.__dict__[name]
+    setattr(cls, name, property(lambda instance: read(instance, own.fget), own.fset))
+    try:
+        yield
+    finally:
+        setattr(cls, name, own)
 
 
 @contextlib.contextmanager
@@ -325,9 +336,8 @@ def variable_layout(variable: Any) -> Any:
 def tensor_layout(axes: tuple[Any, ...], mesh: Any) -> Any:
     """A `keras.distribution.TensorLayout` on `mesh`, whose entries may be tuples of axis names.
 
-    Keras checks each entry against the mesh's axis names, so `("data", "model")` fails
-    there although JAX's `PartitionSpec` takes it; such a layout is made without a mesh
-    and given it after. The caller has checked the names.
+    Keras refuses an entry `("data", "model")` that JAX's `PartitionSpec` takes: such a layout is
+    made without a mesh and given it after. The caller has checked the names.
     """
     import keras
 
@@ -340,10 +350,7 @@ def tensor_layout(axes: tuple[Any, ...], mesh: Any) -> Any:
 
 def give_layout_mesh(layout: Any, mesh: Any) -> None:
     """Sets the mesh of a `TensorLayout` made without one, as Keras's `LayoutMap` does."""
-    if any(isinstance(entry, tuple) for entry in layout.axes):
-        layout._device_mesh = mesh
-    else:
-        layout.device_mesh = mesh
+    setattr(layout, "_device_mesh" if any(isinstance(e, tuple) for e in layout.axes) else "device_mesh", mesh)
 
 
 def keeps_no_slots(optimizer: Any, variable: Any) -> bool:
@@ -407,10 +414,8 @@ def unbuilt_layers(model: Any) -> list[Any]:
 
 
 def build_layers(model: Any, batch: Any) -> None:
-    """Builds the layers of `model` left unbuilt by calling it on `batch`'s shapes, as `fit` would.
-
-    A subclassed model whose `build()` does not build its sub-layers has them built at its first
-    call; the planner must see their weights before it traces the model.
+    """Builds the layers of `model` left unbuilt by calling it on `batch`'s shapes, as `fit` would
+    (a subclassed model's `build()` may leave them to its first call): the planner reads their weights.
     """
     if not unbuilt_layers(model):
         return

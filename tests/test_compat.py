@@ -387,6 +387,23 @@ def _dce_jaxpr():
     assert len(jaxpr.eqns) == 1
 
 
+def _stored_int4_weights():
+    """An int4 layer's stored variable is the packed one its `kernel` property unpacks; replaced, the
+    property reads the stored one, and Keras's comes back after the block."""
+    dense, table = keras.layers.Dense(6), keras.layers.Embedding(8, 6)
+    dense.build((None, 4))
+    table.build((None,))
+    for layer, name in ((dense, "kernel"), (table, "embeddings")):
+        layer.quantize("int4")
+        stored, rows = _compat.stored_weight(layer, name), 8 if name == "embeddings" else 4
+        assert stored.dtype == "int8" and tuple(stored.shape) == (rows, 3)  # two columns a byte
+        assert tuple(getattr(layer, name).shape) == (rows, 6)  # unpacked
+        read = functools.partial(lambda one, own, n: _compat.stored_weight(one, n), n=name)
+        with _compat.property_replaced(type(layer), name, read):
+            assert getattr(layer, name) is stored
+        assert tuple(getattr(layer, name).shape) != tuple(stored.shape)
+
+
 #: (internal, what kml uses it for, check). One row per internal named in _compat's docstring.
 INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
     (
@@ -439,6 +456,7 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
     ("backend.compute_output_spec", "a lazy model's layers built as fit builds them", _compute_output_spec),
     ("Layer._trainable_variables/_non_trainable_variables", "a layer's own variables", _own_variables),
     ("Layer.lora_enabled", "a LoRA layer traced as its base kernel", _lora_enabled),
+    ("Dense._kernel/Embedding._embeddings", "an int4 layer's packed weight", _stored_int4_weights),
     ("Model._symbolic_build", "builds the optimizer as fit would", _symbolic_build),
     ("Model._get_state_sharding_spec", "the shardings of the model's state", _state_sharding_spec),
     (

@@ -340,6 +340,7 @@ def test_transformer_preset_norms_and_routers(path, note):
 # reads one way.
 PLANNER_ORDER = [
     "_memo",
+    "_unpacking",
     "_trace",
     "_batch_sums",
     "_scan",

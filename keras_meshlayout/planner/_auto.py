@@ -237,18 +237,18 @@ def plan_rules(
         model, model_axis, size, chosen_policy.replicate_below, batch_axis, trace, batch_size,
         expert, mesh_axis_sizes(mesh)[expert] if expert else 1,
     )  # fmt: skip
-    paths = tuple(v.path for v in model.weights)
-    shapes = {v.path: tuple(v.shape) for v in model.weights}
     ledger = Ledger(
         model.name,
         model_axis,
         batch_axis,
         auto_named(model),
-        paths,
+        tuple(v.path for v in model.weights),
         replicate_below=chosen_policy.replicate_below,
-        shapes=shapes,
+        shapes={v.path: tuple(v.shape) for v in model.weights},
+        packed=_quantized.packed_axes(model),
     )
-    with _compat.lora_off(model):  # LoRA layers read as their base kernel; `_lora` lays out the adapters
+    # LoRA layers read as their base kernel (`_lora` lays out the adapters), int4 ones as their packed one.
+    with _compat.lora_off(model), _quantized.stored_int4():
         for strategy in STRATEGIES:
             strategy(ledger, setting)
         if batch is None:

@@ -161,6 +161,14 @@ class Bytes(BatchGathers, ExpertGathers):
             for parts in map(_compat.lora_parts, _compat.lora_layers(model))
             if parts is not None
         }
+        #: Kernels whose layer quantizes its input per position (int8's `inputs_quantizer`; int4
+        #: and float8 have none): a row-parallel one all-reduces the input's absolute maximum.
+        self.quantized_inputs = frozenset(
+            kernel.path
+            for layer in _compat.sublayers(model)
+            if getattr(layer, "inputs_quantizer", None) is not None
+            and (kernel := _compat.stored_weight(layer, "kernel")) is not None
+        )
         #: Per weight path, the weights laid out as it (int8 scales, LoRA adapters) and how.
         self.followers = followers(model)
         self.following = frozenset(f.path for items in self.followers.values() for f, _ in items)

@@ -419,7 +419,7 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
                 if side == "row":
                     summed = wire_bytes("all-reduce", self._summed(output, dtype), self.m)
                     add_wire(wire, self.model_axis, times * summed)
-                    if str(kernel.dtype) == "int8":
+                    if kernel.path in self.quantized_inputs:
                         # Its input quantized per position over the split features: their absolute
                         # maximum all-reduced forward, one float32 per position (measured on XLA:CPU).
                         per_position = math.prod(output[:-1]) / self.d * 4

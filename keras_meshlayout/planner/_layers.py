@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import keras
@@ -22,13 +22,13 @@ __all__ = [
     "head_dim_index",
     "heads_dim",
     "idle_axes",
-    "int8_weights",
     "kernel_scale_axes",
     "kv_head_count",
     "labels",
     "lookup_table",
     "lora_axes",
     "owners",
+    "quantized_weights",
     "stored_weight",
     "tied_table",
 ]
@@ -121,7 +121,7 @@ def _kv_heads_dim(owner: Any, variable: Any, kv_heads: Mapping[str, int]) -> int
 
 def labels(layer: Any, variable: Any) -> str:
     """The einsum labels of an EinsumDense variable's dimensions."""
-    if variable is layer.kernel:
+    if variable.path == layer.kernel.path:  # an int4 kernel's `Int4Kernel` stands for the variable
         return layer.equation.split(",")[1].split("->")[0]
     bias_axes = getattr(layer, "bias_axes", None) or ""
     return bias_axes if len(bias_axes) == len(variable.shape) else ""
@@ -158,7 +158,7 @@ def lookup_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
     language-model head) is not either.
     """
     if isinstance(owner, keras.layers.Embedding):
-        if variable is not owner.embeddings:
+        if variable.path != owner.embeddings.path:  # an int4 table: its `Int4Kernel`
             return False
     elif owner is None or type(owner).__module__.startswith(("keras.", "keras_hub.")):
         return False
@@ -182,7 +182,7 @@ def tied_table(owner: Any, variable: Any, uses: tuple, size: int) -> bool:
     vocabulary), at least two reads in all, whose rows divide by `size`.
     """
     if isinstance(owner, keras.layers.Embedding):
-        if variable is not owner.embeddings:
+        if variable.path != owner.embeddings.path:  # an int4 table: its `Int4Kernel`
             return False
     elif owner is None or type(owner).__module__.startswith(("keras.", "keras_hub.")):
         return False
@@ -211,26 +211,32 @@ def stored_weight(variable: Any, followers: Any = ()) -> bool:
 Follow = Callable[[tuple], "tuple | None"]
 
 
-def int8_weights(layer: Any) -> list[tuple[Any, Any, Follow]]:
-    """`(int8 weight, its scale, how the scale's axes follow the weight's)` of a `quantize("int8")` layer.
+def quantized_weights(layer: Any) -> list[tuple[Any, Any, Follow]]:
+    """`(quantized weight, a weight of its quantization, how that one's axes follow the weight's)`.
 
-    Read from Keras's own list of what an int8 layer stores
-    (`variable_serialization_spec["int8"]`: `kernel` and `kernel_scale`,
-    `embeddings` and `embeddings_scale`, `reverse_embeddings` and its scale):
-    each weight whose scale the layer holds. A kernel's scale runs along its
-    output features (`kernel_scale_axes`), a look-up table's along its rows
-    (one scale per row), a reverse table's along its last dimension (the
-    logits it computes).
+    Read from Keras's own list of what a quantized layer stores
+    (`variable_serialization_spec`). int8 (`quantize("int8")`): `kernel` and
+    `kernel_scale`, `embeddings` and `embeddings_scale`, `reverse_embeddings`
+    and its scale. A kernel's scale runs along its output features
+    (`kernel_scale_axes`), a look-up table's along its rows (one scale per
+    row), a reverse table's along its last dimension (the logits it computes).
+    int4 (`quantize("int4")`): a kernel stored `(rows, ceil(columns / 2))` has a
+    scale and a zero point per column, `(columns,)` or per group of rows
+    `(groups, columns)`, laid out with its columns, and its rows' group
+    indices `g_idx`, with its rows; a table's scale and zero point run along
+    its rows.
     """
-    if getattr(layer, "quantization_mode", None) != "int8":
-        return []
-    spec = getattr(layer, "variable_serialization_spec", None) or {}
+    mode = getattr(layer, "quantization_mode", None)
+    spec = (getattr(layer, "variable_serialization_spec", None) or {}).get(mode, ())
     own = {variable.name: variable for variable in _compat.own_variables(layer)}
+    if mode == "int4":
+        return _int4_weights(layer, own, spec)
+    if mode != "int8":
+        return []
     found = []
-    for name in spec.get("int8", ()):
+    for name in spec:
         weight, scale = own.get(name), getattr(layer, f"{name}_scale", None)
-        stored = f"{name}_scale" in spec["int8"]
-        if weight is None or scale is None or str(weight.dtype) != "int8" or not stored:
+        if weight is None or scale is None or str(weight.dtype) != "int8" or f"{name}_scale" not in spec:
             continue
         if name == "kernel":
             follow: Follow = functools.partial(kernel_scale_axes, layer, scale)
@@ -241,6 +247,29 @@ def int8_weights(layer: Any) -> list[tuple[Any, Any, Follow]]:
             continue
         found.append((weight, scale, follow))
     return found
+
+
+def _int4_weights(layer: Any, own: Mapping[str, Any], spec: Sequence[str]) -> list[tuple[Any, Any, Follow]]:
+    found = []
+    for name, along in (("kernel", 1), ("embeddings", 0)):
+        weight = own.get(name)
+        if weight is None or name not in spec or len(weight.shape) != 2:
+            continue
+        for suffix in ("_scale", "_zero"):
+            other = own.get(f"{name}{suffix}")
+            if other is not None and 1 <= len(other.shape) <= 2:
+                # `(columns,)` / `(groups, columns)` with a kernel's columns; `(rows, ...)` with a table's.
+                last = len(other.shape) - 1 if along == 1 else 0
+                found.append((weight, other, functools.partial(_at, last, len(other.shape), along)))
+        groups = own.get("g_idx") if name == "kernel" else None
+        if groups is not None and len(groups.shape) == 1:
+            found.append((weight, groups, functools.partial(_at, 0, 1, 0)))
+    return found
+
+
+def _at(dim: int, rank: int, source: int, axes: tuple) -> tuple:
+    """Axes of rank `rank` whose dimension `dim` takes the weight's axes on its dimension `source`."""
+    return tuple(axes[source] if d == dim else None for d in range(rank))
 
 
 def _one_dim(dim: int, axes: tuple) -> tuple:
@@ -281,7 +310,7 @@ def lora_axes(base_axes: tuple, which: str) -> tuple:
 def followers(model: keras.Model) -> dict[str, tuple[tuple[Any, Follow], ...]]:
     """The weights laid out as another one, by that one's path: LoRA adapters, int8 scales.
 
-    Each with how its axes follow the weight's (`lora_axes`, `int8_weights`).
+    Each with how its axes follow the weight's (`lora_axes`, `quantized_weights`).
     """
     found: dict[str, list[tuple[Any, Follow]]] = {}
     for layer in _compat.sublayers(model):
@@ -291,7 +320,7 @@ def followers(model: keras.Model) -> dict[str, tuple[tuple[Any, Follow], ...]]:
             found.setdefault(base.path, []).extend(
                 [(a, functools.partial(lora_axes, which="a")), (b, functools.partial(lora_axes, which="b"))]
             )
-        for weight, scale, follow in int8_weights(layer):
+        for weight, scale, follow in quantized_weights(layer):
             found.setdefault(weight.path, []).append((scale, follow))
     return {path: tuple(items) for path, items in found.items()}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import keras
@@ -140,6 +140,7 @@ class Ledger:
         *,
         replicate_below: int = 0,
         shapes: Mapping[str, tuple[int, ...]] | None = None,
+        packed: Mapping[str, Callable[[Axes], Axes | None]] | None = None,
     ) -> None:
         self.model_name = model_name
         self.axis = axis
@@ -152,6 +153,9 @@ class Ledger:
         #: is kept whole by `kml.ModelParallel` (suggested rules), so the ledger records it whole too.
         self.replicate_below = replicate_below
         self.shapes = dict(shapes or {})
+        #: Per int4 weight Keras stores packed, its float weight's axes as the stored one's, or `None`
+        #: where the packing cannot split as asked (`_quantized.packed_axes`).
+        self.packed = dict(packed or {})
         #: Per variable path (or `("output", layer path)`), its decision, in first-decided order.
         self._entries: dict[object, Decision] = {}
         #: Facts the costs read beside the axes.
@@ -176,14 +180,20 @@ class Ledger:
         `keep_split`: `replicate_below` leaves the split as it is (a grouped convolution's unit
         on a mesh that splits the batch too, which XLA trains wrongly kept whole).
         """
-        if path not in self._entries:
+        if path not in self._entries and self._ranked(path, axes):
             self._entries[path] = self._decision(path, axes, note, unit, keep_split)
 
     def revise(
         self, path: str, axes: Axes, note: str, unit: str | None = None, *, keep_split: bool = False
     ) -> None:
         """Decides `path` again, in the place of its first decision, with `unit` (or none)."""
-        self._entries[path] = self._decision(path, axes, note, unit, keep_split)
+        if self._ranked(path, axes):
+            self._entries[path] = self._decision(path, axes, note, unit, keep_split)
+
+    def _ranked(self, path: str, axes: Axes) -> bool:
+        """Whether `axes` has the variable's rank, or an int4 weight's float one (`packed`)."""
+        shape = self.shapes.get(path)
+        return shape is None or len(tuple(axes)) == len(shape) or path in self.packed
 
     def relayout(self, path: str, axes: Axes, note: str) -> None:
         """Changes the axes and note of `path`, keeping its unit and `keep_split` (the search's choice)."""
@@ -311,6 +321,11 @@ class Ledger:
     def _decision(self, path: str, axes: Axes, note: str, unit: str | None, keep_split: bool) -> Decision:
         axes = tuple(axes)
         shape = self.shapes.get(path)
+        if path in self.packed and shape is not None and len(axes) != len(shape):
+            stored = self.packed[path](axes)
+            axes, note = (
+                (stored, note) if stored is not None else ((None,) * len(shape), _notes.int4_whole(note))
+            )
         keep_split = keep_split and any(axes)
         if any(axes) and not keep_split and shape is not None and is_weight_matrix(path, shape):
             size = math.prod(shape)

@@ -249,12 +249,25 @@ def lora_sharded(batch_axis: str, model_axis: str, shards: int) -> str:
 _SCALED = {"kernel": "its kernel's output features", "embeddings": "its table's rows"}
 
 
-def int8_scale(layer: str, axes: tuple, weight: str = "kernel") -> str:
-    """An int8 weight's scale laid out with its kernel's output features, its table's rows, its logits."""
+def int8_scale(layer: str, axes: tuple, weight: str = "kernel", scale: str = "", mode: str = "int8") -> str:
+    """A quantized weight's scale laid out with its kernel's output features, its table's rows, its logits;
+    an int4 kernel's zero points with its columns and its rows' group indices (`g_idx`) with its rows."""
     split = " and ".join(repr(a) for a in axes if a is not None)
     how = f"split over {split}" if split else "whole"
+    if mode == "int4":
+        what = "group indices" if scale == "g_idx" else "zero points" if scale.endswith("_zero") else "scale"
+        along = "rows" if scale == "g_idx" or weight == "embeddings" else "columns"
+        return f"int4 {what} of {layer}: {how}, as its {weight}'s {along}, so each device dequantizes its own"
     scaled = _SCALED.get(weight, f"its {weight}' logits")
     return f"int8 scale of {layer}: {how}, as {scaled}, so each device scales its own"
+
+
+def int4_whole(note: str) -> str:
+    """An int4 kernel kept whole: its float kernel's split runs along a dimension its packing merges."""
+    return (
+        f"whole: {note}, but Keras stores this int4 kernel flattened to 2-D, and the split dimension "
+        "is not the first of those it merges"
+    )
 
 
 # -- experts ----------------------------------------------------------------------------

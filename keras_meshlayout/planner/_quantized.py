@@ -1,4 +1,4 @@
-"""Strategy: int8 weights' scales (`model.quantize("int8")`) split with their weight.
+"""Strategy: quantized weights' scales split with their weight; int4 kernels read as their float shape.
 
 An int8 `Dense` or `EinsumDense` keeps its kernel as `int8` (not trainable)
 and a float32 `kernel_scale` laid out like its output: `(units,)` for a
@@ -8,7 +8,7 @@ an `EinsumDense` (`(1, 1, heads, head_dim)` for `btd,dnh->btnh`). An int8
 keras-hub's `ReversibleEmbedding` one per logit of its reverse table. Every
 other strategy plans the int8 weight as it would a float one; this one gives
 the scale the weight's axis on each dimension they share
-(`_layers.int8_weights`, read from Keras's own list of what an int8 layer
+(`_layers.quantized_weights`, read from Keras's own list of what an int8 layer
 stores), so each device holds the scales of its own features or rows and
 nothing moves. The scale joins the weight's unit.
 
@@ -21,22 +21,123 @@ looked-up int8 rows and their looked-up scales (`_one_weight`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+
 from .. import _compat
+from ..core._axes import Axes
 from . import _notes
-from ._layers import int8_weights
+from ._layers import quantized_weights
 from ._ledger import Ledger, Setting
 
-__all__ = ["int8_scales"]
+__all__ = ["Int4Kernel", "int4_shape", "int8_scales", "packed_axes", "stored_int4"]
+
+
+class Int4Kernel:
+    """An int4 layer's weight as the strategies read it: the packed int8 variable Keras stores, with
+    the shape of the float weight it stands for (`(in, units)`, an `EinsumDense`'s equation's).
+
+    Keras stores a `Dense` or `EinsumDense` int4 kernel flattened to 2-D (the dimensions it sums
+    over, then the others) and packs two columns into each byte; an `Embedding` table's features
+    are packed the same way. The strategies lay out the float shape, the `Ledger` the stored one
+    (`packed_axes`).
+    """
+
+    def __init__(self, variable: Any, shape: tuple[int, ...]) -> None:
+        self.variable = variable
+        self.shape = tuple(int(d) for d in shape)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.variable, name)
+
+
+def int4_shape(layer: Any) -> tuple[int, ...] | None:
+    """The float shape of an int4 layer's packed weight (`Int4Kernel`), or `None`."""
+    if getattr(layer, "quantization_mode", None) != "int4":
+        return None
+    if isinstance(layer, keras.layers.EinsumDense):
+        shape = getattr(layer, "original_kernel_shape", None)
+        return None if shape is None else tuple(shape)
+    if isinstance(layer, keras.layers.Dense):
+        return (int(_compat.stored_weight(layer, "kernel").shape[0]), int(layer.units))
+    if isinstance(layer, keras.layers.Embedding):
+        return (int(layer.input_dim), int(layer.output_dim))
+    return None
+
+
+@contextlib.contextmanager
+def stored_int4() -> Iterator[None]:
+    """An int4 layer's `kernel` (`embeddings`) is its `Int4Kernel` inside the block.
+
+    Keras computes the unpacked weight from the packed one each time it is read: under
+    `kml.dry_build` from a variable with no value (a leaked tracer), and outside it a copy the
+    planner has no use for.
+    """
+    read: dict[int, Int4Kernel] = {}
+
+    def stored(layer: Any, unpacked: Callable[[Any], Any], name: str) -> Any:
+        shape = int4_shape(layer)
+        if shape is None:
+            return unpacked(layer)
+        if id(layer) not in read:  # one object per layer, however often it is read
+            read[id(layer)] = Int4Kernel(_compat.stored_weight(layer, name), shape)
+        return read[id(layer)]
+
+    with contextlib.ExitStack() as stack:
+        for cls, name in ((keras.layers.Dense, "kernel"), (keras.layers.EinsumDense, "kernel"),
+                          (keras.layers.Embedding, "embeddings")):  # fmt: skip
+            reading = functools.partial(stored, name=name)
+            stack.enter_context(
+                _compat.property_replaced(cls, name, lambda layer, own, r=reading: r(layer, own))
+            )
+        yield
+
+
+def packed_axes(model: Any) -> dict[str, Callable[[Axes], Axes | None]]:
+    """Per int4 `EinsumDense` kernel, its float kernel's axes as the stored kernel's (`Ledger.packed`).
+
+    Keras stores it as `(rows, ceil(columns / 2))`: the dimensions the layer sums over, merged,
+    then the others, merged (a plain reshape of the float kernel, `btd,dnh->btnh`'s `(d, n × h)`).
+    A merged dimension takes the axes of the first dimension it merges (the heads of `n × h`); a
+    split of any other (a key/value kernel's head_dim) is not one the stored kernel can hold.
+    """
+    found = {}
+    for layer in _compat.sublayers(model):
+        shape, stored = int4_shape(layer), _compat.stored_weight(layer, "kernel")
+        if shape is None or stored is None or len(stored.shape) == len(shape):
+            continue
+        inputs, rest = layer.equation.split(",")
+        kernel, output = rest.split("->")
+        reduced = sum(1 for label in kernel if label in inputs and label not in output)
+        if not 0 < reduced < len(shape) or math.prod(shape[:reduced]) != stored.shape[0]:
+            continue
+        found[stored.path] = functools.partial(_merged, rows=reduced)
+    return found
+
+
+def _merged(axes: Axes, rows: int) -> Axes | None:
+    axes = tuple(axes)
+    groups = (axes[:rows], axes[rows:])
+    if any(a is not None for group in groups for a in group[1:]):
+        return None
+    return tuple(group[0] for group in groups)
 
 
 def int8_scales(ledger: Ledger, setting: Setting) -> None:
     """Lays out each int8 weight's scale as its weight's features or rows, whoever took the weight."""
     for layer in _compat.sublayers(setting.model):
-        for weight, scale, follow in int8_weights(layer):
+        for weight, scale, follow in quantized_weights(layer):
             weight_axes = ledger.axes(weight.path)
             axes = None if weight_axes is None else follow(weight_axes)
             if axes is None:
                 continue
-            note = _notes.int8_scale(setting.display(layer.path), axes, weight.name)
+            note = _notes.int8_scale(
+                setting.display(layer.path), axes, weight.name, scale.name, layer.quantization_mode
+            )
             # An earlier strategy may have taken the scale for its layer's other weights (a bias): revised.
             ledger.revise(scale.path, axes, note, unit=ledger.unit(weight.path))

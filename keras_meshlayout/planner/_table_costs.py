@@ -32,7 +32,7 @@ class TableCosts(Bytes):
         shape = tuple(variable.shape)
         if (
             not isinstance(owner, keras.layers.Embedding)
-            or variable is not owner.embeddings
+            or variable.path != owner.embeddings.path
             or not variable.trainable
             or len(uses) != 1
             or uses[0].kind != "gather"

@@ -23,6 +23,7 @@ from .. import _compat
 from ..core._grouped_scan import abstract_value
 from ..core._model_calls import failing_on
 from ._memo import memoised
+from ._unpacking import unpacked
 
 __all__ = ["LITERALS", "Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
 
@@ -30,10 +31,6 @@ __all__ = ["LITERALS", "Node", "Trace", "Use", "trace_body", "trace_model", "tra
 LITERALS = "kml_literals"
 #: Operations a weight passes through unchanged on its way to being used (a cast under mixed precision).
 _PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
-#: Element-wise operations that scale or clip a weight by scalars on its way to being used, as float8's
-#: quantize-dequantize does (`quantize("float8")`: divided by its scale, clipped to float8's range, cast
-#: to float8 and back, multiplied by its scale): the projection still reads that weight.
-_SCALED = ("mul", "div", "max", "min", "clamp", "round")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +115,13 @@ class Trace:
         )
 
     def weight_of(self, value: int) -> tuple[str, tuple[int, ...]] | None:
-        """`(path, permutation)` when `value` is a variable, cast, transposed or scaled by scalars at most."""
-        perm: tuple[int, ...] | None = None
+        """`(path, dims)` when `value` is a variable cast, transposed, scaled by scalars or unpacked.
+
+        `dims[i]` is the variable's dimension that `value`'s dimension `i` comes from: a
+        permutation, or for an int4 kernel unpacked and reshaped to its float shape
+        (`_unpacking`) the stored dimension each float one was merged into.
+        """
+        dims: list[int | None] = list(range(len(self.shapes[value])))
         while value not in self.variables:
             node = self.producer.get(value)
             if node is None:
@@ -127,25 +129,16 @@ class Trace:
             op = self.nodes[node]
             if op.primitive == "transpose":
                 inner = tuple(op.params["permutation"])
-                perm = inner if perm is None else tuple(inner[p] for p in perm)
-            elif op.primitive in _SCALED:
-                scaled = self.scaled(op)
-                if scaled is None:
-                    return None
-                value = scaled
-                continue
+                dims = [None if d is None else inner[d] for d in dims]
             elif op.primitive not in _PASS:
-                return None
+                step = unpacked(self, op, value)
+                if step is None:
+                    return None
+                value, inner_map = step
+                dims = [None if d is None else inner_map[d] for d in dims]
+                continue
             value = op.inputs[0]
-        rank = len(self.shapes[value])
-        return self.variables[value], perm if perm is not None else tuple(range(rank))
-
-    def scaled(self, node: Node) -> int | None:
-        """The one array `node` scales or clips by scalars (`_SCALED`), else `None`."""
-        if node.primitive not in _SCALED:
-            return None
-        arrays = [v for v in node.inputs if v >= 0 and self.shapes[v]]
-        return arrays[0] if len(arrays) == 1 else None
+        return self.variables[value], tuple(dims)  # type: ignore[arg-type]
 
     def from_input(self, value: int) -> bool:
         """Whether `value` is one of the batch's arrays, cast at most."""

@@ -124,9 +124,9 @@ def find_added(trace: Trace, rows: list[int]) -> list[str]:
 def _uses_inside(trace: Trace, state: _State) -> bool:
     """Whether every read of every member weight is one the unit accounted for.
 
-    On its way to them a weight may be cast, transposed, or scaled and clipped by scalars (float8's
-    quantize-dequantize), and its absolute maximum taken (float8's amax history: all-reduced over
-    the split, one float32).
+    On its way to them a weight may be cast, transposed, scaled and clipped by scalars (float8's
+    quantize-dequantize) or unpacked and dequantized (int4: `Trace.weight_of`), and its absolute
+    maximum taken (float8's amax history: all-reduced over the split, one float32).
     """
     for path in state.members:
         values = [v for v, name in trace.variables.items() if name == path]
@@ -140,7 +140,8 @@ def _uses_inside(trace: Trace, state: _State) -> bool:
                 if node.primitive in ("convert_element_type", "copy", "copy_p", "transpose"):
                     stack.extend(node.outputs)
                     continue
-                if trace.scaled(node) == value:
+                read = trace.weight_of(node.outputs[0]) if len(node.outputs) == 1 else None
+                if read is not None and read[0] == path:  # scaled, or an int4 kernel unpacked
                     stack.extend(node.outputs)
                     continue
                 return False

@@ -1,0 +1,94 @@
+"""How a quantized weight reaches the projection that reads it: the steps `Trace.weight_of` walks back.
+
+float8 (`quantize("float8")`): a kernel divided by its scale, clipped to float8's range, cast
+to float8 and back and multiplied by its scale, element-wise operations with scalars.
+
+int4: Keras (`quantize("int4")`) stores a kernel packed, two columns a byte, and in each call
+unpacks its two nibbles (bitwise operations with literals), stacks and reshapes them into
+the columns, slices off padding, subtracts each column's zero point and multiplies by its
+scale (looked up by each row's group, `g_idx`, or broadcast), and reshapes the result to
+the float kernel's shape. The projection reads that kernel: each step maps the value's
+dimensions to those of the operand it came from, so that a dimension of the float kernel
+is known as the stored dimension it was merged into.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["unpacked"]
+
+#: Element-wise operations that scale or clip a weight by scalars (float8's quantize-dequantize).
+_SCALED = ("mul", "div", "max", "min", "clamp", "round")
+#: Bitwise operations on a kernel's nibbles (with literals), and the arithmetic dequantizing it.
+_NIBBLES = ("and", "or", "xor", "not", "shift_right_arithmetic", "shift_right_logical", "shift_left", "sub")
+_DEQUANTIZING = ("sub", "mul", "div")
+_PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
+
+
+def unpacked(trace: Any, op: Any, value: int) -> tuple[int, list[int | None]] | None:
+    """One step back from `value`, written by `op`: `(the operand followed, value's dimensions → its)`.
+
+    `None` where `op` is not a step of a float8 kernel's scaling or an int4 one's unpacking.
+    """
+    name, shape = op.primitive, trace.shapes[value]
+    arrays = [v for v in op.inputs if v >= 0 and trace.shapes[v]]
+    if name in _SCALED and len(arrays) == 1:
+        return arrays[0], list(range(len(shape)))
+    if name in _NIBBLES or name in _DEQUANTIZING:
+        followed = [v for v in arrays if trace.shapes[v] == shape and _packed_int(trace, v)]
+        if len(followed) != 1 or not all(v in followed or _quantization(trace, v) for v in arrays):
+            return None
+        return followed[0], list(range(len(shape)))
+    if not op.inputs or not _packed_int(trace, op.inputs[0]):
+        return None
+    if name == "stack":
+        axis = int(op.params["axis"])
+        return op.inputs[0], [None if d == axis else d - (d > axis) for d in range(len(shape))]
+    if name == "reshape":
+        return op.inputs[0], _merged_dims(trace.shapes[op.inputs[0]], shape)
+    if name == "slice":
+        return op.inputs[0], list(range(len(shape)))
+    return None
+
+
+def _packed_int(trace: Any, value: int) -> bool:
+    """Whether `value` is computed from one int8 variable alone (its nibbles, unpacked or dequantized)."""
+    for _ in range(64):
+        if value in trace.variables:
+            return trace.dtypes[value] == "int8"
+        node = trace.producer.get(value)
+        if node is None:
+            return False
+        op = trace.nodes[node]
+        arrays = [v for v in op.inputs if v >= 0 and trace.shapes[v]]
+        if not arrays or op.primitive in ("gather", "broadcast_in_dim"):
+            return False  # a look-up of zero points or scales, not the kernel
+        value = arrays[0]
+    return False
+
+
+def _quantization(trace: Any, value: int) -> bool:
+    """Whether `value` is a kernel's scales or zero points, looked up or broadcast from their variable."""
+    while value not in trace.variables:
+        node = trace.producer.get(value)
+        if node is None:
+            return False
+        op = trace.nodes[node]
+        if op.primitive not in (*_PASS, "broadcast_in_dim", "reshape", "gather"):
+            return False
+        value = op.inputs[0]
+    return True
+
+
+def _merged_dims(before: tuple[int, ...], after: tuple[int, ...]) -> list[int | None]:
+    """Per dimension of `after` (a reshape of `before`), the dimension of `before` it starts in."""
+    found: list[int | None] = []
+    for index in range(len(after)):
+        start = math.prod(after[:index])
+        inside = [
+            d for d in range(len(before)) if math.prod(before[:d]) <= start < math.prod(before[: d + 1])
+        ]
+        found.append(inside[0] if inside and after[index] != 1 else None)
+    return found
