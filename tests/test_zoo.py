@@ -5,7 +5,8 @@ constructor: every keras-hub text backbone of `hub_models.ROWS` at a realistic
 vocabulary : hidden ratio (1,024 rows at hidden 64, as `benchmarks/planner_zoo.py`),
 pooled under a small classifier head; keras.applications convnets (`weights=None`,
 32 × 32 images) and keras-hub's ResNet; a keras-hub vision transformer; and one
-LoRA (`enable_lora(4)`) and one int8 (`quantize("int8")`) Llama, one block deep. Each is planned
+LoRA (`enable_lora(4)`), one int8, one int4 and one float8 (`quantize(...)`) Llama, one block
+deep. Each is planned
 with Adam for one batch on data=2 × model=4 (`replicate_below=0`: at these
 sizes the policy's threshold would keep kernels whole that are millions of
 elements in the real models) and checked for:
@@ -238,6 +239,15 @@ def int8_llama() -> keras.Model:
     return model
 
 
+def quantized_llama(mode: str) -> keras.Model:
+    model = build_classifier(_LLAMA)
+    with warnings.catch_warnings():  # for the layers with no such form (norms, dropout; tables under float8)
+        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
+        warnings.filterwarnings("ignore", "Invalid quantization mode", UserWarning)
+        model.quantize(mode)
+    return model
+
+
 ARCHS = {
     arch.name: arch
     for arch in [
@@ -249,6 +259,8 @@ ARCHS = {
         Arch("WhisperBackbone", "dense text", fresh_names(whisper), _speech),
         Arch("LoRA-Llama", "adapter", fresh_names(lora_llama), _tokens),
         Arch("int8-Llama", "adapter", fresh_names(int8_llama), _tokens),
+        Arch("int4-Llama", "adapter", fresh_names(functools.partial(quantized_llama, "int4")), _tokens),
+        Arch("float8-Llama", "adapter", fresh_names(functools.partial(quantized_llama, "float8")), _tokens),
     ]
 }
 
