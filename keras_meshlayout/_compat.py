@@ -205,24 +205,24 @@ def lora_layers(model: Any) -> list[Any]:
 def lora_parts(layer: Any) -> tuple[Any, Any, Any] | None:
     """`(base kernel, a, b)` of a LoRA layer (`layer.enable_lora(rank)`), or `None`.
 
-    The layer computes with `kernel + (alpha / rank) · a @ b`: `a` has the
-    kernel's shape with its last dimension replaced by the rank, `b` is
-    `(rank, the kernel's last dimension)`.
+    The layer computes with `kernel + (alpha / rank) · a @ b`: `a` has the kernel's shape (an int4
+    one's float shape) with its last dimension replaced by the rank, `b` is `(rank, its last one)`.
     """
-    a = getattr(layer, "lora_kernel_a", None)
-    b = getattr(layer, "lora_kernel_b", None)
+    a, b = getattr(layer, "lora_kernel_a", None), getattr(layer, "lora_kernel_b", None)
     base = next((v for v in own_variables(layer) if v.path.endswith("/kernel")), None)
     if a is None or b is None or base is None or len(b.shape) != 2:
         return None
-    if tuple(a.shape[:-1]) != tuple(base.shape[:-1]) or b.shape[1] != base.shape[-1]:
+    shape = getattr(layer, "original_kernel_shape", None) or (*base.shape[:-1], getattr(layer, "units", 0))
+    shape = shape if getattr(layer, "quantization_mode", None) == "int4" else base.shape
+    if tuple(a.shape[:-1]) != tuple(shape[:-1]) or b.shape[1] != shape[-1]:
         return None
     return base, a, b
 
 
 @contextlib.contextmanager
 def lora_off(model: Any) -> Iterator[None]:
-    """Every LoRA layer of `model` computes with (and `layer.kernel` is) its base kernel inside the block."""
-    layers = [layer for layer in lora_layers(model) if getattr(layer, "lora_enabled", False)]
+    """LoRA layers compute with (`kernel` is) their base kernel inside; int4 ones add `a @ b` to outputs."""
+    layers = [one for one in lora_layers(model) if one.lora_enabled and one.quantization_mode != "int4"]
     for layer in layers:
         layer.lora_enabled = False
     try:

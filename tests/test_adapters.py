@@ -298,10 +298,11 @@ def test_int4_kernels_split_packed_with_their_scales(int4, path, axes, note):
 
 def test_int4_prediction_matches_the_compiled_step(int4):
     """The projections read their kernels unpacked and dequantized (nibbles, stacked, reshaped, less
-    each column's zero point, times its scale, reshaped to the float shape): within 0.2% over 'model',
-    exact over 'data' (before: the attention kernels and the table whole, no byte over 'model' predicted
-    of the compiled 36,864). No input quantizer, so no per-position maximum beside a row-parallel one
-    (int8's). The vocab-parallel table all-reduces its looked-up rows as int8 and their scales."""
+    each column's zero point, times its scale, reshaped to the float shape): exact on both axes (before:
+    the attention kernels and the table whole, no byte over 'model' predicted of the compiled 36,864).
+    No input quantizer, so no per-position maximum beside a row-parallel one (int8's). The
+    vocab-parallel table all-reduces its looked-up rows and zero points as int8, their scales as
+    float32."""
     measured = int4.step.comm.wire_bytes_by_axis
     assert set(measured) == {"data", "model"}
     for axis, value in measured.items():
@@ -329,6 +330,38 @@ def test_an_int4_models_smallest_plan_keeps_its_packing_whole():
     assert "model" in rules.match("transformer_layer_0/self_attention/query/kernel").axes
 
 
+def build_qlora() -> keras.Model:
+    """The int4 Llama with `enable_lora(4)` (QLoRA): frozen packed kernels, float adapters beside them."""
+    model = build_int4()
+    model.get_layer("backbone").enable_lora(4)
+    return model
+
+
+def test_an_int4_lora_model_is_planned_and_predicted_as_compiled():
+    """An int4 layer adds its adapters' product to its output (its kernel cannot take it): the adapters
+    follow the float kernel's split (`a` over the query's heads), their own gradients are summed over
+    'data' (no merged kernel's), `b`'s over 'model' beside the heads. Before: the adapters whole, 0.36x
+    the compiled bytes over 'model' and 0.02x over 'data'."""
+    mesh = kml.Mesh(**MESH_SHAPE)
+    with kml.dry_build(build_qlora) as model:
+        x = inputs_for(model)
+        rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
+    query = "transformer_layer_0/self_attention/query"
+    assert rules.match(f"{query}/kernel").axes == (None, "model")
+    assert rules.match(f"{query}/lora_kernel_a").axes == (None, "model", None)  # (64, 4 heads, rank 4)
+    assert rules.match(f"{query}/lora_kernel_b").axes == (None, None)
+    dist = kml.ModelParallel(mesh, rules)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = kml.compile_step(build_qlora, dist, x, np.zeros(BATCH, "int32"), optimizer="adam", loss=loss)
+    memory = kml.dry_plan(build_qlora, dist, optimizer="adam").memory()
+    measured = step.comm.wire_bytes_by_axis
+    assert set(measured) == {"data", "model"}
+    for axis, value in measured.items():
+        assert rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
+    assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
+    assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(1.0, abs=0.10)
+
+
 def build_user_int4() -> keras.Model:
     """A user's functional MLP under int4: its kernels frozen, packed; the biases train."""
     inputs = keras.Input((16,))
@@ -341,18 +374,26 @@ def build_user_int4() -> keras.Model:
     return model
 
 
-def test_an_int4_model_trains_sharded_as_on_one_device():
-    """Its packed kernels split over 'model' with their scales dequantize to one device's: the biases,
-    trained through them, come out as one device's."""
+def build_user_qlora() -> keras.Model:
+    model = build_user_int4()
+    for name in ("up", "down"):
+        model.get_layer(name).enable_lora(4)
+    return model
+
+
+@pytest.mark.parametrize("build", [build_user_int4, build_user_qlora], ids=["int4", "int4-lora"])
+def test_an_int4_model_trains_sharded_as_on_one_device(build):
+    """Its packed kernels split over 'model' with their scales dequantize to one device's: the biases
+    (and the LoRA adapters), trained through them, come out as one device's."""
     rng = np.random.default_rng(0)
     data = rng.standard_normal((64, 16)).astype("float32"), rng.integers(0, 4, 64)
-    reference = Reference(build_user_int4, data, batch_size=16)
+    reference = Reference(build, data, batch_size=16)
     mesh = kml.Mesh(**MESH_SHAPE)
-    with kml.dry_build(build_user_int4) as model:
+    with kml.dry_build(build) as model:
         rules = kml.auto_rules(model, mesh, batch=data[0][:16], optimizer="sgd", replicate_below=0)
     assert rules.match("up/kernel").axes == (None, "model")
     assert rules.match("up/kernel_scale").axes == (None, "model")
-    model = train(build_user_int4, reference.initial, data, kml.ModelParallel(mesh, rules), batch_size=16)
+    model = train(build, reference.initial, data, kml.ModelParallel(mesh, rules), batch_size=16)
     assert_same_weights(model, reference.trained)
 
 

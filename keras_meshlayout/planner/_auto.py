@@ -43,7 +43,7 @@ from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
 from . import _by_layers, _by_name, _by_trace, _convs, _embeddings, _experts, _lora, _peak, _quantized
 from ._costs import CostTable, cost_units
-from ._layers import auto_named
+from ._layers import auto_named, packed_axes
 from ._ledger import Ledger, Setting
 from ._remat import recomputed_products
 from ._search import explain, plan_cost, search
@@ -245,7 +245,7 @@ def plan_rules(
         tuple(v.path for v in model.weights),
         replicate_below=chosen_policy.replicate_below,
         shapes={v.path: tuple(v.shape) for v in model.weights},
-        packed=_quantized.packed_axes(model),
+        packed=packed_axes(model),
     )
     # LoRA layers read as their base kernel (`_lora` lays out the adapters), int4 ones as their packed one.
     with _compat.lora_off(model), _quantized.stored_int4():

@@ -26,7 +26,7 @@ from ..report._collectives import wire_bytes
 from ._batch_gathers import BatchGathers, nbytes
 from ._batch_sums import batch_sums
 from ._expert_gathers import ExpertGathers
-from ._layers import followers
+from ._layers import followers, int4_shape, packed_axes
 from ._ledger import Proposal
 from ._trace import _PASS, Trace
 
@@ -149,12 +149,22 @@ class Bytes(BatchGathers, ExpertGathers):
         self.memory = slot_model(optimizer)
         self.tp_axes = proposal.axes
         #: LoRA adapters by path, and their base kernel's path: XLA sums the merged kernel's gradient.
+        #: An int4 layer adds its adapters' product to its output: their own gradients are summed.
         self.lora_base = {
             adapter.path: parts[0].path
-            for parts in map(_compat.lora_parts, _compat.lora_layers(model))
-            if parts is not None
+            for layer in _compat.lora_layers(model)
+            if (parts := _compat.lora_parts(layer)) is not None and int4_shape(layer) is None
             for adapter in parts[1:]
         }
+        #: Every LoRA adapter's path, merged into its kernel or not.
+        self.adapters = frozenset(
+            adapter.path
+            for layer in _compat.lora_layers(model)
+            if (parts := _compat.lora_parts(layer)) is not None
+            for adapter in parts[1:]
+        )
+        #: int4 kernels stored flattened, and how their float axes are stored (`_layers.Packing`).
+        self.packing = packed_axes(model)
         #: LoRA kernels by path, and their adapters `(a, b)`.
         self.lora_pairs = {
             parts[0].path: parts[1:]
@@ -302,7 +312,8 @@ class Bytes(BatchGathers, ExpertGathers):
         for base, (a, b) in self.lora_pairs.items():
             if base not in axes or a.path not in axes or b.path not in axes or not a.trainable:
                 continue
-            last, inner = axis_names(axes[base][-1:]), axis_names(axes[a.path][:-1])
+            base_axes = self.packing[base].unpacked(axes[base]) if base in self.packing else axes[base]
+            last, inner = axis_names(base_axes[-1:]), axis_names(axes[a.path][:-1])
             a_names, b_names = axis_names(axes[a.path]), axis_names(axes[b.path])
             for axis in sorted(last):
                 shard = nbytes(a) / self._shards(tuple(a_names - {axis}))

@@ -268,7 +268,7 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
         for variables in by_unit.values():
             for variable in list(variables):
                 for follower, _ in self.followers.get(variable.path, ()):
-                    if follower.path in self.lora_base and follower.path not in held:
+                    if follower.path in self.adapters and follower.path not in held:
                         variables.append(follower)
                         held.add(follower.path)
 

@@ -6,7 +6,9 @@ other planner module.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -14,20 +16,24 @@ from typing import Any
 import keras
 
 from .. import _compat
+from ..core._axes import Axes
 
 __all__ = [
+    "Packing",
     "auto_named",
     "features",
     "followers",
     "head_dim_index",
     "heads_dim",
     "idle_axes",
+    "int4_shape",
     "kernel_scale_axes",
     "kv_head_count",
     "labels",
     "lookup_table",
     "lora_axes",
     "owners",
+    "packed_axes",
     "quantized_weights",
     "stored_weight",
     "tied_table",
@@ -272,6 +278,63 @@ def _at(dim: int, rank: int, source: int, axes: tuple) -> tuple:
     return tuple(axes[source] if d == dim else None for d in range(rank))
 
 
+def int4_shape(layer: Any) -> tuple[int, ...] | None:
+    """The float shape of an int4 layer's packed weight (`Int4Kernel`), or `None`."""
+    if getattr(layer, "quantization_mode", None) != "int4":
+        return None
+    if isinstance(layer, keras.layers.EinsumDense):
+        shape = getattr(layer, "original_kernel_shape", None)
+        return None if shape is None else tuple(shape)
+    if isinstance(layer, keras.layers.Dense):
+        return (int(_compat.stored_weight(layer, "kernel").shape[0]), int(layer.units))
+    if isinstance(layer, keras.layers.Embedding):
+        return (int(layer.input_dim), int(layer.output_dim))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How an int4 `EinsumDense` kernel is stored: its float dimensions merged into `(rows, columns)`.
+
+    Called with the float kernel's axes, the stored kernel's (`Ledger.packed`), or `None`.
+    """
+
+    rows: int  # how many of the float kernel's dimensions (the first ones, summed over) make the rows
+    rank: int  # the float kernel's rank
+
+    def __call__(self, axes: Axes) -> Axes | None:
+        axes = tuple(axes)
+        groups = (axes[: self.rows], axes[self.rows :])
+        if any(a is not None for group in groups for a in group[1:]):
+            return None
+        return tuple(group[0] for group in groups)
+
+    def unpacked(self, axes: Axes) -> Axes:
+        """The float kernel's axes given the stored kernel's: each on the first dimension it merges."""
+        return (axes[0], *(None,) * (self.rows - 1), axes[1], *(None,) * (self.rank - self.rows - 1))
+
+
+def packed_axes(model: Any) -> dict[str, Packing]:
+    """Per int4 `EinsumDense` kernel, how its float kernel's axes are the stored kernel's.
+
+    Keras stores it as `(rows, ceil(columns / 2))`: the dimensions the layer sums over, merged,
+    then the others, merged (a plain reshape of the float kernel, `btd,dnh->btnh`'s `(d, n × h)`).
+    A merged dimension takes the axes of the first dimension it merges (the heads of `n × h`); a
+    split of any other (a key/value kernel's head_dim) is not one the stored kernel can hold.
+    """
+    found = {}
+    for layer in _compat.sublayers(model):
+        shape, stored = int4_shape(layer), _compat.stored_weight(layer, "kernel")
+        if shape is None or stored is None or len(stored.shape) == len(shape):
+            continue
+        inputs, rest = layer.equation.split(",")
+        kernel, output = rest.split("->")
+        reduced = sum(1 for label in kernel if label in inputs and label not in output)
+        if 0 < reduced < len(shape) and math.prod(shape[:reduced]) == stored.shape[0]:
+            found[stored.path] = Packing(reduced, len(shape))
+    return found
+
+
 def _one_dim(dim: int, axes: tuple) -> tuple:
     return (axes[dim],)
 
@@ -313,12 +376,17 @@ def followers(model: keras.Model) -> dict[str, tuple[tuple[Any, Follow], ...]]:
     Each with how its axes follow the weight's (`lora_axes`, `quantized_weights`).
     """
     found: dict[str, list[tuple[Any, Follow]]] = {}
+    packing = packed_axes(model)  # an int4 base is stored flattened: its adapters follow its float axes
     for layer in _compat.sublayers(model):
         parts = _compat.lora_parts(layer) if getattr(layer, "lora_kernel_a", None) is not None else None
         if parts is not None:
             base, a, b = parts
+            unpacked = packing[base.path].unpacked if base.path in packing else tuple
             found.setdefault(base.path, []).extend(
-                [(a, functools.partial(lora_axes, which="a")), (b, functools.partial(lora_axes, which="b"))]
+                [
+                    (a, lambda axes, f=unpacked: lora_axes(f(axes), "a")),
+                    (b, lambda axes, f=unpacked: lora_axes(f(axes), "b")),
+                ]
             )
         for weight, scale, follow in quantized_weights(layer):
             found.setdefault(weight.path, []).append((scale, follow))

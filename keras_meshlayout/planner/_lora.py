@@ -37,6 +37,8 @@ def lora_adapters(ledger: Ledger, setting: Setting) -> None:
         axes = ledger.axes(base.path)
         if axes is None:
             continue
+        if base.path in ledger.packed:  # an int4 kernel stored flattened: its adapters have the float rank
+            axes = ledger.packed[base.path].unpacked(axes)
         unit = ledger.unit(base.path)
         name = setting.display(layer.path)
         a_axes, b_axes = lora_axes(axes, "a"), lora_axes(axes, "b")

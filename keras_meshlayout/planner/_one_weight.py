@@ -93,8 +93,8 @@ class OneWeightCosts(BothAxesTables, Bytes):
         again = self.recomputed.get((variable.path, "gather"), 0) / max(lookups, 1)  # under remat
         add_wire(wire, self.model_axis, (1 + again) * wire_bytes("all-reduce", looked, self.m))
         for follower, _ in self.followers.get(variable.path, ()) if int8 else ():
-            for use in self.uses.get(follower.path, ()):
-                scales = self._summed(use.output, use.dtype)
+            for use in self.uses.get(follower.path, ()):  # scales; an int4 table's int8 zero points as int8
+                scales = (self._activation if "int" in use.dtype else self._summed)(use.output, use.dtype)
                 add_wire(wire, self.model_axis, wire_bytes("all-reduce", scales, self.m))
 
     def _tied_unit(self, owner: keras.layers.Layer, variable: keras.Variable) -> UnitCosts | None:

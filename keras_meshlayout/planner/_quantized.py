@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 
 from .. import _compat
-from ..core._axes import Axes
 from . import _notes
-from ._layers import quantized_weights
+from ._layers import int4_shape, quantized_weights
 from ._ledger import Ledger, Setting
 
-__all__ = ["Int4Kernel", "int4_shape", "int8_scales", "packed_axes", "stored_int4"]
+__all__ = ["Int4Kernel", "int8_scales", "stored_int4"]
 
 
 class Int4Kernel:
@@ -54,20 +52,6 @@ class Int4Kernel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.variable, name)
-
-
-def int4_shape(layer: Any) -> tuple[int, ...] | None:
-    """The float shape of an int4 layer's packed weight (`Int4Kernel`), or `None`."""
-    if getattr(layer, "quantization_mode", None) != "int4":
-        return None
-    if isinstance(layer, keras.layers.EinsumDense):
-        shape = getattr(layer, "original_kernel_shape", None)
-        return None if shape is None else tuple(shape)
-    if isinstance(layer, keras.layers.Dense):
-        return (int(_compat.stored_weight(layer, "kernel").shape[0]), int(layer.units))
-    if isinstance(layer, keras.layers.Embedding):
-        return (int(layer.input_dim), int(layer.output_dim))
-    return None
 
 
 @contextlib.contextmanager
@@ -96,36 +80,6 @@ def stored_int4() -> Iterator[None]:
                 _compat.property_replaced(cls, name, lambda layer, own, r=reading: r(layer, own))
             )
         yield
-
-
-def packed_axes(model: Any) -> dict[str, Callable[[Axes], Axes | None]]:
-    """Per int4 `EinsumDense` kernel, its float kernel's axes as the stored kernel's (`Ledger.packed`).
-
-    Keras stores it as `(rows, ceil(columns / 2))`: the dimensions the layer sums over, merged,
-    then the others, merged (a plain reshape of the float kernel, `btd,dnh->btnh`'s `(d, n × h)`).
-    A merged dimension takes the axes of the first dimension it merges (the heads of `n × h`); a
-    split of any other (a key/value kernel's head_dim) is not one the stored kernel can hold.
-    """
-    found = {}
-    for layer in _compat.sublayers(model):
-        shape, stored = int4_shape(layer), _compat.stored_weight(layer, "kernel")
-        if shape is None or stored is None or len(stored.shape) == len(shape):
-            continue
-        inputs, rest = layer.equation.split(",")
-        kernel, output = rest.split("->")
-        reduced = sum(1 for label in kernel if label in inputs and label not in output)
-        if not 0 < reduced < len(shape) or math.prod(shape[:reduced]) != stored.shape[0]:
-            continue
-        found[stored.path] = functools.partial(_merged, rows=reduced)
-    return found
-
-
-def _merged(axes: Axes, rows: int) -> Axes | None:
-    axes = tuple(axes)
-    groups = (axes[:rows], axes[rows:])
-    if any(a is not None for group in groups for a in group[1:]):
-        return None
-    return tuple(group[0] for group in groups)
 
 
 def int8_scales(ledger: Ledger, setting: Setting) -> None:

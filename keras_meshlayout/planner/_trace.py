@@ -190,11 +190,14 @@ def _trace_model(model: keras.Model, batch: Any) -> Trace:
             keras.tree.map_structure(abstract_value, batch),
         )
     jaxpr = closed.jaxpr
-    # Only adapters that train make their kernel trained (a layer frozen after `enable_lora` has none).
+    # Only adapters that train make their kernel trained (a layer frozen after `enable_lora` has none),
+    # and only where they are merged into it (an int4 layer adds their product to its output).
     lora = [
         parts
-        for parts in map(_compat.lora_parts, _compat.lora_layers(model))
-        if parts is not None and (parts[1].trainable or parts[2].trainable)
+        for layer in _compat.lora_layers(model)
+        if (parts := _compat.lora_parts(layer)) is not None
+        and (parts[1].trainable or parts[2].trainable)
+        and layer.quantization_mode != "int4"
     ]
     trained = {v.path for v in trainable} | {base.path for base, _, _ in lora}
     trace = _flat(jaxpr, [v.path for v in trainable + non_trainable], trained=trained)
