@@ -50,6 +50,7 @@ class BatchGathers:
 
     d: int
     m: int
+    int4: Mapping[str, int]
     compiler: str
     reduced_gathers: float
     trace: Trace
@@ -95,6 +96,8 @@ class BatchGathers:
         an MLP has none: every kernel kept), and gathers the others again for the backward pass
         (`_kept_for_backward`).
         """
+        if kernel.path in self.int4:  # dequantized anew by its custom gradient for the input gradient
+            return 1 if all(use.from_input for use in self.uses.get(kernel.path, ())) else 2
         if self.compiler == "tpu":
             return 1 if self._kept_for_backward(kernel) else 2
         return 2 if self._regathered(layer, kernel, gathered, side) else 1
@@ -243,7 +246,14 @@ class BatchGathers:
 
     def gathered_share(self, variable: keras.Variable) -> float:
         """The share of a kernel's bytes an all-gather over the batch axis sends: on XLA:TPU a float32
-        kernel is cast to bfloat16 before it is gathered (measured on v5e, see `gathers_per_step`)."""
+        kernel is cast to bfloat16 before it is gathered (measured on v5e, see `gathers_per_step`).
+
+        An int4 kernel is gathered dequantized: two elements of the compute dtype a stored byte
+        (measured on XLA:CPU, keras-hub Llama under `quantize("int4")`, fully sharded on 2×4:
+        float32, gathered forward and again for the input gradient, which dequantizes it anew).
+        """
+        if variable.path in self.int4:
+            return 2.0 * self.int4[variable.path]
         itemsize = np.dtype(variable.dtype).itemsize
         return 2 / itemsize if self.compiler == "tpu" and itemsize > 2 else 1.0
 

@@ -165,6 +165,13 @@ class Bytes(BatchGathers, ExpertGathers):
         )
         #: int4 kernels stored flattened, and how their float axes are stored (`_layers.Packing`).
         self.packing = packed_axes(model)
+        #: Every int4 kernel's path, and the bytes of its float kernel's element once dequantized.
+        self.int4 = {
+            kernel.path: np.dtype(layer.compute_dtype).itemsize
+            for layer in _compat.sublayers(model)
+            if int4_shape(layer) is not None
+            and (kernel := _compat.stored_weight(layer, "kernel")) is not None
+        }
         #: LoRA kernels by path, and their adapters `(a, b)`.
         self.lora_pairs = {
             parts[0].path: parts[1:]

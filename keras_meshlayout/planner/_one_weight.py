@@ -237,13 +237,10 @@ class OneWeightCosts(BothAxesTables, Bytes):
             return self._sliced_unit(variable)
         if not uses and (len(shape) == 1 or self._reads_the_input(variable.path)):
             # A scale read element-wise; or the kernel of a convolution of the input, gathered once.
-            gathers = self._elementwise_gathers(variable.path) if len(shape) == 1 else 1
-            if not gathers:
+            read = self._gathered_where_read(variable, wire, both)
+            if read is None:
                 return None
-            add_wire(wire, self.batch_axis, gathers * wire_bytes("all-gather", size, d))
-            add_wire(both, self.both, gathers * wire_bytes("all-gather", size, d * m))
-            when = "forward" + (" and backward" if gathers > 1 else "") if len(shape) == 1 else "forward"
-            how = f"gathered over {self.batch_axis!r} {when}"
+            how, when = read
         elif (
             len(uses) == 1
             and uses[0].kind == "matmul"
@@ -283,6 +280,27 @@ class OneWeightCosts(BothAxesTables, Bytes):
         if len(candidates) == 1:
             return None
         return UnitCosts(variable.path, tuple(candidates), frozen(notes))
+
+    def _gathered_where_read(
+        self, variable: keras.Variable, wire: dict[str, float], both: dict[str, float]
+    ) -> tuple[str, str] | None:
+        """A weight read element-wise (or a convolution's of the input) split over the batch axis, or
+        over both: its gathers added to `wire` and `both`, and `(how, when)` it is gathered (notes).
+
+        float8's amax histories, rewritten each step from maxima, XLA computes in their shards.
+        """
+        size, d, m, rank = nbytes(variable), self.d, self.m, len(variable.shape)
+        gathers = self._elementwise_gathers(variable.path) if rank == 1 else 1
+        rewritten = getattr(variable, "overwrite_with_gradient", False)
+        if not gathers and not rewritten:
+            return None
+        gathers = 0 if rewritten else gathers
+        add_wire(wire, self.batch_axis, gathers * wire_bytes("all-gather", size, d))
+        add_wire(both, self.both, gathers * wire_bytes("all-gather", size, d * m))
+        when = "forward" + (" and backward" if gathers > 1 else "") if rank == 1 else "forward"
+        if rewritten:
+            return "rewritten in its shards each step", when
+        return f"gathered over {self.batch_axis!r} {when}", when
 
     def _reads_the_input(self, path: str) -> bool:
         """Whether `path` is the kernel of one convolution of the model's input (a patch embedding).
@@ -400,7 +418,8 @@ class OneWeightCosts(BothAxesTables, Bytes):
         return bool(readers) and all(p in ("slice", "dynamic_slice") for p in readers)
 
     def _elementwise_gathers(self, path: str) -> int:
-        """How often a weight read only element-wise is gathered per step: 2 if it multiplies, else 1.
+        """How often a weight read only element-wise is gathered per step: 2 if it multiplies what a
+        gradient flows back to (not a frozen table's looked-up rows, say), else 1.
 
         0 when something other than a broadcast, reshape or cast leads it to
         anything but an add, subtract, multiply or divide. An add whose result has
@@ -419,8 +438,8 @@ class OneWeightCosts(BothAxesTables, Bytes):
                     node.primitive in _ADDS and self.trace.shapes[node.outputs[0]] in own
                 ):
                     values.extend(node.outputs)
-                elif node.primitive in ("mul", "div"):
-                    multiplies = True
+                elif node.primitive in ("mul", "div"):  # backward too, if a gradient flows to the other
+                    multiplies |= any(v in self.trace.trained for v in node.inputs if v >= 0 and v != value)
                 elif node.primitive not in _ADDS:
                     return 0
         return 2 if multiplies else 1
