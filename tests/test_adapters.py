@@ -400,6 +400,18 @@ def test_a_quantized_models_smallest_plan_sends_what_is_predicted(build, path, a
         assert rules.cost.wire_bytes_by_axis[axis] == pytest.approx(measured[axis], rel=0.02), axis
 
 
+def test_the_peak_of_an_int4_plan_reads_it_in_a_dry_build(int4):
+    """Regression: the peak `keras-meshlayout plan` prints for a plan (`planner._peak.plan_peak`) read an
+    int4 layer's `kernel`, which Keras unpacks from the stored variable: in a dry build, a leaked tracer."""
+    from keras_meshlayout.planner._peak import plan_peak
+
+    dist = kml.ModelParallel(kml.Mesh(**MESH_SHAPE), int4.rules)
+    plan = kml.dry_plan(build_int4, dist, optimizer="adam")
+    with kml.dry_build(build_int4) as model:
+        peak = plan_peak(model, plan, inputs_for(model), "data")
+    assert peak.peak == pytest.approx(int4.step.peak_bytes, rel=0.10)
+
+
 def build_user_int4() -> keras.Model:
     """A user's functional MLP under int4: its kernels frozen, packed; the biases train."""
     inputs = keras.Input((16,))

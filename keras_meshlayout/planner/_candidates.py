@@ -29,6 +29,7 @@ from ._expert_gathers import ExpertGathers
 from ._layers import followers, int4_shape, packed_axes
 from ._ledger import Proposal
 from ._trace import _PASS, Trace
+from ._unpacking import scaled_input
 
 __all__ = ["Bytes", "Candidate", "CostTable", "UnitCosts"]
 
@@ -247,14 +248,15 @@ class Bytes(BatchGathers, ExpertGathers):
         readers = []
         for node in sorted(self.trace.consumers.get(value, ())):
             op = self.trace.nodes[node]
-            if op.primitive in _PASS:
+            if op.primitive in _PASS or scaled_input(self.trace, op) == value:  # or float8's quantizing
                 readers.extend(self._readers(op.outputs[0]))
             else:
                 readers.append(op.index)
         return readers
 
     def _activation_value(self, use: Any) -> int | None:
-        """The value id of the activation a traced projection reads, through casts and copies."""
+        """The value id of the activation a traced projection reads, through casts and copies (and float8's
+        quantize-dequantize, which each projection applies to it on its own)."""
         node = self.trace.nodes[use.node]
         values = [v for v in node.inputs if v >= 0 and self.trace.weight_of(v) is None]
         if len(values) != 1:
@@ -262,9 +264,9 @@ class Bytes(BatchGathers, ExpertGathers):
         value = values[0]
         while (producer := self.trace.producer.get(value)) is not None:
             op = self.trace.nodes[producer]
-            if op.primitive not in _PASS:
+            if op.primitive not in _PASS and scaled_input(self.trace, op) is None:
                 break
-            value = op.inputs[0]
+            value = op.inputs[0] if op.primitive in _PASS else scaled_input(self.trace, op)
         return value
 
     def _kept_whole(self, variable: keras.Variable) -> bool:

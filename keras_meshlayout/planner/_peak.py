@@ -57,6 +57,7 @@ from ..core._targets import GENERATIONS, Generation
 from . import _notes, _tpu_memory
 from ._convs import CONV_LAYERS
 from ._liveness import live_code, transient_peak
+from ._quantized import stored_int4
 from ._trace import Trace, trace_step
 
 __all__ = ["PeakMemory", "PeakWalk", "chip_of", "compiler_of", "generation_of", "peak_memory", "plan_peak"]
@@ -249,6 +250,8 @@ def plan_peak(
     """
     memory = plan.memory()
     layouts = {entry.path: entry.axes for entry in plan.entries}
+    with stored_int4():  # an int4 layer's `kernel` read as stored (a dry build's has no value to unpack)
+        whole_after, gathered = _whole_conv_outputs(model, plan, batch_axis), _gathered_kernels(model, plan)
     return peak_memory(
         live_code(trace_step(model, batch)),
         layouts,
@@ -259,8 +262,8 @@ def plan_peak(
         compiler=compiler,
         chip=chip,
         variables=len(model.trainable_variables),
-        whole_after=_whole_conv_outputs(model, plan, batch_axis),
-        gathered=_gathered_kernels(model, plan),
+        whole_after=whole_after,
+        gathered=gathered,
         rows_moved=_noted(plan, _notes.ROWS_MOVED),
         tiles=_tiles(compiler, model.variables, layouts, plan.axis_sizes),
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["unpacked"]
+__all__ = ["scaled_input", "unpacked"]
 
 #: Element-wise operations that scale or clip a weight by scalars (float8's quantize-dequantize).
 _SCALED = ("mul", "div", "max", "min", "clamp", "round")
@@ -27,6 +27,12 @@ _DEQUANTIZING = ("sub", "mul", "div")
 _PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
 
 
+def scaled_input(trace: Any, op: Any) -> int | None:
+    """The one array `op` scales or clips by scalars (float8's quantize-dequantize), else `None`."""
+    arrays = [v for v in op.inputs if v >= 0 and trace.shapes[v]]
+    return arrays[0] if op.primitive in _SCALED and len(arrays) == 1 else None
+
+
 def unpacked(trace: Any, op: Any, value: int) -> tuple[int, list[int | None]] | None:
     """One step back from `value`, written by `op`: `(the operand followed, value's dimensions → its)`.
 
@@ -34,7 +40,7 @@ def unpacked(trace: Any, op: Any, value: int) -> tuple[int, list[int | None]] | 
     """
     name, shape = op.primitive, trace.shapes[value]
     arrays = [v for v in op.inputs if v >= 0 and trace.shapes[v]]
-    if name in _SCALED and len(arrays) == 1:
+    if scaled_input(trace, op) is not None:
         return arrays[0], list(range(len(shape)))
     if name in _NIBBLES or name in _DEQUANTIZING:
         followed = [v for v in arrays if trace.shapes[v] == shape and _packed_int(trace, v)]
