@@ -38,12 +38,18 @@ def build_lora() -> keras.Model:
     return model
 
 
-def build_int8() -> keras.Model:
+def quantized(mode: str) -> keras.Model:
+    """The Llama above under `quantize(mode)`."""
     model = build_classifier(_llama())
-    with warnings.catch_warnings():  # Keras warns for each layer it has no int8 form of (norms, dropout)
+    with warnings.catch_warnings():  # Keras warns for each layer it has no such form of (norms, dropout)
         warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
-        model.quantize("int8")
+        warnings.filterwarnings("ignore", "Invalid quantization mode", UserWarning)  # tables, float8
+        model.quantize(mode)
     return model
+
+
+def build_int8() -> keras.Model:
+    return quantized("int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +166,8 @@ def test_int8_prediction_matches_the_compiled_step(int8):
 
 
 def build_float8() -> keras.Model:
-    """The Llama above under `quantize("float8")`: float32 kernels quantized and dequantized where read."""
-    model = build_classifier(_llama())
-    with warnings.catch_warnings():  # and for its tables, which have no float8 form
-        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
-        warnings.filterwarnings("ignore", "Invalid quantization mode", UserWarning)
-        model.quantize("float8")
-    return model
+    """float32 kernels quantized and dequantized where read."""
+    return quantized("float8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,18 +177,22 @@ class Stepped:
     state_bytes: int
 
 
-@pytest.fixture(scope="module")
-def float8() -> Stepped:
-    """The float8 Llama's no-budget plan and its Adam step compiled on 2×4 (one compile)."""
+def stepped(build) -> Stepped:
+    """`build`'s no-budget plan made in a dry build, and its Adam step compiled on 2×4 (one compile)."""
     mesh = kml.Mesh(**MESH_SHAPE)
-    with kml.dry_build(build_float8) as model:
+    with kml.dry_build(build) as model:
         x = inputs_for(model)
         rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
     dist = kml.ModelParallel(mesh, rules)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    step = kml.compile_step(build_float8, dist, x, np.zeros(BATCH, "int32"), optimizer="adam", loss=loss)
-    memory = kml.dry_plan(build_float8, dist, optimizer="adam").memory()
+    step = kml.compile_step(build, dist, x, np.zeros(BATCH, "int32"), optimizer="adam", loss=loss)
+    memory = kml.dry_plan(build, dist, optimizer="adam").memory()
     return Stepped(rules, step, memory.parameters + memory.gradients + memory.optimizer)
+
+
+@pytest.fixture(scope="module")
+def float8() -> Stepped:
+    return stepped(build_float8)
 
 
 @pytest.mark.parametrize(
@@ -249,26 +254,14 @@ def test_a_float8_model_trains_sharded_as_on_one_device():
 def build_int4() -> keras.Model:
     """The Llama above under `quantize("int4")`: kernels stored packed, two columns a byte, with a scale and
     a zero point per column and group of rows; an `EinsumDense` kernel flattened to 2-D."""
-    model = build_classifier(_llama())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
-        model.quantize("int4")
-    return model
+    return quantized("int4")
 
 
 @pytest.fixture(scope="module")
 def int4() -> Stepped:
-    """The int4 Llama planned in a dry build (where reading an int4 `kernel` unpacked it from a variable
-    with no value: a leaked tracer) and its Adam step compiled on 2×4."""
-    mesh = kml.Mesh(**MESH_SHAPE)
-    with kml.dry_build(build_int4) as model:
-        x = inputs_for(model)
-        rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
-    dist = kml.ModelParallel(mesh, rules)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    step = kml.compile_step(build_int4, dist, x, np.zeros(BATCH, "int32"), optimizer="adam", loss=loss)
-    memory = kml.dry_plan(build_int4, dist, optimizer="adam").memory()
-    return Stepped(rules, step, memory.parameters + memory.gradients + memory.optimizer)
+    """Planned in a dry build, where reading an int4 `kernel` unpacked it from a variable with no value
+    (a leaked tracer)."""
+    return stepped(build_int4)
 
 
 @pytest.mark.parametrize(
@@ -342,24 +335,17 @@ def test_an_int4_lora_model_is_planned_and_predicted_as_compiled():
     follow the float kernel's split (`a` over the query's heads), their own gradients are summed over
     'data' (no merged kernel's), `b`'s over 'model' beside the heads. Before: the adapters whole, 0.36x
     the compiled bytes over 'model' and 0.02x over 'data'."""
-    mesh = kml.Mesh(**MESH_SHAPE)
-    with kml.dry_build(build_qlora) as model:
-        x = inputs_for(model)
-        rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam", replicate_below=0)
+    qlora = stepped(build_qlora)
     query = "transformer_layer_0/self_attention/query"
-    assert rules.match(f"{query}/kernel").axes == (None, "model")
-    assert rules.match(f"{query}/lora_kernel_a").axes == (None, "model", None)  # (64, 4 heads, rank 4)
-    assert rules.match(f"{query}/lora_kernel_b").axes == (None, None)
-    dist = kml.ModelParallel(mesh, rules)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    step = kml.compile_step(build_qlora, dist, x, np.zeros(BATCH, "int32"), optimizer="adam", loss=loss)
-    memory = kml.dry_plan(build_qlora, dist, optimizer="adam").memory()
-    measured = step.comm.wire_bytes_by_axis
+    assert qlora.rules.match(f"{query}/kernel").axes == (None, "model")
+    assert qlora.rules.match(f"{query}/lora_kernel_a").axes == (None, "model", None)  # (64, 4 heads, rank 4)
+    assert qlora.rules.match(f"{query}/lora_kernel_b").axes == (None, None)
+    measured = qlora.step.comm.wire_bytes_by_axis
     assert set(measured) == {"data", "model"}
     for axis, value in measured.items():
-        assert rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
-    assert rules.cost.state_bytes == memory.parameters + memory.gradients + memory.optimizer
-    assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(1.0, abs=0.10)
+        assert qlora.rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
+    assert qlora.rules.cost.state_bytes == qlora.state_bytes
+    assert qlora.rules.cost.peak_bytes / qlora.step.peak_bytes == pytest.approx(1.0, abs=0.10)
 
 
 #: `(builder, a kernel and its axes in the smallest plan)`.
