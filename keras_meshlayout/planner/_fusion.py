@@ -39,6 +39,8 @@ EXPENSIVE = frozenset(
 )
 #: The operations XLA:TPU computes an element-wise operand inside of (`fused_on_tpu`).
 _MATMULS = frozenset(("dot_general", "conv_general_dilated"))
+#: Non-element-wise operations XLA:CPU fuses into an element-wise reader when they read weights alone.
+_OF_WEIGHTS = frozenset(("gather", "stack", "concatenate", "slice"))
 #: Operations that only spread an operand over a larger shape.
 _BROADCASTS = frozenset(("broadcast_in_dim", "iota"))
 #: Operations that update their first operand in place: XLA writes the result into that buffer.
@@ -61,12 +63,31 @@ def _elementwise_reads(trace: Trace) -> Iterator[tuple[Node, int, tuple[int, ...
 
 
 def _from_weights(trace: Trace) -> set[int]:
-    """The variables and the values computed element-wise from them alone (a cast, an int8 kernel × scale)."""
+    """The variables and the values computed element-wise from them alone (a cast, an int8 kernel × scale),
+    or gathered, stacked or sliced from them alone (an int4 kernel's nibbles, its scales by group)."""
     weights = set(trace.variables)
     for node in trace.nodes:
-        if node.primitive in ELEMENTWISE and all(v < 0 or v in weights for v in node.inputs):
+        if (node.primitive in ELEMENTWISE or node.primitive in _OF_WEIGHTS) and all(
+            v < 0 or v in weights for v in node.inputs
+        ):
             weights.update(node.outputs)
     return weights
+
+
+def _weights_rearranged(trace: Trace, weights: set[int], found: set[int]) -> set[int]:
+    """Look-ups, stacks and slices of the weights alone that XLA:CPU computes inside their element-wise
+    readers: an int4 kernel's nibbles stacked into columns, its scales and zero points looked up by
+    each row's group, all in the one fusion that writes the dequantized kernel (measured on a
+    `quantize("int4")` Dense MLP on 2×4: the walk had written a whole (64, 256) float32 scale map)."""
+    fused_here = set()
+    for node in trace.nodes:
+        if node.primitive not in _OF_WEIGHTS or not all(v < 0 or v in weights for v in node.inputs):
+            continue
+        for value in node.outputs:
+            readers = [trace.nodes[r].primitive for r in trace.consumers.get(value, ())]
+            if readers and all(_fusing(p) for p in readers) and value not in trace.outputs:
+                fused_here.add(value)
+    return fused_here - found
 
 
 def fused(trace: Trace) -> set[int]:
@@ -93,6 +114,7 @@ def fused(trace: Trace) -> set[int]:
             found.add(value)  # the zeros a scatter-add starts from: written into its result
         elif all(_fusing(p) for p in primitives) and (node.primitive in _CHEAP or len(set(readers)) == 1):
             found.add(value)
+    found |= _weights_rearranged(trace, weights, found)
     return found - _reduced_across_broadcast(trace, found)
 
 

@@ -23,7 +23,7 @@ from .. import _compat
 from ..core._grouped_scan import abstract_value
 from ..core._model_calls import failing_on
 from ._memo import memoised
-from ._unpacking import unpacked
+from ._unpacking import scaled_input, unpacked
 
 __all__ = ["LITERALS", "Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
 
@@ -141,12 +141,15 @@ class Trace:
         return self.variables[value], tuple(dims)  # type: ignore[arg-type]
 
     def from_input(self, value: int) -> bool:
-        """Whether `value` is one of the batch's arrays, cast at most."""
+        """Whether `value` is one of the batch's arrays, cast (or quantized, float8) at most."""
         while value not in self.inputs:
             node = self.producer.get(value)
-            if node is None or self.nodes[node].primitive not in _PASS:
+            if node is None:
                 return False
-            value = self.nodes[node].inputs[0]
+            op = self.nodes[node]
+            if op.primitive not in _PASS and scaled_input(self, op) is None:
+                return False
+            value = op.inputs[0] if op.primitive in _PASS else scaled_input(self, op)
         return True
 
 
