@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import keras
@@ -22,6 +22,7 @@ import keras
 from ..core._axes import Axes
 from ..core._shape_checks import is_weight_matrix
 from . import _notes
+from ._layers import Packing
 from ._trace import Trace
 
 __all__ = ["Decision", "Ledger", "Proposal", "Setting"]
@@ -140,7 +141,7 @@ class Ledger:
         *,
         replicate_below: int = 0,
         shapes: Mapping[str, tuple[int, ...]] | None = None,
-        packed: Mapping[str, Callable[[Axes], Axes | None]] | None = None,
+        packed: Mapping[str, Packing] | None = None,
     ) -> None:
         self.model_name = model_name
         self.axis = axis
@@ -153,8 +154,8 @@ class Ledger:
         #: is kept whole by `kml.ModelParallel` (suggested rules), so the ledger records it whole too.
         self.replicate_below = replicate_below
         self.shapes = dict(shapes or {})
-        #: Per int4 weight Keras stores packed, its float weight's axes as the stored one's, or `None`
-        #: where the packing cannot split as asked (`_quantized.packed_axes`).
+        #: Per int4 kernel Keras stores flattened, how its float kernel's axes are stored (`None` where
+        #: the packing cannot split as asked) and back (`_layers.packed_axes`).
         self.packed = dict(packed or {})
         #: Per variable path (or `("output", layer path)`), its decision, in first-decided order.
         self._entries: dict[object, Decision] = {}

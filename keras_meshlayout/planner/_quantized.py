@@ -75,10 +75,7 @@ def stored_int4() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for cls, name in ((keras.layers.Dense, "kernel"), (keras.layers.EinsumDense, "kernel"),
                           (keras.layers.Embedding, "embeddings")):  # fmt: skip
-            reading = functools.partial(stored, name=name)
-            stack.enter_context(
-                _compat.property_replaced(cls, name, lambda layer, own, r=reading: r(layer, own))
-            )
+            stack.enter_context(_compat.property_replaced(cls, name, functools.partial(stored, name=name)))
         yield
 
 
