@@ -24,7 +24,7 @@ from ..report._collectives import wire_bytes
 from . import _notes
 from ._candidates import Bytes, Candidate, UnitCosts, add_wire, candidate, frozen, nbytes
 from ._convs import lone_conv_reads
-from ._layers import idle_axes, lookup_table, tied_table
+from ._layers import idle_axes, int4_shape, lookup_table, tied_table
 from ._tables_2d import BothAxesTables, no_budget_choice
 
 __all__ = ["OneWeightCosts"]
@@ -93,7 +93,9 @@ class OneWeightCosts(BothAxesTables, Bytes):
         again = self.recomputed.get((variable.path, "gather"), 0) / max(lookups, 1)  # under remat
         add_wire(wire, self.model_axis, (1 + again) * wire_bytes("all-reduce", looked, self.m))
         for follower, _ in self.followers.get(variable.path, ()) if int8 else ():
-            for use in self.uses.get(follower.path, ()):  # scales; an int4 table's int8 zero points as int8
+            # Its scales looked up by the same ids (not an int4 head's, by each row's group); an int4
+            # table's int8 zero points as int8.
+            for use in (u for u in self.uses.get(follower.path, ()) if u.inputs == lookup.inputs):
                 scales = (self._activation if "int" in use.dtype else self._summed)(use.output, use.dtype)
                 add_wire(wire, self.model_axis, wire_bytes("all-reduce", scales, self.m))
 
@@ -124,7 +126,9 @@ class OneWeightCosts(BothAxesTables, Bytes):
             per_position = math.prod(head.output[:-1]) / self.d * 4
             add_wire(wire, self.model_axis, 4 * wire_bytes("all-reduce", per_position, self.m))
             if not head.from_input:
-                summed = self.head_input_grad(head, rounded=str(variable.dtype) == "int8")
+                # An int8 head rounds its input (no gradient but its scale's); an int4 one does not.
+                rounded = str(variable.dtype) == "int8" and int4_shape(owner) is None
+                summed = self.head_input_grad(head, rounded=rounded)
                 add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
         split = candidate(
             "vocab-parallel",

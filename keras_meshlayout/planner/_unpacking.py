@@ -82,7 +82,7 @@ def _quantization(trace: Any, value: int) -> bool:
         if node is None:
             return False
         op = trace.nodes[node]
-        if op.primitive not in (*_PASS, "broadcast_in_dim", "reshape", "gather"):
+        if op.primitive not in (*_PASS, "broadcast_in_dim", "reshape", "transpose", "gather"):
             return False
         value = op.inputs[0]
     return True
