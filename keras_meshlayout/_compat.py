@@ -221,8 +221,8 @@ def lora_parts(layer: Any) -> tuple[Any, Any, Any] | None:
 
 @contextlib.contextmanager
 def lora_off(model: Any) -> Iterator[None]:
-    """LoRA layers compute with (`kernel` is) their base kernel inside; int4 ones add `a @ b` to outputs."""
-    layers = [one for one in lora_layers(model) if one.lora_enabled and one.quantization_mode != "int4"]
+    """LoRA layers compute with (`kernel` is) their base kernel inside; quantized ones add `x·a·b` anyway."""
+    layers = [one for one in lora_layers(model) if one.lora_enabled and one.quantization_mode is None]
     for layer in layers:
         layer.lora_enabled = False
     try:

@@ -30,7 +30,7 @@ from ._layers import followers, idle_axes, stored_weight
 from ._ledger import Ledger, Setting
 from ._propagate import Specs
 from ._trace import Trace
-from ._units import find_added, find_units
+from ._units import find_added, find_units, unit_name
 
 __all__ = ["beside_split", "final_layers", "left_whole", "lone_projections", "traced_units", "unused_weights"]
 
@@ -45,11 +45,15 @@ def traced_units(ledger: Ledger, setting: Setting) -> None:
     if setting.trace is None:
         return
     variables = setting.variables
+    # Followers take their weight's layout, not a unit's: a quantized layer's LoRA adapters, which
+    # project its input beside it (`_lora`), and int8 scales (`_quantized`).
+    follows = {weight.path for group in followers(setting.model).values() for weight, _ in group}
     for unit in find_units(setting.trace, setting.size):
-        members = [(variables[m.path], m) for m in unit.members if m.path in variables]
-        if len(members) != len(unit.members) or any(ledger.decided(v.path) for v, _ in members):
+        own = [m for m in unit.members if m.path not in follows]
+        members = [(variables[m.path], m) for m in own if m.path in variables]
+        if not members or len(members) != len(own) or any(ledger.decided(v.path) for v, _ in members):
             continue
-        name = setting.display(unit.name)
+        name = setting.display(unit.name if len(own) == len(unit.members) else unit_name(tuple(own)))
         kept = must_stay_split(setting, unit)
         reason = _whole_because(setting, members, name, kept)
         if reason is not None:

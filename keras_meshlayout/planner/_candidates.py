@@ -29,7 +29,7 @@ from ._expert_gathers import ExpertGathers
 from ._layers import followers, int4_shape, packed_axes
 from ._ledger import Proposal
 from ._trace import _PASS, Trace
-from ._unpacking import scaled_input
+from ._unpacking import merges_lora, scaled_input
 
 __all__ = ["Bytes", "Candidate", "CostTable", "UnitCosts"]
 
@@ -150,11 +150,11 @@ class Bytes(BatchGathers, ExpertGathers):
         self.memory = slot_model(optimizer)
         self.tp_axes = proposal.axes
         #: LoRA adapters by path, and their base kernel's path: XLA sums the merged kernel's gradient.
-        #: An int4 layer adds its adapters' product to its output: their own gradients are summed.
+        #: A quantized layer adds its adapters' product to its output: their own gradients are summed.
         self.lora_base = {
             adapter.path: parts[0].path
             for layer in _compat.lora_layers(model)
-            if (parts := _compat.lora_parts(layer)) is not None and int4_shape(layer) is None
+            if (parts := _compat.lora_parts(layer)) is not None and merges_lora(layer)
             for adapter in parts[1:]
         }
         #: Every LoRA adapter's path, merged into its kernel or not.
@@ -321,6 +321,9 @@ class Bytes(BatchGathers, ExpertGathers):
         for base, (a, b) in self.lora_pairs.items():
             if base not in axes or a.path not in axes or b.path not in axes or not a.trainable:
                 continue
+            if a.path not in self.lora_base:  # a quantized layer's: not merged
+                self._added_lora_wire(a, b, axes, wire)
+                continue
             base_axes = self.packing[base].unpacked(axes[base]) if base in self.packing else axes[base]
             last, inner = axis_names(base_axes[-1:]), axis_names(axes[a.path][:-1])
             a_names, b_names = axis_names(axes[a.path]), axis_names(axes[b.path])
@@ -331,6 +334,26 @@ class Bytes(BatchGathers, ExpertGathers):
                 shard = nbytes(b) / self._shards(tuple(b_names - {axis}))
                 add_wire(wire, axis, wire_bytes("all-reduce", shard, self.axis_sizes[axis]))
         return wire
+
+    def _added_lora_wire(self, a: Any, b: Any, axes: Mapping[str, Axes], wire: dict[str, float]) -> None:
+        """Adds to `wire` the all-reduces of `b`'s gradient in a quantized layer's LoRA path.
+
+        Such a layer adds `(x · a) · b` to its output (`merges_lora`): `a` and `b` are projections
+        of their own, their activations' all-reduces costed as any (`_activation_traffic`: `x · a`
+        summed forward where `a`'s contracted dimensions are split, its gradient where `b`'s
+        columns are). `db = (x · a)ᵀ · dy` also sums over `a`'s other dimensions (query heads):
+        all-reduced over each axis splitting them, in `b`'s shards. Measured on XLA:CPU (Dense
+        and EinsumDense, int8 and int4, keras-hub Gemma and Llama, 2×4).
+        """
+        use = next((u for u in self.uses.get(a.path, ()) if u.kind == "matmul"), None)
+        if use is None:
+            return
+        a_axes = axes[a.path]
+        heads = axis_names(tuple(e for i, e in enumerate(a_axes[:-1]) if i not in use.contracted))
+        b_names = axis_names(axes[b.path])
+        for axis in sorted(heads):
+            shard = nbytes(b) / self._shards(tuple(b_names - {axis}))
+            add_wire(wire, axis, wire_bytes("all-reduce", shard, self.axis_sizes[axis]))
 
     def _state(self, variable: keras.Variable, shards: int, trainable: bool) -> int:
         slots = not getattr(variable, "overwrite_with_gradient", False)  # float8's scales and histories

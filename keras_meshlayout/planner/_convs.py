@@ -49,7 +49,7 @@ from ._grouped import CONV, conv_kernel, grouped_forward, kernel_at, must_stay_s
 from ._grower import ELEMENTWISE, _dynamic, _Fail, _Grower
 from ._ledger import Ledger, Setting
 from ._trace import Trace
-from ._units import Member, Unit, _name, _uses_inside, find_added
+from ._units import Member, Unit, _uses_inside, find_added, unit_name
 
 __all__ = [
     "CONV",
@@ -144,7 +144,7 @@ def find_conv_units(
         members = tuple(Member(p, d, r) for p, (d, r) in state.members.items())
         claimed.update(state.members)
         after = tuple(p for p in find_added(trace, state.rows) if p not in state.members)
-        units.append(Unit(_name(members), "conv", members, (), after))
+        units.append(Unit(unit_name(members), "conv", members, (), after))
     return tuple(units)
 
 

@@ -127,6 +127,7 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
     def units(self) -> list[UnitCosts]:
         """One unit per group of weights that split together; the rest as one fixed unit."""
         trainable = {id(v) for v in self.model.trainable_weights}
+        merged = {base for adapter, base in self.lora_base.items() if adapter in self.used}
         owners = layer_owners(self.model)
         by_unit: dict[str, list[keras.Variable]] = {}
         for variable in self.model.weights:
@@ -156,7 +157,7 @@ class _Coster(ConvCosts, ExpertCosts, KeyValueCosts, TableCosts):
                     units.append(sharded)
                     continue
             fixed_state += self._state(variable, 1, id(variable) in trainable)
-            if id(variable) in trainable:
+            if id(variable) in trainable or variable.path in merged:  # a LoRA kernel's merged gradient
                 add_wire(fixed_wire, self.batch_axis, self._grad_sync(variable, 1))
         # The loss is averaged over the batch axis: one scalar all-reduce.
         add_wire(fixed_wire, self.batch_axis, wire_bytes("all-reduce", 4, self.d))

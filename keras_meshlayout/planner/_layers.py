@@ -294,33 +294,41 @@ def int4_shape(layer: Any) -> tuple[int, ...] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
-    """How an int4 `EinsumDense` kernel is stored: its float dimensions merged into `(rows, columns)`.
+    """How an int4 `EinsumDense` kernel is stored: its float kernel reshaped, row-major, to `(rows, columns)`.
 
     Called with the float kernel's axes, the stored kernel's (`Ledger.packed`), or `None`.
     """
 
-    rows: int  # how many of the float kernel's dimensions (the first ones, summed over) make the rows
-    rank: int  # the float kernel's rank
+    shape: tuple[int, ...]  # the float kernel's
+    rows: int  # the stored rows: the product of the sizes of the dimensions the layer sums over
+
+    @property
+    def columns_start(self) -> int | None:
+        """The float dimension the stored columns start with (its split splits them), or `None`."""
+        return next((d for d in range(1, len(self.shape)) if math.prod(self.shape[:d]) == self.rows), None)
 
     def __call__(self, axes: Axes) -> Axes | None:
-        axes = tuple(axes)
-        groups = (axes[: self.rows], axes[self.rows :])
-        if any(a is not None for group in groups for a in group[1:]):
+        axes, start = tuple(axes), self.columns_start
+        if any(a is not None for d, a in enumerate(axes) if d not in (0, start)):
             return None
-        return tuple(group[0] for group in groups)
+        return (axes[0], None if start is None else axes[start])
 
     def unpacked(self, axes: Axes) -> Axes:
-        """The float kernel's axes given the stored kernel's: each on the first dimension it merges."""
-        return (axes[0], *(None,) * (self.rows - 1), axes[1], *(None,) * (self.rank - self.rows - 1))
+        """The float kernel's axes given the stored kernel's: the first dimension of each it merges."""
+        start = self.columns_start
+        return tuple(axes[0] if d == 0 else axes[1] if d == start else None for d in range(len(self.shape)))
 
 
 def packed_axes(model: Any) -> dict[str, Packing]:
     """Per int4 `EinsumDense` kernel, how its float kernel's axes are the stored kernel's.
 
-    Keras stores it as `(rows, ceil(columns / 2))`: the dimensions the layer sums over, merged,
-    then the others, merged (a plain reshape of the float kernel, `btd,dnh->btnh`'s `(d, n × h)`).
-    A merged dimension takes the axes of the first dimension it merges (the heads of `n × h`); a
-    split of any other (a key/value kernel's head_dim) is not one the stored kernel can hold.
+    Keras stores it as `(rows, ceil(columns / 2))`, `rows` the product of the sizes of the
+    dimensions the layer sums over, and dequantizes it with a plain reshape to the float shape.
+    So a split of the float kernel's first dimension splits the stored rows, and one of the
+    dimension the last `columns` elements start with splits the columns: `btd,dnh->btnh`'s
+    `(d, n × h)` rows its `d`, columns its heads `n`; Gemma's `btd,ndh->btnh`, `(n, d, h)` stored
+    as `(d, n × h)` elements, rows its heads `n` (each head's `d × h` block is `d / 4` rows of
+    `4 h`) and no columns. No other split (a key/value kernel's head_dim) survives the reshape.
     """
     found = {}
     for layer in _compat.sublayers(model):
@@ -329,9 +337,10 @@ def packed_axes(model: Any) -> dict[str, Packing]:
             continue
         inputs, rest = layer.equation.split(",")
         kernel, output = rest.split("->")
-        reduced = sum(1 for label in kernel if label in inputs and label not in output)
-        if 0 < reduced < len(shape) and math.prod(shape[:reduced]) == stored.shape[0]:
-            found[stored.path] = Packing(reduced, len(shape))
+        summed = {label for label in kernel if label in inputs and label not in output}
+        rows = math.prod(d for label, d in zip(kernel, shape, strict=True) if label in summed)
+        if rows == stored.shape[0] and len(shape) > 1:
+            found[stored.path] = Packing(tuple(shape), rows)
     return found
 
 

@@ -8,7 +8,9 @@ projection weight it is; this one then gives the adapters the kernel's
 split: `a` takes the kernel's axes on every dimension but the last, `b`
 the kernel's axis of its last dimension, so `a @ b` comes out split as the
 kernel is and is added without moving anything. Both join the kernel's unit,
-so a budget plan lays them out together.
+so a budget plan lays them out together, and they stay split however small
+(`replicate_below`): kept whole beside a split kernel, XLA computes their
+gradients split and gathers them and each optimizer slot after every update.
 
 What the step sends for them (`_costs`): XLA sums the gradient of the whole
 kernel `kernel + a @ b` (its shard on each device) over the batch axis, not
@@ -43,5 +45,7 @@ def lora_adapters(ledger: Ledger, setting: Setting) -> None:
         name = setting.display(layer.path)
         a_axes, b_axes = lora_axes(axes, "a"), lora_axes(axes, "b")
         # An earlier strategy may have taken the adapters for its layer's other weights (a bias): revised.
-        ledger.revise(a.path, a_axes, _notes.lora(name, "a", a_axes), unit=unit)
-        ledger.revise(b.path, b_axes, _notes.lora(name, "b", b_axes), unit=unit)
+        # Split however small (`replicate_below`): whole beside a split kernel, XLA computes their
+        # gradients split and gathers them, and each optimizer slot, after every update.
+        ledger.revise(a.path, a_axes, _notes.lora(name, "a", a_axes), unit=unit, keep_split=True)
+        ledger.revise(b.path, b_axes, _notes.lora(name, "b", b_axes), unit=unit, keep_split=True)

@@ -32,6 +32,7 @@ from .. import _compat
 from . import _notes
 from ._layers import int4_shape, quantized_weights
 from ._ledger import Ledger, Setting
+from ._unpacking import merges_lora
 
 __all__ = ["Int4Kernel", "int8_scales", "stored_int4"]
 
@@ -60,14 +61,16 @@ def stored_int4() -> Iterator[None]:
 
     Keras computes the unpacked weight from the packed one each time it is read: under
     `kml.dry_build` from a variable with no value (a leaked tracer), and outside it a copy the
-    planner has no use for.
+    planner has no use for. A quantized LoRA layer's (int8's) `kernel` is the one it stores: Keras
+    would add `a @ b` to it, which such a layer never computes with.
     """
     read: dict[int, Int4Kernel] = {}
 
     def stored(layer: Any, unpacked: Callable[[Any], Any], name: str) -> Any:
         shape = int4_shape(layer)
-        if shape is None:
-            return unpacked(layer)
+        if shape is None:  # a quantized LoRA layer's kernel is the one stored, not merged (`merges_lora`)
+            lora = getattr(layer, "lora_enabled", False) and not merges_lora(layer)
+            return _compat.stored_weight(layer, name) if lora else unpacked(layer)
         if id(layer) not in read:  # one object per layer, however often it is read
             read[id(layer)] = Int4Kernel(_compat.stored_weight(layer, name), shape)
         return read[id(layer)]

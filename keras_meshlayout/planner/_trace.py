@@ -23,7 +23,7 @@ from .. import _compat
 from ..core._grouped_scan import abstract_value
 from ..core._model_calls import failing_on
 from ._memo import memoised
-from ._unpacking import scaled_input, unpacked
+from ._unpacking import merges_lora, scaled_input, unpacked
 
 __all__ = ["LITERALS", "Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
 
@@ -194,13 +194,13 @@ def _trace_model(model: keras.Model, batch: Any) -> Trace:
         )
     jaxpr = closed.jaxpr
     # Only adapters that train make their kernel trained (a layer frozen after `enable_lora` has none),
-    # and only where they are merged into it (an int4 layer adds their product to its output).
+    # and only where they are merged into it (a quantized layer adds their product to its output).
     lora = [
         parts
         for layer in _compat.lora_layers(model)
         if (parts := _compat.lora_parts(layer)) is not None
         and (parts[1].trainable or parts[2].trainable)
-        and layer.quantization_mode != "int4"
+        and merges_lora(layer)
     ]
     trained = {v.path for v in trainable} | {base.path for base, _, _ in lora}
     trace = _flat(jaxpr, [v.path for v in trainable + non_trainable], trained=trained)

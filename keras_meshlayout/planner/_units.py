@@ -27,7 +27,7 @@ import dataclasses
 from ._grower import _dynamic, _Fail, _Grower, _State
 from ._trace import Trace
 
-__all__ = ["Member", "Unit", "find_added", "find_units"]
+__all__ = ["Member", "Unit", "find_added", "find_units", "unit_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ def find_units(trace: Trace, size: int) -> tuple[Unit, ...]:
         kind = "attention" if state.heads_dots else "pair"
         whole = tuple(dict.fromkeys(p for p in state.whole if p not in state.members))
         after = tuple(p for p in find_added(trace, state.rows) if p not in state.members)
-        units.append(Unit(_name(members), kind, members, whole, after))
+        units.append(Unit(unit_name(members), kind, members, whole, after))
     return tuple(units)
 
 
@@ -158,7 +158,8 @@ def _absolute_maximum(trace: Trace, node) -> bool:
     )
 
 
-def _name(members: tuple[Member, ...]) -> str:
+def unit_name(members: tuple[Member, ...]) -> str:
+    """`"gate × up → down"`: the members' short paths, columns then rows."""
     columns = [_short(m.path) for m in members if m.role == "column"]
     rows = [_short(m.path) for m in members if m.role == "row"]
     return f"{' × '.join(dict.fromkeys(columns))} → {' × '.join(dict.fromkeys(rows))}"

@@ -10,6 +10,10 @@ scale (looked up by each row's group, `g_idx`, or broadcast), and reshapes the r
 the float kernel's shape. The projection reads that kernel: each step maps the value's
 dimensions to those of the operand it came from, so that a dimension of the float kernel
 is known as the stored dimension it was merged into.
+
+With LoRA (`enable_lora(rank)`), a float layer computes with `kernel + (alpha / rank) · a @ b`,
+one merged kernel; a quantized one (int8, int4) adds `(alpha / rank) · x · a · b` to its
+output instead, so its adapters are projections of their own (`merges_lora`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["scaled_input", "unpacked"]
+__all__ = ["merges_lora", "scaled_input", "unpacked"]
 
 #: Element-wise operations that scale or clip a weight by scalars (float8's quantize-dequantize).
 _SCALED = ("mul", "div", "max", "min", "clamp", "round")
@@ -25,6 +29,11 @@ _SCALED = ("mul", "div", "max", "min", "clamp", "round")
 _NIBBLES = ("and", "or", "xor", "not", "shift_right_arithmetic", "shift_right_logical", "shift_left", "sub")
 _DEQUANTIZING = ("sub", "mul", "div")
 _PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
+
+
+def merges_lora(layer: Any) -> bool:
+    """Whether a LoRA layer merges its adapters into its kernel (a float one) rather than adding `x·a·b`."""
+    return getattr(layer, "quantization_mode", None) is None
 
 
 def scaled_input(trace: Any, op: Any) -> int | None:
@@ -89,12 +98,21 @@ def _quantization(trace: Any, value: int) -> bool:
 
 
 def _merged_dims(before: tuple[int, ...], after: tuple[int, ...]) -> list[int | None]:
-    """Per dimension of `after` (a reshape of `before`), the dimension of `before` it starts in."""
+    """Per dimension of `after` (a row-major reshape of `before`), the dimension of `before` holding it.
+
+    A dimension of `after` starting one of `before` merges it with the next (an int4 kernel's
+    nibbles into its columns); one starting inside is part of it, if it ends there too. `None`
+    where it starts inside one and ends in another: Gemma's `(heads, hidden, head_dim)` kernel
+    is stored as `(hidden, heads × head_dim)` elements, its heads in the stored rows, its
+    head_dim in the columns, its hidden dimension in both (`_layers.Packing`).
+    """
     found: list[int | None] = []
     for index in range(len(after)):
-        start = math.prod(after[:index])
-        inside = [
-            d for d in range(len(before)) if math.prod(before[:d]) <= start < math.prod(before[: d + 1])
-        ]
-        found.append(inside[0] if inside and after[index] != 1 else None)
+        low = math.prod(after[:index])
+        high = low * after[index]
+        inside = [d for d in range(len(before)) if math.prod(before[:d]) <= low < math.prod(before[: d + 1])]
+        whole = inside and (
+            low == math.prod(before[: inside[0]]) or high <= math.prod(before[: inside[0] + 1])
+        )
+        found.append(inside[0] if whole and after[index] != 1 else None)
     return found
