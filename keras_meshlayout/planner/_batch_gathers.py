@@ -96,7 +96,7 @@ class BatchGathers:
         an MLP has none: every kernel kept), and gathers the others again for the backward pass
         (`_kept_for_backward`).
         """
-        if kernel.path in self.int4:  # dequantized anew by its custom gradient for the input gradient
+        if kernel.path in self.int4 or self._int8_kernel(kernel):  # its input gradient dequantizes it anew
             return 1 if all(use.from_input for use in self.uses.get(kernel.path, ())) else 2
         if self.compiler == "tpu":
             return 1 if self._kept_for_backward(kernel) else 2
@@ -254,8 +254,29 @@ class BatchGathers:
         """
         if variable.path in self.int4:
             return 2.0 * self.int4[variable.path]
+        if self._int8_kernel(variable) and not all(u.from_input for u in self.uses.get(variable.path, ())):
+            return (1.0 + 4.0) / 2  # the mean of its two gathers (`_int8_kernel`)
         itemsize = np.dtype(variable.dtype).itemsize
         return 2 / itemsize if self.compiler == "tpu" and itemsize > 2 else 1.0
+
+    def _int8_kernel(self, kernel: keras.Variable) -> bool:
+        """Whether `kernel` is an int8 `Dense` or `EinsumDense` kernel (`quantize("int8")`).
+
+        Split over the batch axis, XLA:CPU gathers it as stored (one byte an element) for the
+        forward pass, and where its input needs a gradient, gathers again the float32 kernel that
+        Keras's custom gradient dequantizes for it (measured on keras-hub Gemma with LoRA, its
+        smallest plan on 2×4: the feed-forward and attention output kernels gathered in int8 forward
+        and float32 backward; the query, key and value ones, reading a frozen table's rows, once).
+        """
+        uses = self.uses.get(kernel.path, ())
+        return (
+            self.compiler != "tpu"  # XLA:TPU not calibrated (docs/status.md)
+            and str(kernel.dtype) == "int8"
+            and kernel.path not in self.int4
+            and kernel.path.endswith("/kernel")
+            and bool(uses)
+            and all(use.kind == "matmul" for use in uses)
+        )
 
     def _input_gradient(self, layer: keras.layers.Layer | None, kernel: keras.Variable, use) -> float:
         """What a kernel split over the batch axis alone on its input features sends for its input gradient.
