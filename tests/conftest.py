@@ -113,6 +113,13 @@ SLOW: dict[str, tuple[str, ...]] = {
     ),
     # five fully sharded MLP steps and two of a norm under a head compiled on 8 CPU devices (2-12 s each)
     "test_batch_gathers.py": ("*",),
+    "test_qlora.py": (  # a keras-hub Gemma or an MLP planned and compiled per case (3-6 s each)
+        "test_a_quantized_gemma_splits_its_heads_and_sends_what_is_compiled",
+        "test_a_quantized_gemmas_smallest_plan_sends_what_is_compiled",
+        "test_the_peak_of_a_quantized_gemma_is_within_ten_percent_of_the_compiled_one",
+        "test_a_users_qlora_mlp_splits_its_frozen_pair_under_the_default_policy",
+        "test_a_float_lora_model_under_the_default_policy_sends_what_is_compiled",
+    ),
     "test_adapters.py": ("*",),  # a LoRA and an int8 keras-hub Llama planned and compiled (one each)
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
     # a keras-hub Llama planned and compiled once (7 s), and trained sharded and on one device (4 s)

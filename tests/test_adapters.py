@@ -446,29 +446,37 @@ def test_the_peak_of_an_int4_plan_reads_it_in_a_dry_build(int4):
     assert peak.peak == pytest.approx(int4.step.peak_bytes, rel=0.10)
 
 
-def build_user_int4() -> keras.Model:
-    """A user's functional MLP under int4: its kernels frozen, packed; the biases train."""
+def build_user_mlp(mode: str = "int4", lora: bool = False) -> keras.Model:
+    """A user's functional MLP under `quantize(mode)`: its kernels frozen; the biases (and with `lora`,
+    `enable_lora(4)` after, Keras's QLoRA, the adapters) train."""
     inputs = keras.Input((16,))
     x = keras.layers.Dense(256, activation="relu", name="up")(inputs)
     x = keras.layers.Dense(32, name="down")(x)
-    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x), name="user_int4")
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x), name=f"user_{mode}")
     with warnings.catch_warnings():  # the input layer has nothing to quantize
         warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
-        model.quantize("int4")
-    return model
-
-
-def build_user_qlora() -> keras.Model:
-    model = build_user_int4()
-    for name in ("up", "down"):
+        model.quantize(mode)
+    for name in ("up", "down") if lora else ():
         model.get_layer(name).enable_lora(4)
     return model
 
 
-@pytest.mark.parametrize("build", [build_user_int4, build_user_qlora], ids=["int4", "int4-lora"])
-def test_an_int4_model_trains_sharded_as_on_one_device(build):
-    """Its packed kernels split over 'model' with their scales dequantize to one device's: the biases
-    (and the LoRA adapters), trained through them, come out as one device's."""
+build_user_int4 = functools.partial(build_user_mlp, "int4")
+build_user_qlora = functools.partial(build_user_mlp, "int4", lora=True)
+
+
+@pytest.mark.parametrize(
+    ("build", "scale"),
+    [
+        (build_user_int4, (None, "model")),  # int4's per-group scales: (groups, columns)
+        (build_user_qlora, (None, "model")),
+        (functools.partial(build_user_mlp, "int8", lora=True), ("model",)),  # int8's: (columns,)
+    ],
+    ids=["int4", "int4-lora", "int8-lora"],
+)
+def test_a_quantized_model_trains_sharded_as_on_one_device(build, scale):
+    """Its frozen kernels split over 'model' with their scales dequantize to one device's: the biases
+    (and the LoRA adapters, split with their kernel), trained through them, come out as one device's."""
     rng = np.random.default_rng(0)
     data = rng.standard_normal((64, 16)).astype("float32"), rng.integers(0, 4, 64)
     reference = Reference(build, data, batch_size=16)
@@ -476,7 +484,7 @@ def test_an_int4_model_trains_sharded_as_on_one_device(build):
     with kml.dry_build(build) as model:
         rules = kml.auto_rules(model, mesh, batch=data[0][:16], optimizer="sgd", replicate_below=0)
     assert rules.match("up/kernel").axes == (None, "model")
-    assert rules.match("up/kernel_scale").axes == (None, "model")
+    assert rules.match("up/kernel_scale").axes == scale
     model = train(build, reference.initial, data, kml.ModelParallel(mesh, rules), batch_size=16)
     assert_same_weights(model, reference.trained)
 
