@@ -1,9 +1,9 @@
-"""The one seam to Keras's and JAX's internals (keras_meshlayout/_compat.py).
+"""The one seam to Keras's and JAX's internals (keras_meshlayout/_compat/).
 
 Each internal `_compat` reaches is checked here against the installed Keras and JAX, one
 test per internal: when an upgrade removes or changes one, its test fails saying which
 internal broke and what `kml` uses it for. A second group of tests reads the package's
-source with `ast` and checks that no module but `_compat.py` reaches an internal, so the
+source with `ast` and checks that no module but `_compat/` reaches an internal, so the
 seam stays the only one.
 """
 
@@ -22,9 +22,10 @@ import pytest
 
 import keras_meshlayout as kml
 from keras_meshlayout import _compat
+from keras_meshlayout.planner._unpacking import lora_layers, lora_parts
 
 PACKAGE = Path(kml.__file__).parent
-SEAM = PACKAGE / "_compat.py"
+SEAM = PACKAGE / "_compat"  # its modules' docstrings name every internal they reach
 
 FEATURES = 4
 
@@ -152,6 +153,34 @@ def _stateless_scope():
         layer.build((None, 1024))
     assert _compat.raw_value(layer.kernel) is None, "a variable built in a StatelessScope was allocated"
     assert tuple(layer.kernel.shape) == (1024, 1024)
+
+
+def _traced_quantize():
+    """In a dry build `quantize` makes Keras's quantized variables, allocating and assigning nothing."""
+    from keras.src import quantizers
+
+    own = quantizers.abs_max_quantize
+    with _compat.stateless_scope() as scope:  # Keras wraps each layer's `quantize` as it is made: made here
+        layers = {
+            "int8": keras.layers.EinsumDense("btd,ndh->btnh", (None, 4, 16), name="query"),
+            "int4": keras.layers.EinsumDense("btd,ndh->btnh", (None, 4, 16), name="query"),
+            "embedding": keras.layers.Embedding(512, 64, name="table"),
+        }
+        layers["int8"].build((None, 8, 64))
+        layers["int4"].build((None, 8, 64))
+        layers["embedding"].build((None, 8))
+        layers["int8"].quantize("int8")
+        layers["int4"].quantize("int4")
+        layers["embedding"].quantize("int4")
+        assert quantizers.abs_max_quantize is not own
+        assert not scope.state_mapping, "a traced value was left assigned"
+    assert quantizers.abs_max_quantize is own, "the patch outlived the scope"
+    shapes = {name: {v.path: (tuple(v.shape), v.dtype) for v in one.weights} for name, one in layers.items()}
+    assert shapes["int8"]["query/kernel"] == ((4, 64, 16), "int8")
+    assert shapes["int8"]["query/kernel_scale"] == ((1, 1, 4, 16), "float32")
+    assert shapes["int4"]["query/kernel"] == ((64, 32), "int8")  # (hidden, heads × head_dim ÷ 2), packed
+    assert shapes["embedding"]["table/embeddings"] == ((512, 32), "int8")
+    assert all(_compat.raw_value(v) is None for layer in layers.values() for v in layer.weights)
 
 
 def _value_made_variable():
@@ -328,13 +357,13 @@ def _lora_enabled():
         layer.build(x.shape)
         layer.enable_lora(2)
         layer.lora_kernel_b.assign(np.ones(layer.lora_kernel_b.shape, "float32"))
-        base, a, b = _compat.lora_parts(layer)
+        base, a, b = lora_parts(layer)
         assert a is layer.lora_kernel_a and b is layer.lora_kernel_b and base.path.endswith("/kernel")
         assert layer.lora_enabled and layer.kernel is not base
         model = keras.Sequential([keras.Input(x.shape[1:]), layer])
         with _compat.lora_off(model):
             assert layer.kernel is base and not layer.lora_enabled
-        assert layer.lora_enabled and _compat.lora_layers(model) == [layer]
+        assert layer.lora_enabled and lora_layers(model) == [layer]
 
 
 def _own_variables():
@@ -425,6 +454,11 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
         _stateless_scope,
     ),
     (
+        "keras.src.quantizers abs_max_quantize*/pack_int4, StatelessScope.state_mapping",
+        "quantize traced in a dry build",
+        _traced_quantize,
+    ),
+    (
         "keras.src.backend.common.variables.Variable.__init__",
         "a variable made from a value, deferred in a dry build",
         _value_made_variable,
@@ -481,7 +515,7 @@ def check_internal(internal: str, use: str, check: Callable[[], None]) -> None:
     except Exception as err:  # any failure means the internal changed
         pytest.fail(
             f"{internal} is gone or changed ({use}): {type(err).__name__}: {err}. Keras "
-            f"{keras.__version__} / JAX {jax.__version__} changed it; see keras_meshlayout/_compat.py."
+            f"{keras.__version__} / JAX {jax.__version__} changed it; see keras_meshlayout/_compat/."
         )
 
 
@@ -524,7 +558,7 @@ def test_a_changed_internal_fails_naming_it(internal, breaks, monkeypatch):
     message = str(failed.value)
     assert message.startswith(f"{internal} is gone or changed ({use}): "), message
     assert message.endswith(
-        f"Keras {keras.__version__} / JAX {jax.__version__} changed it; see keras_meshlayout/_compat.py."
+        f"Keras {keras.__version__} / JAX {jax.__version__} changed it; see keras_meshlayout/_compat/."
     )
 
 
@@ -533,7 +567,8 @@ def test_every_internal_of_the_docstring_has_a_test():
     named = " ".join(row[0] for row in INTERNALS)
     listed = {
         word.split(".")[-1].split("(")[0]
-        for word in ast.get_docstring(ast.parse(SEAM.read_text(encoding="utf-8"))).split("`")[1::2]
+        for path in sorted(SEAM.glob("*.py"))
+        for word in ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))).split("`")[1::2]
     }
     private = {word for word in listed if word.startswith("_") and not word.startswith("__")}
     missing = sorted(word for word in private if word not in named)
@@ -567,7 +602,7 @@ NOT_YET_MOVED: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> list[Path]:
-    return sorted(path for path in PACKAGE.rglob("*.py") if path != SEAM)
+    return sorted(path for path in PACKAGE.rglob("*.py") if SEAM not in path.parents)
 
 
 @functools.cache  # parsed once per run, not once per module checked (96 times: 26 s of the fast loop, loaded)
@@ -670,7 +705,7 @@ def test_only_the_seam_touches_internals(path):
     ]
     assert problems == [], (
         f"keras_meshlayout/{relative} reaches Keras/JAX internals outside the seam: {problems}. "
-        "Fix: add a small function to keras_meshlayout/_compat.py (named in its docstring, with a "
+        "Fix: add a small function to keras_meshlayout/_compat/ (named in its docstring, with a "
         "check in tests/test_compat.py) and call it."
     )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import jax
 import keras
 import keras_hub
 import numpy as np
@@ -220,3 +221,39 @@ def test_a_float_lora_model_under_the_default_policy_sends_what_is_compiled(buil
     step = kml.compile_step(build, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
     for axis, value in step.comm.wire_bytes_by_axis.items():
         assert rules.cost.wire_bytes_by_axis.get(axis, 0.0) == pytest.approx(value, rel=0.02), axis
+
+
+class _Recording(keras.initializers.Initializer):
+    """A normal initializer that records whether each value it makes is concrete (computed)."""
+
+    def __init__(self, made: list[bool]):
+        self.made = made
+
+    def __call__(self, shape, dtype=None):
+        value = keras.random.normal(shape, dtype=dtype, seed=0)
+        self.made.append(not isinstance(value, jax.core.Tracer))
+        return value
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_dry_build_quantizes_without_computing_a_value(mode):
+    """Keras quantizes the values a layer holds: in a dry build its initializer's output, made whole
+    (a Gemma-2B-shaped model, two blocks, 256,000-row table, `quantize("int8")`: 54 s and 8.7 GB of
+    host memory to build dry; 1.5 s and 0.4 GB traced). The plan needs the quantized shapes alone."""
+    made: list[bool] = []
+
+    def build():
+        ids = keras.Input((8,), dtype="int32")
+        table = keras.layers.Embedding(4096, 64, embeddings_initializer=_Recording(made), name="table")
+        up = keras.layers.Dense(256, kernel_initializer=_Recording(made), name="up")
+        model = keras.Model(ids, up(table(ids)), name="dry")
+        _quiet_quantize(model, mode)
+        return model
+
+    with kml.dry_build(build) as model:
+        shapes = {v.path: (tuple(v.shape), v.dtype) for v in model.weights}
+    assert made and not any(made), "an initializer's value was computed"
+    packed = 32 if mode == "int4" else 64
+    assert shapes["table/embeddings"] == ((4096, packed), "int8")
+    assert shapes["up/kernel"] == ((64, 256 // (2 if mode == "int4" else 1)), "int8")
+    assert keras.ops.shape(build().get_layer("up").kernel) == (64, 256)  # a real build still quantizes

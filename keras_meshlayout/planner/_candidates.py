@@ -29,7 +29,7 @@ from ._expert_gathers import ExpertGathers
 from ._layers import followers, int4_shape, packed_axes
 from ._ledger import Proposal
 from ._trace import _PASS, Trace
-from ._unpacking import merges_lora, scaled_input
+from ._unpacking import lora_layers, lora_parts, merges_lora, scaled_input
 
 __all__ = ["Bytes", "Candidate", "CostTable", "UnitCosts"]
 
@@ -153,15 +153,15 @@ class Bytes(BatchGathers, ExpertGathers):
         #: A quantized layer adds its adapters' product to its output: their own gradients are summed.
         self.lora_base = {
             adapter.path: parts[0].path
-            for layer in _compat.lora_layers(model)
-            if (parts := _compat.lora_parts(layer)) is not None and merges_lora(layer)
+            for layer in lora_layers(model)
+            if (parts := lora_parts(layer)) is not None and merges_lora(layer)
             for adapter in parts[1:]
         }
         #: Every LoRA adapter's path, merged into its kernel or not.
         self.adapters = frozenset(
             adapter.path
-            for layer in _compat.lora_layers(model)
-            if (parts := _compat.lora_parts(layer)) is not None
+            for layer in lora_layers(model)
+            if (parts := lora_parts(layer)) is not None
             for adapter in parts[1:]
         )
         #: int4 kernels stored flattened, and how their float axes are stored (`_layers.Packing`).
@@ -175,9 +175,7 @@ class Bytes(BatchGathers, ExpertGathers):
         }
         #: LoRA kernels by path, and their adapters `(a, b)`.
         self.lora_pairs = {
-            parts[0].path: parts[1:]
-            for parts in map(_compat.lora_parts, _compat.lora_layers(model))
-            if parts is not None
+            parts[0].path: parts[1:] for parts in map(lora_parts, lora_layers(model)) if parts is not None
         }
         #: Kernels whose layer quantizes its input per position (int8's `inputs_quantizer`; int4
         #: and float8 have none): a row-parallel one all-reduces the input's absolute maximum.

@@ -17,6 +17,7 @@ import keras
 
 from .. import _compat
 from ..core._axes import Axes
+from ._unpacking import lora_parts
 
 __all__ = [
     "Packing",
@@ -387,7 +388,7 @@ def followers(model: keras.Model) -> dict[str, tuple[tuple[Any, Follow], ...]]:
     found: dict[str, list[tuple[Any, Follow]]] = {}
     packing = packed_axes(model)  # an int4 base is stored flattened: its adapters follow its float axes
     for layer in _compat.sublayers(model):
-        parts = _compat.lora_parts(layer) if getattr(layer, "lora_kernel_a", None) is not None else None
+        parts = lora_parts(layer) if getattr(layer, "lora_kernel_a", None) is not None else None
         if parts is not None:
             base, a, b = parts
             unpacked = packing[base.path].unpacked if base.path in packing else tuple

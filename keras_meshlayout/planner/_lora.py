@@ -21,18 +21,18 @@ summed over the model axis.
 
 from __future__ import annotations
 
-from .. import _compat
 from . import _notes
 from ._layers import lora_axes
 from ._ledger import Ledger, Setting
+from ._unpacking import lora_layers, lora_parts
 
 __all__ = ["lora_adapters"]
 
 
 def lora_adapters(ledger: Ledger, setting: Setting) -> None:
     """Gives each LoRA layer's adapters the axes of its (already decided) base kernel, whoever took them."""
-    for layer in _compat.lora_layers(setting.model):
-        found = _compat.lora_parts(layer)
+    for layer in lora_layers(setting.model):
+        found = lora_parts(layer)
         if found is None:
             continue
         base, a, b = found

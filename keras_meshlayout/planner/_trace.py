@@ -23,7 +23,7 @@ from .. import _compat
 from ..core._grouped_scan import abstract_value
 from ..core._model_calls import failing_on
 from ._memo import memoised
-from ._unpacking import merges_lora, scaled_input, unpacked
+from ._unpacking import lora_layers, lora_parts, merges_lora, scaled_input, unpacked
 
 __all__ = ["LITERALS", "Node", "Trace", "Use", "trace_body", "trace_model", "trace_step"]
 
@@ -197,8 +197,8 @@ def _trace_model(model: keras.Model, batch: Any) -> Trace:
     # and only where they are merged into it (a quantized layer adds their product to its output).
     lora = [
         parts
-        for layer in _compat.lora_layers(model)
-        if (parts := _compat.lora_parts(layer)) is not None
+        for layer in lora_layers(model)
+        if (parts := lora_parts(layer)) is not None
         and (parts[1].trainable or parts[2].trainable)
         and merges_lora(layer)
     ]

@@ -21,7 +21,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["merges_lora", "scaled_input", "unpacked"]
+from .. import _compat
+
+__all__ = ["lora_layers", "lora_parts", "merges_lora", "scaled_input", "unpacked"]
 
 #: Element-wise operations that scale or clip a weight by scalars (float8's quantize-dequantize).
 _SCALED = ("mul", "div", "max", "min", "clamp", "round")
@@ -29,6 +31,28 @@ _SCALED = ("mul", "div", "max", "min", "clamp", "round")
 _NIBBLES = ("and", "or", "xor", "not", "shift_right_arithmetic", "shift_right_logical", "shift_left", "sub")
 _DEQUANTIZING = ("sub", "mul", "div")
 _PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
+
+
+def lora_layers(model: Any) -> list[Any]:
+    """The layers of `model` with LoRA adapters (`layer.enable_lora(rank)`), on or off."""
+    return [layer for layer in _compat.sublayers(model) if getattr(layer, "lora_kernel_a", None) is not None]
+
+
+def lora_parts(layer: Any) -> tuple[Any, Any, Any] | None:
+    """`(base kernel, a, b)` of a LoRA layer (`layer.enable_lora(rank)`), or `None`.
+
+    The layer computes with `kernel + (alpha / rank) · a @ b`: `a` has the kernel's shape (an int4
+    one's float shape) with its last dimension replaced by the rank, `b` is `(rank, its last one)`.
+    """
+    a, b = getattr(layer, "lora_kernel_a", None), getattr(layer, "lora_kernel_b", None)
+    base = next((v for v in _compat.own_variables(layer) if v.path.endswith("/kernel")), None)
+    if a is None or b is None or base is None or len(b.shape) != 2:
+        return None
+    shape = getattr(layer, "original_kernel_shape", None) or (*base.shape[:-1], getattr(layer, "units", 0))
+    shape = shape if getattr(layer, "quantization_mode", None) == "int4" else base.shape
+    if tuple(a.shape[:-1]) != tuple(shape[:-1]) or b.shape[1] != shape[-1]:
+        return None
+    return base, a, b
 
 
 def merges_lora(layer: Any) -> bool:

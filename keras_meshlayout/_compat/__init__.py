@@ -1,4 +1,5 @@
-"""The one seam to Keras's and JAX's internals: every private module, attribute or patch.
+"""The one seam to Keras's and JAX's internals: every private module, attribute or patch (this
+package: this module and `_quantize`).
 
 No other module of the package imports `keras.src` or `jax._src`, reads a private
 attribute of a Keras object, or replaces a Keras function. `tests/test_compat.py` checks
@@ -28,7 +29,8 @@ Keras's global state and distribution backend:
 - `keras.src.backend.common.stateless_scope.StatelessScope`: builds a model without
   allocating its variables.
 - `keras.src.backend.common.variables.Variable.__init__`: patched while a dry build runs,
-  so that a variable made from a value (an optimizer's counters) is deferred as well.
+  so that a variable made from a value (an optimizer's counters) is deferred as well; each
+  layer class's `quantize` is traced there, not run (`_compat/_quantize.py` lists what it reaches).
 - `keras.src.backend.jax.distribution_lib`: `distribute_data_input`, wrapped to check
   every batch, and `initialize_rng`, the first collective of a multi-process run.
 - `Variable._layout`: the layout Keras gave an optimizer slot (its parameter's).
@@ -79,6 +81,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+
+from ._quantize import traced_quantize
 
 #: The trainer methods `kml` wraps, and whether each runs inference (`True`) or training.
 TRAINER_METHODS: dict[str, bool] = {
@@ -197,32 +201,14 @@ def global_attribute_kept(name: str, copy: Callable[[Any], Any]) -> Iterator[Non
         global_state.set_global_attribute(name, saved)
 
 
-def lora_layers(model: Any) -> list[Any]:
-    """The layers of `model` with LoRA adapters (`layer.enable_lora(rank)`), on or off."""
-    return [layer for layer in sublayers(model) if getattr(layer, "lora_kernel_a", None) is not None]
-
-
-def lora_parts(layer: Any) -> tuple[Any, Any, Any] | None:
-    """`(base kernel, a, b)` of a LoRA layer (`layer.enable_lora(rank)`), or `None`.
-
-    The layer computes with `kernel + (alpha / rank) · a @ b`: `a` has the kernel's shape (an int4
-    one's float shape) with its last dimension replaced by the rank, `b` is `(rank, its last one)`.
-    """
-    a, b = getattr(layer, "lora_kernel_a", None), getattr(layer, "lora_kernel_b", None)
-    base = next((v for v in own_variables(layer) if v.path.endswith("/kernel")), None)
-    if a is None or b is None or base is None or len(b.shape) != 2:
-        return None
-    shape = getattr(layer, "original_kernel_shape", None) or (*base.shape[:-1], getattr(layer, "units", 0))
-    shape = shape if getattr(layer, "quantization_mode", None) == "int4" else base.shape
-    if tuple(a.shape[:-1]) != tuple(shape[:-1]) or b.shape[1] != shape[-1]:
-        return None
-    return base, a, b
-
-
 @contextlib.contextmanager
 def lora_off(model: Any) -> Iterator[None]:
     """LoRA layers compute with (`kernel` is) their base kernel inside; quantized ones add `x·a·b` anyway."""
-    layers = [one for one in lora_layers(model) if one.lora_enabled and one.quantization_mode is None]
+    layers = [
+        one
+        for one in sublayers(model)
+        if getattr(one, "lora_enabled", False) and one.quantization_mode is None
+    ]
     for layer in layers:
         layer.lora_enabled = False
     try:
@@ -249,13 +235,14 @@ def property_replaced(cls: type, name: str, read: Callable[[Any, Any], Any]) -> 
 
 
 @contextlib.contextmanager
-def stateless_scope() -> Iterator[None]:
+def stateless_scope() -> Iterator[Any]:
     """A Keras scope in which variables are created without being allocated.
 
     Keras defers a variable made from an initializer there but refuses one made
     from a value: an optimizer's step counter and learning rate, which the
     `compile` that keras-hub's tasks run on construction creates. Inside this
-    scope those are deferred too, their value kept as a constant initializer.
+    scope those are deferred too, their value kept as a constant initializer,
+    and `quantize` is traced, not run (`_quantize.traced_quantize`).
     """
     from keras.src.backend.common import variables
     from keras.src.backend.common.stateless_scope import StatelessScope
@@ -273,8 +260,8 @@ def stateless_scope() -> Iterator[None]:
 
     variables.Variable.__init__ = deferring
     try:
-        with StatelessScope(initialize_variables=False):
-            yield
+        with StatelessScope(initialize_variables=False) as scope, traced_quantize(scope):
+            yield scope
     finally:
         variables.Variable.__init__ = init
 
