@@ -303,6 +303,7 @@ FIRST: tuple[str, ...] = (
     "test_targets.py",  # 117 s at load 8.6
     "test_checkpoint_processes.py",
     "test_adapters.py",
+    "test_qlora.py",  # 40 s
     "test_convs.py",
     "test_embeddings.py",
     "test_experts.py",

@@ -41,8 +41,9 @@ def lora_layers(model: Any) -> list[Any]:
 def lora_parts(layer: Any) -> tuple[Any, Any, Any] | None:
     """`(base kernel, a, b)` of a LoRA layer (`layer.enable_lora(rank)`), or `None`.
 
-    The layer computes with `kernel + (alpha / rank) · a @ b`: `a` has the kernel's shape (an int4
-    one's float shape) with its last dimension replaced by the rank, `b` is `(rank, its last one)`.
+    `a` has the kernel's shape (an int4 one's float shape) with its last dimension replaced by the
+    rank, `b` is `(rank, its last one)`: merged (`kernel + (alpha / rank) · a @ b`) or added to the
+    output (`merges_lora`), `x · a · b` comes out as `x · kernel` does.
     """
     a, b = getattr(layer, "lora_kernel_a", None), getattr(layer, "lora_kernel_b", None)
     base = next((v for v in _compat.own_variables(layer) if v.path.endswith("/kernel")), None)
