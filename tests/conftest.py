@@ -119,6 +119,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_the_peak_of_a_quantized_gemma_is_within_ten_percent_of_the_compiled_one",
         "test_a_users_qlora_mlp_splits_its_frozen_pair_under_the_default_policy",
         "test_a_float_lora_model_under_the_default_policy_sends_what_is_compiled",
+        "test_qlora_in_other_styles_and_families_sends_what_is_compiled",
     ),
     "test_adapters.py": ("*",),  # a LoRA and an int8 keras-hub Llama planned and compiled (one each)
     "test_cli.py": ("*",),  # every test runs the command line in a fresh process
