@@ -393,17 +393,21 @@ def test_a_quantized_models_smallest_plan_sends_what_is_predicted(build, path, a
         assert rules.cost.wire_bytes_by_axis[axis] == pytest.approx(measured[axis], rel=0.02), axis
 
 
-def quantized_mlp(mode: str, lora: bool = False) -> keras.Model:
-    """A user's functional MLP 64 -> 256 -> 64 -> 10 under `quantize(mode)` (and `enable_lora(4)`)."""
-    inputs = keras.Input((64,))
-    x = keras.layers.Dense(256, activation="relu", name="up")(inputs)
-    x = keras.layers.Dense(64, name="down")(x)
-    model = keras.Model(inputs, keras.layers.Dense(10, name="head")(x), name=f"{mode}_mlp")
+def quantized_mlp(
+    mode: str, lora: bool = False, widths: tuple[int, ...] = (64, 256, 64, 10), name: str | None = None
+) -> keras.Model:
+    """A user's functional MLP (`widths`: input, up, down, head) under `quantize(mode)`: its kernels
+    frozen; the biases (and with `lora`, `enable_lora(4)` after, Keras's QLoRA, the adapters) train."""
+    features, up, down, classes = widths
+    inputs = keras.Input((features,))
+    x = keras.layers.Dense(up, activation="relu", name="up")(inputs)
+    x = keras.layers.Dense(down, name="down")(x)
+    model = keras.Model(inputs, keras.layers.Dense(classes, name="head")(x), name=name or f"{mode}_mlp")
     with warnings.catch_warnings():  # the input layer has nothing to quantize
         warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
         model.quantize(mode)
-    for name in ("up", "down") if lora else ():
-        model.get_layer(name).enable_lora(4)
+    for layer in ("up", "down") if lora else ():
+        model.get_layer(layer).enable_lora(4)
     return model
 
 
@@ -447,18 +451,8 @@ def test_the_peak_of_an_int4_plan_reads_it_in_a_dry_build(int4):
 
 
 def build_user_mlp(mode: str = "int4", lora: bool = False) -> keras.Model:
-    """A user's functional MLP under `quantize(mode)`: its kernels frozen; the biases (and with `lora`,
-    `enable_lora(4)` after, Keras's QLoRA, the adapters) train."""
-    inputs = keras.Input((16,))
-    x = keras.layers.Dense(256, activation="relu", name="up")(inputs)
-    x = keras.layers.Dense(32, name="down")(x)
-    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x), name=f"user_{mode}")
-    with warnings.catch_warnings():  # the input layer has nothing to quantize
-        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method", UserWarning)
-        model.quantize(mode)
-    for name in ("up", "down") if lora else ():
-        model.get_layer(name).enable_lora(4)
-    return model
+    """The MLP above at 16 -> 256 -> 32 -> 4."""
+    return quantized_mlp(mode, lora, widths=(16, 256, 32, 4), name=f"user_{mode}")
 
 
 build_user_int4 = functools.partial(build_user_mlp, "int4")

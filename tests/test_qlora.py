@@ -24,7 +24,7 @@ import keras_hub
 import numpy as np
 import pytest
 from hub_models import BATCH, causal_lm, fresh_names, inputs_for
-from test_adapters import build_lora, build_lora_pair
+from test_adapters import build_lora, build_lora_pair, quantized_mlp
 
 import keras_meshlayout as kml
 from keras_meshlayout.planner._layers import Packing
@@ -173,24 +173,12 @@ def test_the_peak_of_a_quantized_gemma_is_within_ten_percent_of_the_compiled_one
     assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(1.0, abs=0.10)
 
 
-def quantized_mlp(mode: str) -> keras.Model:
-    """A user's functional MLP 64 -> 256 -> 64 -> 10 under `quantize(mode)`, then LoRA on its pair."""
-    inputs = keras.Input((64,))
-    x = keras.layers.Dense(256, activation="relu", name="up")(inputs)
-    x = keras.layers.Dense(64, name="down")(x)
-    model = keras.Model(inputs, keras.layers.Dense(10, name="head")(x), name=f"{mode}_mlp")
-    _quiet_quantize(model, mode)
-    for name in ("up", "down"):
-        model.get_layer(name).enable_lora(4)
-    return model
-
-
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_users_qlora_mlp_splits_its_frozen_pair_under_the_default_policy(mode):
     """Default `replicate_below`: the frozen pair splits column → row, and its rank-4 adapters (1,024
     weights each, under the policy's 4,096) split with it, as their kernel's. Before, the adapters
     seeded units of their own, too small: every weight replicated. Bytes per axis as compiled."""
-    build = functools.partial(quantized_mlp, mode)
+    build = functools.partial(quantized_mlp, mode, lora=True)
     mesh = kml.Mesh(**MESH_SHAPE)
     x, y = np.zeros((32, 64), "float32"), np.zeros(32, "int32")
     with kml.dry_build(build) as model:
