@@ -276,6 +276,14 @@ def _overwrite_with_gradient():
     assert _compat.keeps_no_slots(optimizer, overwritten)
 
 
+def _muon_adamw():
+    optimizer = keras.optimizers.Muon(exclude_layers=["head"])
+    kernel, bias = keras.Variable(np.zeros((4, 8), "float32")), keras.Variable(np.zeros(8, "float32"))
+    table = keras.Variable(np.zeros((16, 4), "float32"), name="embeddings")
+    assert _compat.orthogonalised(optimizer, kernel)
+    assert not any(_compat.orthogonalised(optimizer, v) for v in (bias, table))
+
+
 def _flatten_layers():
     inner = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="inner_dense")], name="inner")
     outer = keras.Sequential([keras.Input((2,)), inner, keras.layers.Dense(2, name="outer_dense")], name="o")
@@ -476,6 +484,7 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
     ("keras.src.backend.jax.distribution_lib.initialize_rng", "the first collective", _initialize_rng),
     ("Variable._layout", "an optimizer slot's layout", _variable_layout),
     ("Optimizer._overwrite_variable_with_gradient", "parameters without slots", _overwrite_with_gradient),
+    ("Muon._should_use_adamw", "the matrices Muon orthogonalises", _muon_adamw),
     ("TensorLayout._device_mesh", "a layout with a multi-axis entry", _tensor_layout_mesh),
     ("LayoutMap._device_mesh", "the mesh a layout map was made with", _layout_map_mesh),
     ("ModelParallel._layout_map", "the layout map a distribution reads", _model_parallel_layout_map),

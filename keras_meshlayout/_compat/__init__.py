@@ -36,6 +36,7 @@ Keras's global state and distribution backend:
 - `Variable._layout`: the layout Keras gave an optimizer slot (its parameter's).
 - `Callback._model`: the model a callback is attached to, read without a state sync.
 - `Optimizer._overwrite_variable_with_gradient`: parameters an optimizer keeps no slots for.
+- `Muon._should_use_adamw`: the variables Keras's Muon gives its AdamW update, not its own.
 - `Layer._flatten_layers`, `Model._symbolic_build`, `Model._get_state_sharding_spec`:
   every sub-layer, a build on symbolic inputs, and the shardings of a model's state.
 - `Layer._remat_mode`: the `keras.RematScope` mode a layer was made in (`None` outside one).
@@ -343,6 +344,11 @@ def give_layout_mesh(layout: Any, mesh: Any) -> None:
 def keeps_no_slots(optimizer: Any, variable: Any) -> bool:
     """Whether `optimizer` overwrites `variable` with its gradient, keeping no state for it."""
     return bool(optimizer._overwrite_variable_with_gradient(variable))
+
+
+def orthogonalised(optimizer: Any, variable: Any) -> bool:
+    """Whether Keras's Muon `optimizer` gives `variable` its Newton-Schulz update (not AdamW's)."""
+    return not optimizer._should_use_adamw(variable) and not keeps_no_slots(optimizer, variable)
 
 
 def sublayers(model: Any, recursive: bool = True) -> list[Any]:

@@ -48,7 +48,7 @@ from ._ledger import Ledger, Setting
 from ._remat import recomputed_products
 from ._search import explain, plan_cost, search
 from ._trace import Trace, trace_model
-from ._updates import warn_unpredicted_updates
+from ._updates import warn_unpredicted_updates, with_update_wire
 
 __all__ = ["STRATEGIES", "auto_rules", "plan_rules", "smallest"]
 
@@ -262,6 +262,8 @@ def plan_rules(
         sizes, reduced = mesh_axis_sizes(mesh), _peak.reduced_gather_bytes_of(mesh)
         again = recomputed_products(model, batch, trace)  # under remat (`_remat`)
         table = cost_units(model, ledger.proposal(), trace, sizes, optimizer, below, compiler, reduced, again)
+        updated = with_update_wire(table.units, model, optimizer, sizes, compiler)  # Muon's (`_updates`)
+        table = dataclasses.replace(table, units=updated)
     step = _peak.PeakWalk.of(model, batch, sizes, batch_axis, compiler, _peak.chip_of(mesh), optimizer)
     table, chosen, peak = _search_within_peak(table, budget, step, fully_sharded)
     _apply(ledger, table, chosen, budget is not None)

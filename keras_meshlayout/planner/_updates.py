@@ -1,45 +1,169 @@
-"""What an optimizer's update sends that the plan's prediction does not count, said when planning.
+"""What an optimizer's update sends: Keras's Muon orthogonalises each split matrix's update whole.
 
-Muon orthogonalises each 2-D update whole (Newton-Schulz iterations, `x @ xᵀ` five times): on a
-kernel split over a mesh axis XLA all-reduces or gathers it at every iteration. Measured on
-XLA:CPU, 2×4, a Dense pair 64 → 256 → 64 under Muon: split on the long side, ten all-reduces of
-64 × 64 over 'model' in the update (245,760 bytes); on the short side, gathers of each kernel
-(1.1 MB); over both axes, gathers over 'data' too. The costs do not model it: the planner says so.
+Muon's update of a 2-D weight runs Newton-Schulz iterations (`ns_steps`, five by default) on its
+momentum `x`, transposed first when it is taller than wide so that `x` is `(s, l)`, `s ≤ l`:
+`a = x @ xᵀ` (`s × s`), `x = α x + (β a + γ a @ a) @ x`, after dividing `x` by its norm. On a
+matrix split over mesh axes XLA partitions those products, and every iteration sends (one
+all-reduce of one float for the norm besides, over each split axis). With `s` split `a` ways
+and `l` split `b` ways, measured on XLA:CPU (2×4, 4×2, 2×8, 8×2, 4×4, 2×16, 4×8, 8×4; Dense
+kernels 64 × 256, 256 × 64, 128 × 128, 256 × 256 and 256 × 1,024; the step under SGD as the
+baseline):
+
+- `l` split alone (`a = 1`): `x @ xᵀ`'s partial sums, one all-reduce of `s × s` over `l`'s axes;
+- `s` split alone, over fewer devices than the mesh's other axes hold (`f ≥ a`): XLA spreads the
+  products over those axes too: over them one all-gather of `x` and all-reduces of `s/a × s` and
+  `s/a × l`, and over them and `s`'s axes collective-permutes of `s/f × s` and `s/f × l` (twice:
+  `x` and `xᵀ`);
+- else `s` split, `a > b`: two all-gathers of `x`'s block `s × l/b` over `s`'s axes (`x` and
+  `xᵀ`) and one of `a`, `s × s`; over `l`'s axes (`b > 1`) one all-reduce of `s/a × s`;
+- `1 < a ≤ b`: two all-gathers of `s × l/b` over `s`'s axes, two all-reduces of `s/a × s` over
+  `l`'s, and one collective-permute of `s/b × s` over both.
+
+XLA:TPU (v5e 2×4, libtpu 0.0.42.1, the same kernels) sends the same all-reduces and gathers each
+operand once, in bfloat16 (its default precision rounds a dot's float32 operands), the
+permutes too (one of `s/f × l`), and sums the norm's float once over all the split axes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 
+from .. import _compat
+from ..core._axes import Axes, entry_axes, entry_size
 from ..core._errors import MeshLayoutWarning
+from ..core._memory import optimizer_of
 from ..core._rules import LayoutRules
+from ..report._collectives import wire_bytes
+from ._candidates import Candidate, UnitCosts, frozen
 
-__all__ = ["warn_unpredicted_updates"]
+__all__ = ["muon_wire", "warn_unpredicted_updates", "with_update_wire"]
+
+#: XLA:TPU's dots read float32 operands as bfloat16 (its default precision): what it gathers for them.
+_TPU_OPERAND_BYTES = 2
+
+
+def muon_wire(
+    shape: Sequence[int],
+    axes: Axes,
+    axis_sizes: Mapping[str, int],
+    itemsize: int = 4,
+    steps: int = 5,
+    compiler: str = "cpu",
+) -> dict[str, float]:
+    """Bytes each device sends per step in Muon's update of one matrix laid out as `axes`, by axis.
+
+    Example:
+        >>> muon_wire((64, 256), (None, "model"), {"data": 2, "model": 4})  # 5 × 64 × 64 floats summed
+        {'model': 122886.0}
+    """
+    tall = shape[0] > shape[1]  # Keras transposes a tall matrix: its rows are the long side
+    s, long = (shape[1], shape[0]) if tall else (shape[0], shape[1])
+    s_entry, l_entry = (axes[1], axes[0]) if tall else (axes[0], axes[1])
+    a, b = entry_size(s_entry, axis_sizes), entry_size(l_entry, axis_sizes)
+    on_s, on_l = _label(s_entry, axis_sizes), _label(l_entry, axis_sizes)
+    on_both = _label((*entry_axes(s_entry), *entry_axes(l_entry)), axis_sizes)
+    tpu = compiler == "tpu"
+    gathered = min(itemsize, _TPU_OPERAND_BYTES) if tpu else itemsize
+    x_gathers = 1 if tpu else 2  # `x` and `xᵀ`; XLA:TPU gathers the one copy
+    wire: dict[str, float] = {}
+
+    def add(label: str, amount: float) -> None:
+        if amount:
+            wire[label] = wire.get(label, 0.0) + steps * amount
+
+    used = {*entry_axes(s_entry), *entry_axes(l_entry)}
+    free = tuple(axis for axis in axis_sizes if axis not in used)
+    f, on_free = entry_size(free, axis_sizes), _label(free, axis_sizes)
+    if a == 1:
+        add(on_l, wire_bytes("all-reduce", s * s * itemsize, b))
+    elif b == 1 and f >= a:  # the products spread over the axes the matrix is whole on
+        add(on_free, wire_bytes("all-gather", s * long * gathered, f))
+        add(on_free, wire_bytes("all-reduce", s // a * (s + long) * itemsize, f))
+        add(_label((*free, *entry_axes(s_entry)), axis_sizes), s // f * (s + x_gathers * long) * gathered)
+    elif a > b:
+        add(on_s, x_gathers * wire_bytes("all-gather", s * long // b * gathered, a))
+        add(on_s, wire_bytes("all-gather", s * s * gathered, a))
+        add(on_l, wire_bytes("all-reduce", s // a * s * itemsize, b))
+    else:
+        add(on_s, x_gathers * wire_bytes("all-gather", s * long // b * gathered, a))
+        add(on_l, 2 * wire_bytes("all-reduce", s // a * s * itemsize, b))
+        add(on_both, s // b * s * gathered)  # a collective-permute
+    for label, size in [(on_both, a * b)] if tpu else [(on_s, a), (on_l, b)]:
+        if size > 1:
+            wire[label] = wire.get(label, 0.0) + wire_bytes("all-reduce", 4, size)
+    return wire
+
+
+def _label(entry: object, axis_sizes: Mapping[str, int]) -> str:
+    """The label `kml.comm_report` gives a collective over `entry`'s axes: mesh order, joined by `×`."""
+    named = set(entry_axes(entry))
+    return "×".join(axis for axis in axis_sizes if axis in named and axis_sizes[axis] > 1)
+
+
+def with_update_wire(
+    units: Sequence[UnitCosts],
+    model: keras.Model,
+    optimizer: Any,
+    axis_sizes: Mapping[str, int],
+    compiler: str = "cpu",
+) -> tuple[UnitCosts, ...]:
+    """`units` with what each candidate's layouts send in `optimizer`'s update added to its wire."""
+    muon = _muon(optimizer)
+    if muon is None:
+        return tuple(units)
+    matrices = {v.path: v for v in model.trainable_weights if _compat.orthogonalised(muon, v)}
+
+    def updated(option: Candidate) -> Candidate:
+        wire = dict(option.wire)
+        for path, axes in option.axes.items():
+            variable = matrices.get(path)
+            if variable is None or not any(axes):
+                continue
+            item, steps = np.dtype(variable.dtype).itemsize, muon.ns_steps
+            for label, amount in muon_wire(variable.shape, axes, axis_sizes, item, steps, compiler).items():
+                wire[label] = wire.get(label, 0.0) + amount
+        return dataclasses.replace(option, wire=frozen(wire))
+
+    return tuple(
+        dataclasses.replace(unit, candidates=tuple(updated(c) for c in unit.candidates)) for unit in units
+    )
+
+
+def _muon(optimizer: Any) -> Any:
+    """`optimizer` as Keras's Muon (a name too), or `None` for any other optimizer."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, str) and optimizer.lower() != "muon":
+        return None
+    found = optimizer_of(optimizer)
+    return found if isinstance(found, keras.optimizers.Muon) else None
 
 
 def warn_unpredicted_updates(model: keras.Model, rules: LayoutRules, optimizer: Any) -> None:
-    """Warns when the plan splits a matrix that Muon orthogonalises (its update's traffic is not costed)."""
-    name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
-    if name.lower() != "muon":
+    """Warns when the plan splits a matrix that Muon orthogonalises (its update's peak is not walked)."""
+    muon = _muon(optimizer)
+    if muon is None:
         return
     split = [
         v.path
         for v in model.trainable_weights
         if len(v.shape) == 2
-        and "embedding" not in v.path.lower()  # Muon's own default: tables take its AdamW update
+        and _compat.orthogonalised(muon, v)
         and (rule := rules.match(v.path)) is not None
         and any(rule.expand(2))
     ]
     if split:
         warnings.warn(
             f"Muon orthogonalises each matrix's update whole (Newton-Schulz iterations): for the "
-            f"{len(split)} kernel(s) this plan splits ({split[0]!r}...), XLA sends collectives in the "
-            "optimizer update at every iteration, and holds the iterations' products, that rules.cost "
-            "does not count (an MLP on 2x4: 13x its predicted bytes, 3x its predicted peak). Compile "
-            "the plan for the real figures: kml.compile_step, or plan --compile.",
+            f"{len(split)} kernel(s) this plan splits ({split[0]!r}...), XLA holds the iterations' "
+            "products, which rules.cost.peak_bytes does not count (the bytes they send are). Compile "
+            "the plan for the real peak: kml.compile_step, or plan --compile.",
             MeshLayoutWarning,
             stacklevel=4,
         )
