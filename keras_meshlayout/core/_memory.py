@@ -103,7 +103,11 @@ NO_OPTIMIZER = SlotModel(like_parameter=0, factored=False, scalar_bytes=0)
 def optimizer_of(optimizer: Any) -> Any:
     """`keras.optimizers.get(optimizer)`, a name Keras does not know refused with the names it does.
 
+    A name `get` does not know but `keras.optimizers` exports a class of (`"lamb"`) makes that class.
+
     Example:
+        >>> type(optimizer_of("lamb")).__name__
+        'Lamb'
         >>> try:
         ...     optimizer_of("adamm")
         ... except InvalidOptionError as error:
@@ -118,8 +122,11 @@ def optimizer_of(optimizer: Any) -> Any:
         if not isinstance(optimizer, str):
             raise
         classes = [c for c in vars(keras.optimizers).values() if isinstance(c, type)]
-        made = (c for c in classes if issubclass(c, keras.optimizers.Optimizer) and _made_by_name(c))
-        known = sorted(c.__name__.lower() for c in made if c is not keras.optimizers.Optimizer)
+        made = [c for c in classes if issubclass(c, keras.optimizers.Optimizer) and _made_by_name(c)]
+        by_name = {c.__name__.lower(): c for c in made if c is not keras.optimizers.Optimizer}
+        if optimizer.lower() in by_name:  # exported, but not in `get`'s table (Lamb, ScheduleFreeAdamW)
+            return by_name[optimizer.lower()]()
+        known = sorted(by_name)
         raise InvalidOptionError(
             f"Keras knows no optimizer named {optimizer!r}.{did_you_mean(optimizer.lower(), known)} "
             f"Fix: pass one of {', '.join(known)}, or a keras.optimizers.Optimizer."
