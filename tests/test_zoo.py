@@ -107,8 +107,6 @@ MISSES: dict[tuple[str, str], str] = {
     "walk holds the 2-D kernels' gathered copies from the forward pass to the backward (16 copies), where "
     "XLA:CPU gathers 8 of them briefly and none kept; it passed while the walk left out the table "
     "gradient's zeros, which XLA:CPU allocates early in the forward pass (32 KiB a device)",
-    ("RWKV7Backbone", "peak"): "1.113 of the compiled peak (1,450,368 vs 1,302,948 bytes; 2026-12-06, 1.088 "
-    "before the table gradient's early zeros): its recurrence's scan not yet read off XLA:CPU's buffers",
     # predicted ÷ compiled bytes per step, by axis
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "

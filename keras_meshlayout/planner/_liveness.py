@@ -19,7 +19,16 @@ from types import MappingProxyType
 from ..core._axes import Axes, entry_axes
 from . import _tpu_memory
 from ._batch_gathers import windowed_on_tpu
-from ._fusion import ELEMENTWISE, EXPENSIVE, fused, fused_on_tpu, laid_out, shared_constants
+from ._fusion import (
+    ELEMENTWISE,
+    EXPENSIVE,
+    fused,
+    fused_on_tpu,
+    laid_out,
+    laid_out_gradients,
+    shared_constants,
+    stacked_early,
+)
 from ._propagate import REDUCTIONS, Specs, copied_operands, itemsize
 from ._trace import Node, Trace
 from ._walk_gradients import walked_gradients
@@ -60,14 +69,13 @@ def transient_peak(
     specs = Specs(trace, layouts, axis_sizes, batch_axis, whole_after, gathered=gathered, xla_cpu=held)
     sizes = {value: specs.bytes(value) for value in trace.shapes}
     zeros, summed = walked_gradients(trace, specs, sizes, held, rows_moved)
-    not_written = zeros | (fused(trace) if held else _not_written_on_tpu(trace, specs, sizes))
+    not_written = zeros | (_not_written_on_cpu(trace) if held else _not_written_on_tpu(trace, specs, sizes))
     recomputed = _recomputed_copies(trace) if held else {}
     last = _last_reads(trace, not_written, set(recomputed))
     end = len(trace.nodes)
-    for value in trace.outputs:
-        if value >= 0 and held:
-            last[value] = end
+    last.update({value: end for value in trace.outputs if value >= 0 and held})  # gradients to the update
     written = {value: node.index for node in trace.nodes for value in node.outputs}
+    written.update(stacked_early(trace) if held else {})
     starts: dict[int, int] = {}
     frees: dict[int, int] = {}
     buffers = [v for v in written if v not in not_written]
@@ -106,6 +114,11 @@ def transient_peak(
     if not held:  # XLA:TPU keeps a step whose temporaries are small in on-chip memory, not HBM
         peak = _tpu_memory.in_hbm(peak, chip.on_chip) + update
     return peak, batch
+
+
+def _not_written_on_cpu(trace: Trace) -> set[int]:
+    """The values XLA:CPU does not write (`_fusion`'s rules)."""
+    return fused(trace) | laid_out_gradients(trace)
 
 
 def _not_written_on_tpu(trace: Trace, specs: Specs, sizes: dict[int, int]) -> set[int]:

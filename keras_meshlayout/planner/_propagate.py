@@ -30,6 +30,7 @@ import numpy as np
 
 from ..core._axes import Axes, entry_axes
 from ._grower import ELEMENTWISE
+from ._scan import is_zeros
 from ._trace import Node, Trace, trace_body
 
 __all__ = ["HALF_PRECISION", "REDUCTIONS", "Specs", "copied_operands", "itemsize"]
@@ -233,8 +234,9 @@ class Specs:
         A sequence's slice is laid out as the sequence without its scanned dimension, and a
         stacked output as its slice, the scanned dimension whole. A carried value enters as its
         initial value, then as one step leaves it (a state built from zeros is split as the
-        step splits it), until it no longer changes; a dimension the body leaves whole takes the axes
-        of an operand's dimension of the same size, as any other operation's (`_like`).
+        step splits it, and so are those zeros, as XLA lays them out), until it no longer
+        changes; a dimension the body leaves whole takes the axes of an operand's dimension of
+        the same size, as any other operation's (`_like`).
         """
         body = trace_body(node.params["jaxpr"])
         consts, carry = node.params["num_consts"], node.params["num_carry"]
@@ -253,6 +255,9 @@ class Specs:
         carried = [
             tuple(a or b for a, b in zip(c, g, strict=False)) for c, g in zip(carried, guesses, strict=True)
         ]
+        for value, spec in zip(node.inputs[consts : consts + carry], carried, strict=True):
+            if is_zeros(self.trace, value):  # laid out as carried (RWKV-7's backward zeros: 2 KiB, not 16)
+                self.spec[value] = self._valid(spec, self.trace.shapes[value])
         return [*carried, *(((), *spec) for spec in outs[carry:])]
 
     def _dot(self, node: Node, ins: list[Spec], out: tuple[int, ...]) -> Spec:

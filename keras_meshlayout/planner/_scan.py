@@ -27,7 +27,7 @@ from typing import Any
 
 from ._trace import Node, Trace, trace_body
 
-__all__ = ["Boundary", "Fail", "through_scan"]
+__all__ = ["Boundary", "Fail", "is_zeros", "through_scan"]
 
 
 class Fail(Exception):
@@ -119,3 +119,11 @@ def _inner_dim(dim: int, stacked: bool) -> int:
     if dim == 0:
         raise Fail("split along a scan's scanned dimension")
     return dim - 1
+
+
+def is_zeros(trace: Trace, value: int) -> bool:
+    """Whether `value` is a broadcast of literals alone: a loop state started from zeros, say, which
+    XLA lays out as the loop carries it (`_propagate`) and allocates before any loop runs
+    (`_fusion.stacked_early`)."""
+    node = trace.nodes[trace.producer[value]] if value in trace.producer else None
+    return node is not None and node.primitive == "broadcast_in_dim" and all(v < 0 for v in node.inputs)

@@ -41,7 +41,7 @@ from ..core._errors import MeshLayoutWarning
 from ..core._memory import optimizer_of
 from ..core._rules import LayoutRules
 from ..report._collectives import wire_bytes
-from ._candidates import Candidate, UnitCosts, frozen
+from ._candidates import Candidate, CostTable, frozen
 
 __all__ = [
     "adafactor_wire",
@@ -207,16 +207,16 @@ def _norm_entries(axes: Axes, compiler: str) -> list[object]:
 
 
 def with_update_wire(
-    units: Sequence[UnitCosts],
+    table: CostTable,
     model: keras.Model,
     optimizer: Any,
     axis_sizes: Mapping[str, int],
     compiler: str = "cpu",
-) -> tuple[UnitCosts, ...]:
-    """`units` with what each candidate's layouts send in `optimizer`'s update added to its wire."""
+) -> CostTable:
+    """`table` with what each candidate's layouts send in `optimizer`'s update added to its wire."""
     optimizer = None if optimizer is None else optimizer_of(optimizer)
     if not isinstance(optimizer, (keras.optimizers.Muon, keras.optimizers.Adafactor, keras.optimizers.Lamb)):
-        return tuple(units)
+        return table
     trainable = {v.path: v for v in model.trainable_weights}
 
     def updated(option: Candidate) -> Candidate:
@@ -229,9 +229,11 @@ def with_update_wire(
                     wire[label] = wire.get(label, 0.0) + amount
         return dataclasses.replace(option, wire=frozen(wire))
 
-    return tuple(
-        dataclasses.replace(unit, candidates=tuple(updated(c) for c in unit.candidates)) for unit in units
+    units = tuple(
+        dataclasses.replace(unit, candidates=tuple(updated(c) for c in unit.candidates))
+        for unit in table.units
     )
+    return dataclasses.replace(table, units=units)
 
 
 def _muon(optimizer: Any) -> Any:

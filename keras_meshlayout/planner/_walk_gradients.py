@@ -27,7 +27,43 @@ def walked_gradients(
     summed = {v for v in trace.outputs if v >= 0 and v not in zeros and paths.get(v) not in rows_moved}
     if held and specs.sizes.get(specs.batch_axis or "", 1) > 1:
         sizes.update(summed_whole(trace, specs, specs.batch_axis, summed))
+        _summed_at_the_end(trace, specs, summed)
     return zeros, summed
+
+
+def _summed_at_the_end(trace: Trace, specs: Specs, summed: set[int]) -> None:
+    """Drops the partial-sum buffer of each product of a `summed` gradient summed over the batch axis alone.
+
+    XLA:CPU sums such a product (a weight's gradient, contracted over the batch's rows) in the
+    combined all-reduce at the end of the backward pass, into the second copy `transient_peak`
+    counts there, not at the product. Measured (jax 0.10.2) on keras-hub RWKV-7 on 2×4: the walk's
+    peak was at its tied table's head gradient, the product (64 KiB a device) counted twice.
+    """
+    stack, seen = list(summed), set()
+    while stack:
+        value = stack.pop()
+        if value in seen or value not in trace.producer:
+            continue
+        seen.add(value)
+        node = trace.nodes[trace.producer[value]]
+        if node.primitive == "dot_general":
+            if _summed_axes(node, specs) == {specs.batch_axis}:
+                specs.partial_sums.pop(node.index, None)
+        elif node.primitive in _PASSED:
+            stack.extend(v for v in node.inputs if v >= 0)
+
+
+#: What a product reaches a gradient through: its layout changes and the sum of a weight's uses.
+_PASSED = frozenset(("transpose", "reshape", "convert_element_type", "add", "add_any"))
+
+
+def _summed_axes(node, specs: Specs) -> set[str]:
+    """The mesh axes a `dot_general`'s contraction is split over in both operands (summed across)."""
+    (left, right), _ = node.params["dimension_numbers"]
+    ins = [specs.spec.get(v, ()) for v in node.inputs[:2]]
+    if any(len(spec) == 0 for spec in ins):
+        return set()
+    return {axis for a, b in zip(left, right, strict=True) for axis in set(ins[0][a]) & set(ins[1][b])}
 
 
 def zero_gradients(trace: Trace) -> set[int]:
