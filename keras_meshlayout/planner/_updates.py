@@ -1,4 +1,8 @@
-"""What an optimizer's update sends: Keras's Muon orthogonalises each split matrix's update whole.
+"""What an optimizer's update sends on split variables (`update_wire`): Muon's, Adafactor's, Lamb's.
+
+An element-wise update (SGD, Adam, AdamW, Lion...) runs on each device's shards and sends nothing.
+Adafactor sums and gathers a matrix's row and column statistics (`adafactor_wire`), Lamb sums its
+norms (`lamb_wire`). Keras's Muon orthogonalises each split matrix's update whole (`muon_wire`).
 
 Muon's update of a 2-D weight runs Newton-Schulz iterations (`ns_steps`, five by default) on its
 momentum `x`, transposed first when it is taller than wide so that `x` is `(s, l)`, `s ≤ l`:
