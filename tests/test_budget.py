@@ -106,12 +106,14 @@ CHOSEN_LAYOUTS = {
     },
     # Since the walk neither writes nor sums the unread output table's zero gradient and scatters the
     # token table's gradient into early zeros (planner/_liveness.py), the budget (the no-budget plan's
-    # activations and 80% of its state) is 4,515,604 bytes, was 4,908,820: two units fully sharded,
-    # predicted peak 4,139,176, compiled 4,398,876 (0.941), under the budget.
+    # activations and 80% of its state) is 4,515,604 bytes, was 4,908,820. Since a gradient's product
+    # read by its transpose is one buffer and its sum over `data` waits for the end of the backward
+    # pass (2026-12-06): one unit fully sharded (was two), predicted peak 4,085,160 (was 4,139,176),
+    # compiled 4,410,332 (0.926; was 4,398,876), under the budget.
     ("llama", "4x2", 0.8): {
-        "replicated": 5,
+        "replicated": 6,
         "2-D": 2,
-        "fully sharded": 2,
+        "fully sharded": 1,
         "tensor-parallel": 2,
         "split, unused": 1,
     },
