@@ -169,8 +169,10 @@ def test_the_plan_predicts_the_compiled_bytes_of_the_update(build, data, model, 
         assert update_bytes(step)["model"] > 0.5 * compiled["model"]  # the update is most of it
 
 
-def test_planning_for_muon_still_says_that_its_updates_peak_is_not_walked():
+def test_the_peak_of_muons_update_is_estimated_and_said_to_be():
+    """XLA:CPU holds each matrix's Newton-Schulz buffers in the update (`_peak.orthogonalised_update`):
+    the MLP's predicted peak was 0.477 of the compiled one; the planner still warns (an estimate)."""
     rules, step, said = planned_and_compiled(mlp, 2, 4)
-    assert any("rules.cost.peak_bytes does not count" in message for message in said), said
-    assert rules.cost.peak_bytes < 0.6 * step.peak_bytes  # 0.477: why it warns
+    assert any("rules.cost.peak_bytes only estimates" in message for message in said), said
+    assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(1.0, abs=0.1)  # 1.073
     assert jax.device_count() == 8

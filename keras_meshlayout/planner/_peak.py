@@ -47,11 +47,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import keras
 import numpy as np
 
 from .. import _compat
 from ..core._axes import Axes, entry_axes
-from ..core._memory import accumulates
+from ..core._memory import accumulates, optimizer_of
 from ..core._mesh import jax_device_grid
 from ..core._targets import GENERATIONS, Generation
 from . import _notes, _tpu_memory
@@ -126,8 +127,10 @@ class PeakWalk:
         compiler: str = "cpu",
         chip: _tpu_memory.Chip = _tpu_memory.DEFAULT_CHIP,
         accumulated: bool = False,
+        orthogonalised: Mapping[str, tuple[tuple[int, ...], int]] | None = None,
     ) -> None:
         self.trace = live_code(trace)
+        self.orthogonalised = dict(orthogonalised or {})
         self.axis_sizes = dict(axis_sizes)
         self.batch_axis = batch_axis
         self.compiler = compiler
@@ -151,9 +154,10 @@ class PeakWalk:
 
         `optimizer` (an optimizer, its name or `None`) says whether the update accumulates
         gradients (`core._memory.accumulates`, `accumulated_update`)."""
-        accumulated = accumulates(optimizer)
+        accumulated, muon = accumulates(optimizer), _muon_matrices(model, optimizer)
         try:
-            return cls(model, trace_step(model, batch), axis_sizes, batch_axis, compiler, chip, accumulated)
+            traced = trace_step(model, batch)
+            return cls(model, traced, axis_sizes, batch_axis, compiler, chip, accumulated, muon)
         except Exception:  # a model whose gradient JAX cannot trace still plans, on its reserve
             return None
 
@@ -184,6 +188,7 @@ class PeakWalk:
             rows_moved=getattr(table, "rows_moved", frozenset()),
             tiles=_tiles(self.compiler, self.variables, layouts, self.axis_sizes),
             accumulated=self.accumulated,
+            update=orthogonalised_update(self.orthogonalised, layouts, self.axis_sizes, self.compiler),
         )
 
 
@@ -292,6 +297,56 @@ def accumulated_update(gradients: int, compiler: str, arrays: float) -> int:
     return round(gradients * (1.5 if arrays < 3.5 else 2.5))  # slots or none (its scalars aside)
 
 
+def orthogonalised_update(
+    matrices: Mapping[str, tuple[tuple[int, ...], int]],
+    layouts: Mapping[str, Axes],
+    axis_sizes: Mapping[str, int],
+    compiler: str = "cpu",
+) -> int:
+    """What Keras's Muon holds at once in its update of `matrices` (path: shape, itemsize), per device.
+
+    Each matrix's new momentum (its shard), and the Newton-Schulz iterations' buffers: its
+    normalised copy and three `s × s` products (`s` its short side, whole), or with its short side
+    split, three whole copies of it (gathered). XLA:CPU runs the iterations of the matrices it
+    updates on each device's own shards together, and those that send collectives one after
+    another: every new momentum, every unsplit matrix's iterations and the largest split one's.
+    Measured (jax 0.10.2) on a Dense MLP 64 → 256 → 256 → 64 on 2×4: replicated, 1,638,420 bytes
+    live at XLA's peak (this: 1,671,168); split over `model`, 933,904 (950,272). The gradients are
+    spent by then: the step's peak is the larger of this and the walk's. Not measured on XLA:TPU:
+    0 there (`auto_rules` warns).
+    """
+    if compiler == "tpu" or not matrices:
+        return 0
+    momenta, together, apart = 0, 0, 0
+    for path, (shape, itemsize) in matrices.items():
+        axes = tuple(layouts.get(path, ())) or (None, None)
+        short = 1 if shape[0] > shape[1] else 0  # Keras transposes a tall matrix first
+        pieces = math.prod(axis_sizes.get(a, 1) for entry in axes for a in entry_axes(entry))
+        local = math.prod(shape) * itemsize // pieces
+        momenta += local
+        if math.prod(axis_sizes.get(a, 1) for a in entry_axes(axes[short])) > 1:
+            apart = max(apart, 3 * math.prod(shape) * itemsize)
+        elif pieces > 1:
+            apart = max(apart, local + 3 * shape[short] ** 2 * itemsize)
+        else:
+            together += local + 3 * shape[short] ** 2 * itemsize
+    return momenta + together + apart
+
+
+def _muon_matrices(model: Any, optimizer: Any) -> dict[str, tuple[tuple[int, ...], int]]:
+    """The matrices Keras's Muon orthogonalises, by path: shape and itemsize (none for other optimizers)."""
+    if optimizer is None or (isinstance(optimizer, str) and optimizer.lower() != "muon"):
+        return {}
+    optimizer = optimizer_of(optimizer)
+    if not isinstance(optimizer, keras.optimizers.Muon):
+        return {}
+    return {
+        v.path: (tuple(v.shape), np.dtype(v.dtype).itemsize)
+        for v in model.trainable_weights
+        if _compat.orthogonalised(optimizer, v)
+    }
+
+
 def _tiles(
     compiler: str, variables: Any, layouts: Mapping[str, Axes], axis_sizes: Mapping[str, int]
 ) -> float:
@@ -349,6 +404,7 @@ def peak_memory(
     variables: int = 0,
     rows_moved: frozenset[str] = frozenset(),
     accumulated: bool = False,
+    update: int = 0,
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
@@ -359,13 +415,24 @@ def peak_memory(
     are padded in the compiler's layouts; `chip` the TPU generation's figures and `variables` the
     trainable variables' count (`_tpu_memory.aligned_bytes`); `rows_moved` the tables whose gradient
     each device sums in its own shard (`CostTable.rows_moved`); `accumulated` whether the
-    optimizer accumulates gradients (`accumulated_update`).
+    optimizer accumulates gradients (`accumulated_update`); `update` what the optimizer's update holds
+    once the gradients are spent (`orthogonalised_update`).
     """
     arrays = state / gradients if gradients else 0.0
-    update = accumulated_update(gradients, compiler, arrays) if accumulated else 0
+    accumulated_bytes = accumulated_update(gradients, compiler, arrays) if accumulated else 0
     transient, batch = transient_peak(
-        trace, layouts, axis_sizes, batch_axis, compiler, whole_after, gathered, chip, rows_moved, update
+        trace,
+        layouts,
+        axis_sizes,
+        batch_axis,
+        compiler,
+        whole_after,
+        gathered,
+        chip,
+        rows_moved,
+        accumulated_bytes,
     )
+    transient = max(transient, update)
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
         padding = round((state - gradients) * (tiles - 1))
         # Each variable's update reads its parameter, gradient and slots: state ÷ gradients arrays.

@@ -249,7 +249,7 @@ def _muon(optimizer: Any) -> Any:
 
 
 def warn_unpredicted_updates(model: keras.Model, rules: LayoutRules, optimizer: Any) -> None:
-    """Warns when the plan splits a matrix that Muon orthogonalises (its update's peak is not walked)."""
+    """Warns when the plan splits a matrix that Muon orthogonalises (its update's peak is estimated)."""
     muon = _muon(optimizer)
     if muon is None:
         return
@@ -265,8 +265,9 @@ def warn_unpredicted_updates(model: keras.Model, rules: LayoutRules, optimizer: 
         warnings.warn(
             f"Muon orthogonalises each matrix's update whole (Newton-Schulz iterations): for the "
             f"{len(split)} kernel(s) this plan splits ({split[0]!r}...), XLA holds the iterations' "
-            "products, which rules.cost.peak_bytes does not count (the bytes they send are). Compile "
-            "the plan for the real peak: kml.compile_step, or plan --compile.",
+            "products, which rules.cost.peak_bytes only estimates (within 0.88-1.15 of XLA:CPU's "
+            "compiled peak on the plans measured; not at all on XLA:TPU). The bytes they send are "
+            "predicted. Compile the plan for the real peak: kml.compile_step, or plan --compile.",
             MeshLayoutWarning,
             stacklevel=4,
         )
