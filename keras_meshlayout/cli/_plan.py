@@ -363,7 +363,8 @@ def _peak(args: argparse.Namespace, build: Callable[[], Any], plan: Any, distrib
     mesh = distribution.device_mesh
     with dry_build(build) as model:
         batch = batch_spec(model, args.batch_size, args.sequence_length)
-        return plan_peak(model, plan, batch, distribution.batch_dim_name, compiler_of(mesh), chip_of(mesh))
+        axis = distribution.batch_dim_name
+        return plan_peak(model, plan, batch, axis, compiler_of(mesh), chip_of(mesh), args.optimizer)
 
 
 def _messages(plan: Any, caught: list[warnings.WarningMessage]) -> list[str]:

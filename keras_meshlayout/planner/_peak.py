@@ -245,13 +245,15 @@ def plan_peak(
     batch_axis: str | None,
     compiler: str = "cpu",
     chip: _tpu_memory.Chip = _tpu_memory.DEFAULT_CHIP,
+    optimizer: Any = None,
 ) -> PeakMemory:
     """The predicted per-device peak of one training step of `model` on `batch` under `plan`.
 
     `plan` is a `kml.Plan` of `model` (its entries give each variable's layout and its
     `memory()` the training state); `model` may be a `kml.dry_build` model. `compiler`
     (`compiler_of(mesh)`) is the XLA whose buffers the walk follows, `chip` (`chip_of(mesh)`) its
-    target generation's figures.
+    target generation's figures; `optimizer` (an optimizer, its name or `None`) whether its update
+    accumulates gradients or orthogonalises matrices (`accumulated_update`, `orthogonalised_update`).
     """
     memory = plan.memory()
     layouts = {entry.path: entry.axes for entry in plan.entries}
@@ -271,6 +273,8 @@ def plan_peak(
         gathered=gathered,
         rows_moved=_noted(plan, _notes.ROWS_MOVED),
         tiles=_tiles(compiler, model.variables, layouts, plan.axis_sizes),
+        accumulated=accumulates(optimizer),
+        update=orthogonalised_update(_muon_matrices(model, optimizer), layouts, plan.axis_sizes, compiler),
     )
 
 
