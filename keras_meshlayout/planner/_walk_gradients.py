@@ -37,7 +37,7 @@ def _summed_at_the_end(trace: Trace, specs: Specs, summed: set[int]) -> None:
     XLA:CPU sums such a product (a weight's gradient, contracted over the batch's rows) in the
     combined all-reduce at the end of the backward pass, into the second copy `transient_peak`
     counts there, not at the product. Measured (jax 0.10.2) on keras-hub RWKV-7 on 2×4: the walk's
-    peak was at its tied table's head gradient, the product (64 KiB a device) counted twice.
+    peak was at its output head's gradient, the product (64 KiB a device) counted twice.
     """
     stack, seen = list(summed), set()
     while stack:
