@@ -154,8 +154,9 @@ class PeakWalk:
     ) -> PeakWalk | None:
         """The walk of `model`'s step on `batch`, or `None` when its gradient cannot be traced.
 
-        `optimizer` (an optimizer, its name or `None`) says whether the update accumulates
-        gradients (`core._memory.accumulates`, `accumulated_update`)."""
+        `optimizer` (an optimizer, its name or `None`) says what its update holds: accumulated
+        gradients (`core._memory.accumulates`, `accumulated_update`), Muon's orthogonalised matrices
+        (`orthogonalised_update`), one more array of the gradients' size (`update_arrays`)."""
         accumulated, muon = accumulates(optimizer), _muon_matrices(model, optimizer)
         try:
             traced = trace_step(model, batch)
@@ -256,8 +257,8 @@ def plan_peak(
     `plan` is a `kml.Plan` of `model` (its entries give each variable's layout and its
     `memory()` the training state); `model` may be a `kml.dry_build` model. `compiler`
     (`compiler_of(mesh)`) is the XLA whose buffers the walk follows, `chip` (`chip_of(mesh)`) its
-    target generation's figures; `optimizer` (an optimizer, its name or `None`) whether its update
-    accumulates gradients or orthogonalises matrices (`accumulated_update`, `orthogonalised_update`).
+    target generation's figures; `optimizer` (an optimizer, its name or `None`) what its update
+    holds, as `PeakWalk.of` says.
     """
     memory = plan.memory()
     layouts = {entry.path: entry.axes for entry in plan.entries}
