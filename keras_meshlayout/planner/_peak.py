@@ -61,7 +61,19 @@ from ._liveness import live_code, transient_peak
 from ._quantized import stored_int4
 from ._trace import Trace, trace_step
 
-__all__ = ["PeakMemory", "PeakWalk", "chip_of", "compiler_of", "generation_of", "peak_memory", "plan_peak"]
+__all__ = [
+    "UPDATE_ARRAYS",
+    "PeakMemory",
+    "PeakWalk",
+    "chip_of",
+    "compiler_of",
+    "generation_of",
+    "muon_matrices",
+    "orthogonalised_update",
+    "peak_memory",
+    "plan_peak",
+    "update_arrays",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +169,7 @@ class PeakWalk:
         `optimizer` (an optimizer, its name or `None`) says what its update holds: accumulated
         gradients (`core._memory.accumulates`, `accumulated_update`), Muon's orthogonalised matrices
         (`orthogonalised_update`), one more array of the gradients' size (`update_arrays`)."""
-        accumulated, muon = accumulates(optimizer), _muon_matrices(model, optimizer)
+        accumulated, muon = accumulates(optimizer), muon_matrices(model, optimizer)
         try:
             traced = trace_step(model, batch)
             arrays = update_arrays(optimizer)
@@ -279,7 +291,7 @@ def plan_peak(
         rows_moved=_noted(plan, _notes.ROWS_MOVED),
         tiles=_tiles(compiler, model.variables, layouts, plan.axis_sizes),
         accumulated=accumulates(optimizer),
-        update=orthogonalised_update(_muon_matrices(model, optimizer), layouts, plan.axis_sizes, compiler),
+        update=orthogonalised_update(muon_matrices(model, optimizer), layouts, plan.axis_sizes, compiler),
         update_arrays=update_arrays(optimizer),
     )
 
@@ -358,7 +370,7 @@ def orthogonalised_update(
     return momenta + together + apart
 
 
-def _muon_matrices(model: Any, optimizer: Any) -> dict[str, tuple[tuple[int, ...], int]]:
+def muon_matrices(model: Any, optimizer: Any) -> dict[str, tuple[tuple[int, ...], int]]:
     """The matrices Keras's Muon orthogonalises, by path: shape and itemsize (none for other optimizers)."""
     if optimizer is None or (isinstance(optimizer, str) and optimizer.lower() != "muon"):
         return {}

@@ -46,6 +46,7 @@ from ..core._memory import optimizer_of
 from ..core._rules import LayoutRules
 from ..report._collectives import wire_bytes
 from ._candidates import Candidate, CostTable, frozen
+from ._peak import muon_matrices
 
 __all__ = [
     "adafactor_wire",
@@ -240,26 +241,12 @@ def with_update_wire(
     return dataclasses.replace(table, units=units)
 
 
-def _muon(optimizer: Any) -> Any:
-    """`optimizer` as Keras's Muon (a name too), or `None` for any other optimizer."""
-    if optimizer is None:
-        return None
-    found = optimizer_of(optimizer)
-    return found if isinstance(found, keras.optimizers.Muon) else None
-
-
 def warn_unpredicted_updates(model: keras.Model, rules: LayoutRules, optimizer: Any) -> None:
     """Warns when the plan splits a matrix that Muon orthogonalises (its update's peak is estimated)."""
-    muon = _muon(optimizer)
-    if muon is None:
-        return
     split = [
-        v.path
-        for v in model.trainable_weights
-        if len(v.shape) == 2
-        and _compat.orthogonalised(muon, v)
-        and (rule := rules.match(v.path)) is not None
-        and any(rule.expand(2))
+        path
+        for path in muon_matrices(model, optimizer)
+        if (rule := rules.match(path)) is not None and any(rule.expand(2))
     ]
     if split:
         warnings.warn(
