@@ -14,6 +14,7 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 
+import gc
 import shutil
 import tempfile
 
@@ -56,6 +57,22 @@ def _no_global_distribution():
     keras.distribution.set_distribution(None)
     yield
     keras.distribution.set_distribution(None)
+
+
+@pytest.fixture(autouse=True)
+def _freeze_what_the_test_left():
+    """After each test, what it left alive is collected once and frozen out of later collections.
+
+    Keras's `Layer.__delattr__` runs a full `gc.collect()` for every variable a layer drops, and
+    `model.quantize(...)` drops every kernel it replaces: in a worker that has run a few hundred
+    tests, each such collection walked everything the earlier tests' module-level caches hold (0.5 s
+    a kernel; an int4 Llama's plan and compile took 18 s after `test_zoo.py`, 7 s in a fresh process).
+    Frozen objects are still freed when their references go; only cycles among them wait for the
+    process to end.
+    """
+    yield
+    gc.collect()
+    gc.freeze()
 
 
 # The `slow` marker (registered in pyproject.toml). `pytest -m "not slow"` is the everyday
