@@ -144,7 +144,10 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_grouped_kv.py": ("*",),
     "test_cli_light.py": ("test_the_package_itself_imports_neither_until_a_name_is_used",),  # imports Keras
     # ConvNeXtTiny and Xception from keras.applications planned and compiled (12-13 s each)
-    "test_conv_regions.py": ("test_keras_applications_depthwise_convnets_send_what_is_predicted",),
+    "test_conv_regions.py": (
+        "test_keras_applications_depthwise_convnets_send_what_is_predicted",
+        "test_on_xla_tpu_a_convnext_sends_what_its_regions_predict",  # compiled for TPU v5e (20 s)
+    ),
     "test_convs.py": (  # convnets compiled, trained against one device, or keras.applications built
         "test_the_planner_never_leaves_a_depthwise_conv_to_be_miscompiled",
         "test_fit_warns_when_it_starts_on_a_grouped_conv_of_the_users_own_layout",
