@@ -43,10 +43,12 @@ from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
 from . import _by_layers, _by_name, _by_trace, _convs, _embeddings, _experts, _lora, _peak, _quantized
 from ._costs import CostTable, cost_units
+from ._grouped import grouped_kernels
 from ._layers import auto_named, packed_axes
 from ._ledger import Ledger, Setting
 from ._remat import recomputed_products
 from ._search import explain, plan_cost, search
+from ._tpu_memory import warn_split_grouped_convs
 from ._trace import Trace, trace_model
 from ._updates import warn_unpredicted_updates, with_update_wire
 
@@ -269,6 +271,8 @@ def plan_rules(
     rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy)
     rules.cost = plan_cost(table, chosen, budget, peak)
     warn_unpredicted_updates(model, rules, optimizer)
+    if compiler == "tpu":
+        warn_split_grouped_convs(rules, grouped_kernels(trace))
     return rules
 
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..core._axes import Axes, entry_axes
+from ..core._errors import MeshLayoutWarning
 
 __all__ = [
     "DEFAULT_CHIP",
@@ -166,3 +168,27 @@ def tiled_state(
         raw += math.prod(shard) * itemsize
         tiled += tiled_bytes(shard, itemsize)
     return tiled / raw if raw else 1.0
+
+
+def warn_split_grouped_convs(rules: Any, kernels: Iterable[str]) -> None:
+    """Warns when a plan for XLA:TPU splits grouped or depthwise convolutions on their channels.
+
+    XLA:TPU's compiled peak of such steps is not predicted: keras.applications ConvNeXtTiny
+    (32 × 32) and Xception (71 × 71) on v5e 2×4 were compiled at 1.42× and 1.32× the prediction
+    (0.703, 0.755 of it), the toy blocks of `tests/test_conv_regions.py` at many times it. Their
+    temporaries are the memory-space assignment's small buffers (per-channel vectors, the
+    asynchronous copies' tuples) in 16 KiB slots, which `memory_analysis()` reports at about twice
+    their allocation (docs/status.md). The walk keeps the step on chip and counts none of it.
+    """
+    matched = ((path, rules.match(path)) for path in kernels)
+    split = sorted(path for path, rule in matched if rule is not None and set(rule.axes) - {None})
+    if split:
+        warnings.warn(
+            f"XLA:TPU's peak is not predicted for a step that splits grouped or depthwise convolutions on "
+            f"their channels, as this plan does for {len(split)} kernel(s) ({split[0]!r}...): "
+            "rules.cost.peak_bytes was 0.70-0.76 of the compiled peak on keras.applications ConvNeXtTiny "
+            "and Xception (v5e 2x4), beyond the 15% a budget plan keeps to spare. The bytes they send are "
+            "predicted. Compile the plan for the real peak: kml.compile_step, or plan --compile.",
+            MeshLayoutWarning,
+            stacklevel=4,
+        )
