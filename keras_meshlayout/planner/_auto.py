@@ -270,10 +270,18 @@ def plan_rules(
     _apply(ledger, table, chosen, budget is not None)
     rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy)
     rules.cost = plan_cost(table, chosen, budget, peak)
-    warn_unpredicted_updates(model, rules, optimizer)
-    if compiler == "tpu":
-        warn_split_grouped_convs(rules, grouped_kernels(trace))
+    _warn_estimated_peaks(model, rules, optimizer, compiler, trace)
     return rules
+
+
+def _warn_estimated_peaks(
+    model: keras.Model, rules: LayoutRules, optimizer: Any, compiler: str, trace: Trace | None
+) -> None:
+    """Warns where the plan's predicted peak is an estimate: Muon's split matrices, and on XLA:TPU
+    grouped or depthwise convolutions split on their channels."""
+    warn_unpredicted_updates(model, rules, optimizer)
+    if compiler == "tpu" and trace is not None:
+        warn_split_grouped_convs(rules, grouped_kernels(trace))
 
 
 def _search_within_peak(

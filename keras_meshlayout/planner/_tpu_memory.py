@@ -190,5 +190,5 @@ def warn_split_grouped_convs(rules: Any, kernels: Iterable[str]) -> None:
             "and Xception (v5e 2x4), beyond the 15% a budget plan keeps to spare. The bytes they send are "
             "predicted. Compile the plan for the real peak: kml.compile_step, or plan --compile.",
             MeshLayoutWarning,
-            stacklevel=4,
+            stacklevel=5,
         )

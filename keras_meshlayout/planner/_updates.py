@@ -256,5 +256,5 @@ def warn_unpredicted_updates(model: keras.Model, rules: LayoutRules, optimizer: 
             "peak on the plans measured; not at all on XLA:TPU). The bytes they send are "
             "predicted. Compile the plan for the real peak: kml.compile_step, or plan --compile.",
             MeshLayoutWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
