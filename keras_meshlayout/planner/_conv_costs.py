@@ -47,6 +47,11 @@ __all__ = ["ConvCosts"]
 #: XLA:TPU gathers a float32 region value in float32, not bfloat16, for a product of this many rows a
 #: device or fewer (ConvNeXtTiny's last stage at 32 × 32: one position, 8 images a device).
 TPU_F32_ROWS = 8
+#: XLA:TPU gathers the output gradient of a region's first entries (in the forward pass; the backward
+#: pass's last) once, of the others twice, whatever their size (a ConvNeXt-like stack of 4 and 6
+#: blocks, 8 to 64 images, 32 or 64 channels, 4 × 4 or 8 × 8, v5e 2×4: the first two blocks'; ConvNeXtTiny
+#: too; Xception gathers three once).
+TPU_ONCE_ENTRIES = 2
 
 
 class ConvCosts(Bytes):
@@ -270,10 +275,11 @@ class ConvCosts(Bytes):
         float32 activation gathered as bfloat16, cast for the dots that read it (in float32 for a
         product of `TPU_F32_ROWS` rows a device or fewer, ConvNeXt's last stage at 32 × 32); an exit's
         input gathered forward and again backward whatever its size; an entry's output gradient
-        gathered once when it is large and twice when it is not (the reverse of XLA:CPU); a norm's
-        three reductions summed once each (two forward, one backward); each channel-wise weight
-        all-reduced after the update (twice the bytes of a gather). ConvNeXtTiny's `model` bytes:
-        1.084 → 0.991 of the compiled ones (0.997 at 64 × 64 on 4×2).
+        gathered twice, but once for the region's first `TPU_ONCE_ENTRIES` entries; a norm's three
+        reductions summed once each (two forward, one backward); each channel-wise weight all-reduced
+        after the update (twice the bytes of a gather). `model` bytes of keras.applications
+        ConvNeXtTiny 1.084 → 1.001 of the compiled ones (1.007 at 64 × 64 on 4×2), Xception
+        1.314 → 1.004.
         """
         for region, unit in self.regions:
             if unit == owner:
@@ -294,7 +300,8 @@ class ConvCosts(Bytes):
                 self._updated_split(found[0], wire)
                 continue
             self._gather_activation(region, value, node, wire)
-        for value, index in region.entries:
+        gathered_entries = 0
+        for value, index in sorted(region.entries, key=lambda entry: entry[1]):
             node = self.trace.nodes[index]
             found = self._kernel_of(node)
             whole = found is not None and split_kind(node, self._kernel_axes) == ""
@@ -303,7 +310,11 @@ class ConvCosts(Bytes):
             if whole and not self._no_gradient(node.inputs[0]):  # gathered for the input gradient
                 self._gather_activation(region, value, node, wire, times=1)
             elif not whole and not self._no_gradient(value):
-                self._gather_activation(region, value, node, wire, entry=True)
+                last = gathered_entries < TPU_ONCE_ENTRIES  # among the backward pass's last
+                self._gather_activation(
+                    region, value, node, wire, times=1 if last and self.compiler == "tpu" else 0
+                )
+                gathered_entries += 1
         passes = 1 if self.compiler == "tpu" else 2  # XLA:TPU: a norm's three, two forward and one backward
         for reduced in region.reductions:
             summed = self._summed(self.trace.shapes[reduced], self.trace.dtypes[reduced])
@@ -321,29 +332,24 @@ class ConvCosts(Bytes):
                 add_wire(wire, self.batch_axis, split - whole)
 
     def _gather_activation(
-        self,
-        region: Region,
-        value: int,
-        node: object,
-        wire: dict[str, float],
-        times: int = 0,
-        entry: bool = False,
+        self, region: Region, value: int, node: object, wire: dict[str, float], times: int = 0
     ) -> None:
-        """A region value all-gathered for `node` (an exit's input, an `entry`'s output gradient), `times`
-        times, else once or twice by the size of the gathered activation against the kernel's shard
-        (`region_traffic`)."""
+        """A region value all-gathered for `node` (an exit's input, an entry's output gradient), `times`
+        times, else twice on XLA:TPU and on XLA:CPU once or twice by the size of the gathered
+        activation against the kernel's shard (`region_traffic`)."""
         shape, dtype = self.trace.shapes[value], self.trace.dtypes[value]
-        found = self._kernel_of(node)
-        kernel = self._by_path.get(found[0]) if found else None
-        shard = math.prod(kernel.shape) / self.m if kernel is not None else math.inf
-        large = self.d > 1 and math.prod(shape) / self.d > 2 * shard
         gathered = wire_bytes("all-gather", self._activation(shape, dtype), self.m)
         if self.compiler == "tpu":
-            times = times or (1 if entry and large else 2)
             rows = math.prod(shape) / shape[region.values[value]] / self.d
             if np.dtype(dtype).itemsize > 2 and rows > TPU_F32_ROWS:  # cast to bfloat16 for its dots
                 gathered *= 2 / np.dtype(dtype).itemsize
-        add_wire(wire, self.model_axis, (times or (2 if large else 1)) * gathered)
+            add_wire(wire, self.model_axis, (times or 2) * gathered)
+            return
+        found = self._kernel_of(node)
+        kernel = self._by_path.get(found[0]) if found else None
+        shard = math.prod(kernel.shape) / self.m if kernel is not None else math.inf
+        times = times or (2 if self.d > 1 and math.prod(shape) / self.d > 2 * shard else 1)
+        add_wire(wire, self.model_axis, times * gathered)
 
     def _updated_split(self, path: str, wire: dict[str, float], vector: bool = False) -> None:
         """A whole weight updated in model-axis shards and all-gathered after, with its slots if trained
