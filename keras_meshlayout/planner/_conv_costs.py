@@ -90,9 +90,27 @@ class ConvCosts(Bytes):
                     )
                     if lone:  # the channel-split region its input seeds, when it is that region's owner
                         self.region_traffic(wire, owner=self.proposal.units.get(variable.path))
-                elif not self._no_gradient(lhs):
+                elif not self._no_gradient(lhs) and not self._merged_conv_grad(node.index, lhs):
                     summed = self._summed(self.trace.shapes[lhs], dtype) * self._cast_for_a_conv(lhs)
                     add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
+
+    def _merged_conv_grad(self, index: int, value: int) -> bool:
+        """Whether XLA:TPU folds the input-gradient all-reduce of convolution `index`, split on its output
+        channels, into another's: as for projections (`merged_input_grads`), the readers of `value` that
+        give its first gradients, while each is such a convolution, share one (ResNet50's first block
+        of a stage, its shortcut and its first 1 × 1 convolution reading one input, v5e 2×4)."""
+        if self.compiler != "tpu":
+            return False
+        run = []
+        for reader in reversed(self._readers(value)):
+            node = self.trace.nodes[reader]
+            if node.primitive != CONV or node.params["feature_group_count"] != 1:
+                break
+            axes = self._kernel_axes(node)
+            if axes is None or axes[0] != axes[2]:  # not split on its output channels
+                break
+            run.append(reader)
+        return index in run[1:]
 
     def _cast_for_a_conv(self, value: int) -> float:
         """The share of a float32 gradient of `value` XLA:TPU sums: half, in bfloat16, when a convolution
