@@ -371,7 +371,8 @@ class ConvCosts(Bytes):
 
     def _updated_split(self, path: str, wire: dict[str, float], vector: bool = False) -> None:
         """A whole weight updated in model-axis shards and all-gathered after, with its slots if trained
-        (a channel-wise `vector` all-reduced on XLA:TPU, which writes zeros beside each shard)."""
+        (a channel-wise `vector` all-reduced instead on XLA:TPU, as measured on ConvNeXtTiny, Xception
+        and ResNet50, v5e 2×4)."""
         variable = self._by_path.get(path)
         if variable is None:
             return
