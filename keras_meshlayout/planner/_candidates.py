@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -226,15 +226,17 @@ class Bytes(BatchGathers, ExpertGathers):
             return set()
         nodes = {use.node for use in uses}
         roots = {self._activation_value(use) for use in uses} - {None}
-        merged: set[int] = set()
-        for root in roots:
-            run = []
-            for reader in reversed(self._readers(root)):
-                if reader not in nodes:
-                    break
-                run.append(reader)
-            merged.update(run[1:])
-        return merged
+        return {reader for root in roots for reader in self.folded_readers(root, nodes.__contains__)}
+
+    def folded_readers(self, value: int, sums: Callable[[int], bool]) -> list[int]:
+        """Of the readers of `value` giving its first gradients (the last in forward order), while each
+        `sums` (all-reduces that gradient), all but the first: XLA:TPU folds theirs into its all-reduce."""
+        run = []
+        for reader in reversed(self._readers(value)):
+            if not sums(reader):
+                break
+            run.append(reader)
+        return run[1:]
 
     def _readers(self, value: int) -> list[int]:
         """The nodes reading `value`, in forward order; a cast or copy stands for the nodes reading it.

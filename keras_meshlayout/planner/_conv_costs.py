@@ -101,16 +101,15 @@ class ConvCosts(Bytes):
         of a stage, its shortcut and its first 1 × 1 convolution reading one input, v5e 2×4)."""
         if self.compiler != "tpu":
             return False
-        run = []
-        for reader in reversed(self._readers(value)):
-            node = self.trace.nodes[reader]
-            if node.primitive != CONV or node.params["feature_group_count"] != 1:
-                break
-            axes = self._kernel_axes(node)
-            if axes is None or axes[0] != axes[2]:  # not split on its output channels
-                break
-            run.append(reader)
-        return index in run[1:]
+        return index in self.folded_readers(value, self._column_conv)
+
+    def _column_conv(self, index: int) -> bool:
+        """Whether node `index` is a convolution (not grouped) split on its output channels."""
+        node = self.trace.nodes[index]
+        if node.primitive != CONV or node.params["feature_group_count"] != 1:
+            return False
+        axes = self._kernel_axes(node)
+        return axes is not None and axes[0] == axes[2]
 
     def _cast_for_a_conv(self, value: int) -> float:
         """The share of a float32 gradient of `value` XLA:TPU sums: half, in bfloat16, when a convolution
