@@ -152,7 +152,7 @@ def test_on_xla_tpu_depthwise_convnets_send_what_their_regions_predict(name, siz
     mesh = kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")
     with (
         kml.dry_build(build) as model,
-        pytest.warns(kml.MeshLayoutWarning, match="XLA:TPU's peak is not predicted"),
+        pytest.warns(kml.MeshLayoutWarning, match="XLA:TPU's peak of a convnet's step is an estimate"),
     ):
         rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

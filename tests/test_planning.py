@@ -376,6 +376,7 @@ PLANNER_ORDER = [
     "_walk_gradients",
     "_liveness",
     "_peak",
+    "_headroom",
     "_search",
     "_remat",
     "_updates",

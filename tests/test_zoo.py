@@ -48,7 +48,7 @@ from hub_models import BATCH, ROWS, Row, build_classifier, fresh_names, inputs_f
 from test_convs import CONVNETS, IMAGE, images
 
 import keras_meshlayout as kml
-from keras_meshlayout.planner._auto import PEAK_HEADROOM
+from keras_meshlayout.planner._headroom import PEAK_HEADROOM
 
 VOCAB = 1024  # 16 × hidden, a realistic vocabulary : hidden ratio (Llama-3 8B: 31; BERT: 40)
 MESH = {"data": 2, "model": 4}

@@ -27,7 +27,6 @@ that keep weights where they are:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,12 +42,12 @@ from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
 from . import _by_layers, _by_name, _by_trace, _convs, _embeddings, _experts, _lora, _peak, _quantized
 from ._costs import CostTable, cost_units
-from ._grouped import grouped_kernels
+from ._headroom import peak_headroom
 from ._layers import auto_named, packed_axes
 from ._ledger import Ledger, Setting
 from ._remat import recomputed_products
 from ._search import explain, plan_cost, search
-from ._tpu_memory import warn_split_grouped_convs
+from ._tpu_memory import warn_convnet_peak
 from ._trace import Trace, trace_model
 from ._updates import warn_unpredicted_updates, with_update_wire
 
@@ -112,8 +111,9 @@ def auto_rules(
             replicated; defaults to the policy's (`kml.DEFAULT_REPLICATE_BELOW`).
             The returned rules carry it, so `kml.ModelParallel` applies it too.
         memory_budget: Per-device memory (bytes or `"16GiB"`) that one training
-            step's predicted peak must fit with 5% to spare (`PEAK_HEADROOM`, for
-            the prediction's error; 15% on a TPU target, `TPU_PEAK_HEADROOM`):
+            step's predicted peak must fit with 5% to spare for the prediction's
+            error (15% on a TPU target; for a convnet 30%, and on a TPU target 40%
+            and 64 MiB at least: `_headroom.peak_headroom`):
             parameters, gradients, optimizer slots, the batch's shard, and the
             activations and temporaries the traced step keeps alive at its worst
             (attention scores, dequantised int8 kernels, feature maps, remat blocks
@@ -277,11 +277,11 @@ def plan_rules(
 def _warn_estimated_peaks(
     model: keras.Model, rules: LayoutRules, optimizer: Any, compiler: str, trace: Trace | None
 ) -> None:
-    """Warns where the plan's predicted peak is an estimate: Muon's split matrices, and on XLA:TPU
-    grouped or depthwise convolutions split on their channels."""
+    """Warns where the plan's predicted peak is an estimate: Muon's split matrices, and on XLA:TPU a
+    convnet's step."""
     warn_unpredicted_updates(model, rules, optimizer)
-    if compiler == "tpu" and trace is not None:
-        warn_split_grouped_convs(rules, grouped_kernels(trace))
+    if compiler == "tpu" and trace is not None and _peak.is_convnet(trace):
+        warn_convnet_peak()
 
 
 def _search_within_peak(
@@ -293,7 +293,7 @@ def _search_within_peak(
     smallest-state plan's. While the chosen layouts' predicted peak exceeds the budget, the
     reserve grows to that peak's non-state part and the search runs again (a few times at most); failing that,
     the smallest-state plan is taken if its own peak fits. A plan said to fit fits its
-    predicted peak with `peak_headroom(compiler)` to spare; `MemoryBudgetError.smallest_bytes` is the
+    predicted peak with `_headroom.peak_headroom` to spare; `MemoryBudgetError.smallest_bytes` is the
     budget the smallest plan needs. Within that budget (or under it) the smallest-state plan is
     what was asked for: a plan the search chose for its traffic gives way to it unless its own
     predicted peak is lower. (Measured on keras-hub Llama with `enable_lora(4)`, 2×4: its frozen
@@ -309,8 +309,8 @@ def _search_within_peak(
     if budget is None and not fully_sharded:
         peak = step.peak(table, proposed)
         return dataclasses.replace(table, reserve=peak.non_state), proposed, peak
-    headroom = peak_headroom(step.compiler)
-    given, budget = budget, None if budget is None else int(budget * (1 - headroom))
+    headroom = peak_headroom(step.compiler, step.convnet)
+    given, budget = budget, None if budget is None else headroom.usable(budget)
     least_chosen = smallest(table)
     least = step.peak(table, least_chosen)
     if budget is not None and not fully_sharded:
@@ -322,27 +322,22 @@ def _search_within_peak(
                 break
             peak = step.peak(table, chosen)
             if peak.peak <= budget:
-                if given <= _needed(least, headroom) and peak.peak >= least.peak:
+                if given <= headroom.needed(least.peak) and peak.peak >= least.peak:
                     break  # the smallest plan's own budget: that plan, unless this one peaks lower
                 return dataclasses.replace(table, reserve=peak.non_state), chosen, peak
             reserve = max(reserve + 1, peak.non_state)
     if budget is None or least.peak <= budget:
         return dataclasses.replace(table, reserve=least.non_state), least_chosen, least
-    needed = _needed(least, headroom)
+    needed = headroom.needed(least.peak)
     raise MemoryBudgetError(
         f"auto_rules: the smallest plan needs {format_bytes(least.peak)} per device at its predicted "
         f"peak ({format_bytes(least.working)} of it the batch, activations and temporaries), "
-        f"{format_bytes(needed)} with the {headroom:.0%} headroom kept for the prediction's error, "
+        f"{format_bytes(needed)} with the {headroom} kept for the prediction's error, "
         f"over the memory budget of {format_bytes(given)}. Fix: a larger budget, a mesh with a larger "
         "model axis, a smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor).",
         smallest_bytes=needed,
         smallest_peak_bytes=least.peak,
     )
-
-
-def _needed(least: _peak.PeakMemory, headroom: float) -> int:
-    """The budget the smallest-state plan needs: its predicted peak with `headroom` to spare."""
-    return math.ceil(least.peak / (1 - headroom))
 
 
 def smallest(table: CostTable) -> tuple[int, ...]:
@@ -364,20 +359,6 @@ def _checked(table: CostTable, chosen: tuple[int, ...], budget: int | None) -> t
             smallest_bytes=state,
         )
     return chosen
-
-
-#: The share of the budget the predicted peak leaves free: the prediction is within a few percent of
-#: XLA's compiled peak on dense models (docs/status.md), so a plan said to fit stays under the budget.
-PEAK_HEADROOM = 0.05
-#: The same on a TPU target: the walk follows XLA:TPU's buffers to 0.87-1.06 of its compiled peak at
-#: Llama-3 and Mixtral widths (docs/benchmarks.md, `benchmarks/targets.py`), under it where XLA:TPU's
-#: heap fragments (0.87: the Llama-3 8 B fully sharded on v5e 16x16), so a plan said to fit keeps 15%.
-TPU_PEAK_HEADROOM = 0.15
-
-
-def peak_headroom(compiler: str) -> float:
-    """The share of the budget a plan's predicted peak leaves free on `compiler` (`_peak.compiler_of`)."""
-    return TPU_PEAK_HEADROOM if compiler == "tpu" else PEAK_HEADROOM
 
 
 #: How often the search runs again with a larger reserve before the budget is declared too small.

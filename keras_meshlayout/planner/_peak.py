@@ -57,6 +57,7 @@ from ..core._mesh import jax_device_grid
 from ..core._targets import GENERATIONS, Generation
 from . import _notes, _tpu_memory
 from ._convs import CONV_LAYERS
+from ._grouped import CONV, conv_kernel
 from ._liveness import live_code, transient_peak
 from ._quantized import stored_int4
 from ._trace import Trace, trace_step
@@ -68,6 +69,7 @@ __all__ = [
     "chip_of",
     "compiler_of",
     "generation_of",
+    "is_convnet",
     "muon_matrices",
     "orthogonalised_update",
     "peak_memory",
@@ -143,6 +145,7 @@ class PeakWalk:
         update_arrays: float = 0.0,
     ) -> None:
         self.trace = live_code(trace)
+        self.convnet = is_convnet(trace)
         self.update_arrays = update_arrays
         self.orthogonalised = dict(orthogonalised or {})
         self.axis_sizes = dict(axis_sizes)
@@ -207,6 +210,18 @@ class PeakWalk:
             update=orthogonalised_update(self.orthogonalised, layouts, self.axis_sizes, self.compiler),
             update_arrays=self.update_arrays,
         )
+
+
+def is_convnet(trace: Trace) -> bool:
+    """Whether `trace` is a convnet's step: convolutions over two spatial dimensions or more with two
+    kernels or more (a vision transformer's patch embedding alone is not one), whose predicted peak
+    keeps a larger headroom in a budget (`_auto.peak_headroom`)."""
+    kernels = set()
+    for node in trace.nodes:
+        if node.primitive == CONV and len(node.params["dimension_numbers"].lhs_spec) > 3:
+            kernel = conv_kernel(trace, node.inputs[1], 0, 1)
+            kernels.update(() if kernel is None else (kernel[0],))
+    return len(kernels) > 1
 
 
 def generation_of(mesh: Any) -> Generation | None:
