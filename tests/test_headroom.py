@@ -106,3 +106,26 @@ def test_a_convnets_budget_plan_keeps_its_headroom_and_names_the_budget_it_needs
         assert needed == (least + 64 * MiB if target else math.ceil(least / 0.70))
         rules = kml.auto_rules(model, mesh, memory_budget=needed, batch=x, optimizer="adam")
     assert rules.cost.peak_bytes <= headroom.usable(needed)
+
+
+def test_a_resnet50_budget_plan_at_224_x_224_fits_once_compiled():
+    """keras.applications ResNet50 at 224 x 224 (16 images on 2x4): the smallest plan's peak is
+    predicted at 0.735 of XLA:CPU's compiled one (the plan without a budget 0.76,
+    `benchmarks/convnet_peaks.py`: transposed copies of activations and max pooling's indices held
+    from the forward pass to the backward, not walked). With 5% to spare, the plan said to fit the
+    budget the planner named would compile to 1.29 times it; with the convnet's 30%, to 0.95."""
+
+    def build():
+        return keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=10)
+
+    mesh = kml.Mesh(data=2, model=4)
+    x, y = jax.ShapeDtypeStruct((16, 224, 224, 3), "float32"), jax.ShapeDtypeStruct((16,), "int32")
+    with kml.dry_build(build) as model:
+        with pytest.raises(kml.MemoryBudgetError, match="30% headroom") as refused:
+            kml.auto_rules(model, mesh, memory_budget=1, batch=x, optimizer="adam")
+        budget = refused.value.smallest_bytes
+        rules = kml.auto_rules(model, mesh, memory_budget=budget, batch=x, optimizer="adam")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = kml.compile_step(build, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
+    assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(0.735, abs=0.01)  # the miss, pinned
+    assert step.peak_bytes <= budget
