@@ -176,11 +176,12 @@ def warn_convnet_peak() -> None:
 
     keras.applications convnets, 16 images on v5e 2x4, predicted ÷ compiled peak (libtpu 0.0.42.1):
     at 224 x 224 ResNet50 0.72, DenseNet121 0.72, ConvNeXtTiny 0.64, Xception 0.83, MobileNetV2 1.03,
-    EfficientNetB0 1.10 (`benchmarks/convnet_peaks.py`); at 32 x 32 EfficientNetB0 0.21, ConvNeXtTiny 0.70, MobileNetV2 1.00. At 224 x 224 XLA:TPU
-    keeps the image in bfloat16 with the batch in the 128 lanes for the first convolution's kernel
-    gradient (49 MiB for 8 images), and its heap is loosely packed (ResNet50: 482 MB live at once in
-    676 MB of temporaries); at 32 x 32 it leaves the memory-space assignment's small buffers in
-    16 KiB slots in HBM where the walk keeps the step on chip.
+    EfficientNetB0 1.10 (`benchmarks/convnet_peaks.py`); at 32 x 32 EfficientNetB0 0.21, ConvNeXtTiny
+    0.70, MobileNetV2 1.00. At 224 x 224 XLA:TPU keeps the image in bfloat16 with the batch in the
+    128 lanes for the first convolution's kernel gradient (49 MiB for 8 images), and its heap is
+    loosely packed (ResNet50: 482 MB live at once in 676 MB of temporaries); at 32 x 32 it leaves
+    the memory-space assignment's small buffers in 16 KiB slots in HBM where the walk keeps the
+    step on chip.
     """
     warnings.warn(
         "XLA:TPU's peak of a convnet's step is an estimate: rules.cost.peak_bytes was 0.64-1.10 of the "
