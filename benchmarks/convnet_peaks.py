@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
+
+from _rows import run_rows
 
 MODELS = ("ResNet50", "ConvNeXtTiny", "Xception", "MobileNetV2", "EfficientNetB0", "DenseNet121")
 COMPILERS = ("cpu", "tpu-v5e:2x4")
@@ -94,18 +94,9 @@ def main() -> None:
         "| plan s | compile s |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    results = []
-    for name in [args.only] if args.only else MODELS:
-        for compiler in COMPILERS:
-            command = [sys.executable, __file__, "--measure", name, compiler, "--size", str(args.size)]
-            out = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-            if out.returncode:
-                sys.exit(f"{name} for {compiler} failed:\n{out.stderr[-4000:]}")
-            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(_row(results[-1]), flush=True)
-            if args.json:  # after every row: a long run keeps what it measured
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=2)
+    models = [args.only] if args.only else MODELS
+    cases = [(name, compiler) for name in models for compiler in COMPILERS]
+    run_rows(__file__, cases, _row, extra=("--size", str(args.size)), json_path=args.json, timeout=1800)
 
 
 if __name__ == "__main__":

@@ -35,10 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 import time
 
+from _rows import run_rows
 from planner_shapes import SHAPES as _FULL_DEPTH  # the same models as the dry planner's rows
 
 #: name -> (keras-hub class, config without its depth, the real model's number of layers).
@@ -148,18 +147,8 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(*args.measure, args.layers)))
         return
-    results = []
-    for name in [args.only] if args.only else SHAPES:
-        for target in TARGETS:
-            command = [sys.executable, __file__, "--measure", name, target, "--layers", str(args.layers)]
-            out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-            if out.returncode:
-                sys.exit(f"{name} on {target} failed:\n{out.stderr[-4000:]}")
-            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(_row(results[-1]), flush=True)
-            if args.json:  # after every row: a long run keeps what it measured
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=2)
+    cases = [(name, target) for name in ([args.only] if args.only else SHAPES) for target in TARGETS]
+    run_rows(__file__, cases, _row, extra=("--layers", str(args.layers)), json_path=args.json)
 
 
 if __name__ == "__main__":
