@@ -270,17 +270,17 @@ def plan_rules(
     _apply(ledger, table, chosen, budget is not None)
     rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy)
     rules.cost = plan_cost(table, chosen, budget, peak)
-    _warn_estimated_peaks(model, rules, optimizer, compiler, trace)
+    _warn_estimated_peaks(model, rules, optimizer, compiler, step is not None and step.convnet)
     return rules
 
 
 def _warn_estimated_peaks(
-    model: keras.Model, rules: LayoutRules, optimizer: Any, compiler: str, trace: Trace | None
+    model: keras.Model, rules: LayoutRules, optimizer: Any, compiler: str, convnet: bool
 ) -> None:
     """Warns where the plan's predicted peak is an estimate: Muon's split matrices, and on XLA:TPU a
     convnet's step."""
     warn_unpredicted_updates(model, rules, optimizer)
-    if compiler == "tpu" and trace is not None and _peak.is_convnet(trace):
+    if compiler == "tpu" and convnet:  # `_peak.is_convnet`, decided once for the walk
         warn_convnet_peak()
 
 
