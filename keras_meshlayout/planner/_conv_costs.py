@@ -44,14 +44,23 @@ from ._convs import CONV, conv_kernel
 
 __all__ = ["ConvCosts"]
 
-#: XLA:TPU gathers a float32 region value in float32, not bfloat16, for a product of this many rows a
-#: device or fewer (ConvNeXtTiny's last stage at 32 × 32: one position, 8 images a device).
+#: XLA:TPU gathers a float32 region value in float32, not bfloat16, at this many rows a device or
+#: fewer (ConvNeXtTiny's last stage at 32 × 32: one position, 8 images a device), unless each device's
+#: channels fill whole rows of `TPU_LANES` (ResNet50's last stage at 32 × 32, the same 8 rows of 512
+#: channels over 4, goes in bfloat16; 768 over 4 and 128 over 4 in float32).
 TPU_F32_ROWS = 8
-#: XLA:TPU gathers the output gradient of a region's first entries (in the forward pass; the backward
-#: pass's last) once, of the others twice, whatever their size (a ConvNeXt-like stack of 4 and 6
-#: blocks, 8 to 64 images, 32 or 64 channels, 4 × 4 or 8 × 8, v5e 2×4: the first two blocks'; ConvNeXtTiny
-#: too, and Xception's bytes are 1.004 of the compiled ones with it).
+#: XLA:TPU gathers the output gradient of the grouped convolutions' region's first entries (in the
+#: forward pass; the backward pass's last) once, of the others twice, whatever their size (a
+#: ConvNeXt-like stack of 4 and 6 blocks, 8 to 64 images, 32 or 64 channels, 4 × 4 or 8 × 8, v5e 2×4:
+#: the first two blocks'; ConvNeXtTiny too, and Xception's bytes are 1.004 of the compiled ones with
+#: it). A lone convolution's region has its one entry gathered twice, the first too (ResNet50's 3 × 3
+#: and 1 × 1 convolutions split alone, 32 × 32, v5e 2×4: every stage's).
 TPU_ONCE_ENTRIES = 2
+#: XLA:TPU all-gathers a channel-wise weight after the update where each device's shard fills whole
+#: rows of this many lanes, and all-reduces it otherwise (ResNet50's 512 channels over `model=4` are
+#: gathered as `f32[4,1,128]`; its 64 to 256 channels, ConvNeXtTiny's 96 to 768 and Xception's are
+#: all-reduced, v5e 2×4).
+TPU_LANES = 128
 
 
 class ConvCosts(Bytes):
@@ -300,9 +309,9 @@ class ConvCosts(Bytes):
         """
         for region, unit in self.regions:
             if unit == owner:
-                self._region_traffic(region, wire)
+                self._region_traffic(region, wire, once=TPU_ONCE_ENTRIES if unit is None else 0)
 
-    def _region_traffic(self, region: Region, wire: dict[str, float]) -> None:
+    def _region_traffic(self, region: Region, wire: dict[str, float], once: int) -> None:
         gathered: set[int] = set()
         for value, index in region.exits:
             node = self.trace.nodes[index]
@@ -327,7 +336,7 @@ class ConvCosts(Bytes):
             if whole and not self._no_gradient(node.inputs[0]):  # gathered for the input gradient
                 self._gather_activation(region, value, node, wire, times=1)
             elif not whole and not self._no_gradient(value):
-                last = gathered_entries < TPU_ONCE_ENTRIES  # among the backward pass's last
+                last = gathered_entries < once  # among the backward pass's last
                 self._gather_activation(
                     region, value, node, wire, times=1 if last and self.compiler == "tpu" else 0
                 )
@@ -357,8 +366,10 @@ class ConvCosts(Bytes):
         shape, dtype = self.trace.shapes[value], self.trace.dtypes[value]
         gathered = wire_bytes("all-gather", self._activation(shape, dtype), self.m)
         if self.compiler == "tpu":
-            rows = math.prod(shape) / shape[region.values[value]] / self.d
-            if np.dtype(dtype).itemsize > 2 and rows > TPU_F32_ROWS:  # cast to bfloat16 for its dots
+            channels = shape[region.values[value]]
+            rows = math.prod(shape) / channels / self.d
+            few = rows <= TPU_F32_ROWS and channels / self.m % TPU_LANES != 0
+            if np.dtype(dtype).itemsize > 2 and not few:  # cast to bfloat16 for the products reading it
                 gathered *= 2 / np.dtype(dtype).itemsize
             add_wire(wire, self.model_axis, (times or 2) * gathered)
             return
@@ -371,13 +382,14 @@ class ConvCosts(Bytes):
     def _updated_split(self, path: str, wire: dict[str, float], vector: bool = False) -> None:
         """A whole weight updated in model-axis shards and all-gathered after, with its slots if trained
         (a channel-wise `vector` all-reduced instead on XLA:TPU, as measured on ConvNeXtTiny, Xception
-        and ResNet50, v5e 2×4)."""
+        and ResNet50, v5e 2×4, unless its shard fills whole rows of `TPU_LANES`)."""
         variable = self._by_path.get(path)
         if variable is None:
             return
         trainable = id(variable) in self._trainable_ids
         copies = 1 + self.memory.like_parameter if trainable else 1
-        kind = "all-reduce" if vector and self.compiler == "tpu" else "all-gather"
+        lanes = math.prod(variable.shape) / self.m % TPU_LANES == 0
+        kind = "all-reduce" if vector and self.compiler == "tpu" and not lanes else "all-gather"
         add_wire(wire, self.model_axis, copies * wire_bytes(kind, nbytes(variable), self.m))
         if trainable:  # its gradient summed over the batch axis in the same shards
             add_wire(wire, self.batch_axis, self._grad_sync(variable, self.m) - self._grad_sync(variable, 1))
