@@ -811,7 +811,7 @@ def _bottleneck() -> keras.Model:
 def test_convolutions_reading_one_input_sum_its_gradient_in_one_all_reduce_on_xla_tpu():
     """Both split on their output channels, the shortcut's and the first convolution's input gradients
     are summed over `model` in one all-reduce by XLA:TPU (two on XLA:CPU), as for projections: the
-    model axis was predicted 1.33x XLA:TPU's bytes (ResNet50 at 32 x 32: 1.091, 0.975 since)."""
+    model axis was predicted 1.33x XLA:TPU's bytes (ResNet50 at 32 x 32: 1.091, 0.975 after, 1.000 since)."""
     mesh = kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")
     x, y = jax.ShapeDtypeStruct((16, 16, 16, 3), "float32"), jax.ShapeDtypeStruct((16,), "int32")
     with kml.dry_build(_bottleneck) as model, pytest.warns(kml.MeshLayoutWarning, match=CONVNET_PEAK):
