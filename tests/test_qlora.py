@@ -153,19 +153,25 @@ def test_a_quantized_gemmas_smallest_plan_sends_what_is_compiled(mode, lora):
         assert rules.cost.wire_bytes_by_axis[axis] == pytest.approx(value, rel=0.02), axis
 
 
-_EARLY_TABLE = (
-    "XLA:CPU dequantizes the tied int4 table for the head early in the forward pass (its operands are all "
-    "parameters) and holds it (65,536 bytes a device) to the logits, where the walk writes it just before: "
-    "the walk's peak is 0.813 of the compiled one"
+_LOSS_BUFFER = (
+    "the walk's peak is 0.813 of the compiled one (81,052 bytes a device under, measured 2026-12-07 from "
+    "XLA:CPU's buffer assignment): its stand-in loss (the mean square of the outputs, `_trace.trace_step`) "
+    "holds one buffer of the logits' size fewer at the loss than XLA's log-softmax (the logits, their "
+    "exponential and the gradient, 65,536 bytes each beside the dequantised tied table: 16 tokens of a "
+    "1,024-row vocabulary are most of this step); and XLA computes each int4 kernel's dequantised copy "
+    "once, holding it from the forward pass to the gradient that dequantises it again, where the walk "
+    "holds the unpacked nibbles (7 kernels, 4,096 bytes each). Merging the weights' repeated computations "
+    "as XLA does gave 0.858 here but 1.21 on the zoo's int4 Llama (1.014 without), whose walk over-counts "
+    "elsewhere, and 0.897 on the 8x1 LSTM: not kept"
 )
 
 
 @pytest.mark.parametrize(
     ("mode", "lora"),
     [
-        pytest.param("int4", False, id="int4", marks=pytest.mark.xfail(strict=True, reason=_EARLY_TABLE)),
+        pytest.param("int4", False, id="int4", marks=pytest.mark.xfail(strict=True, reason=_LOSS_BUFFER)),
         pytest.param("int8", True, id="int8-lora"),
-        pytest.param("int4", True, id="int4-lora", marks=pytest.mark.xfail(strict=True, reason=_EARLY_TABLE)),
+        pytest.param("int4", True, id="int4-lora", marks=pytest.mark.xfail(strict=True, reason=_LOSS_BUFFER)),
     ],
 )
 def test_the_peak_of_a_quantized_gemma_is_within_ten_percent_of_the_compiled_one(mode, lora):
