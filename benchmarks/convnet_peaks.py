@@ -1,12 +1,13 @@
-"""Convnets' predicted peak against the compiled one, at the image sizes they are trained at.
+"""Convnets' predicted peak and bytes against the compiled ones, at the image sizes they are trained at.
 
 For each keras.applications convnet (`weights=None`, 10 classes), one step of 16 images with Adam
 on a `data=2, model=4` mesh: `kml.auto_rules` plans it (no budget) and `kml.compile_step` compiles
 Keras's own training step for the plan, for XLA:CPU (8 emulated devices) and for XLA:TPU (TPU v5e
 2x4 through libtpu's compile-only devices: nothing runs). Each row is the plan's predicted
-per-device peak (`rules.cost.peak_bytes`) over the compiled one (`memory_analysis()`), the
-baseline, compiled side by side; the figures are the compilers' and do not depend on this
-machine's speed.
+per-device peak (`rules.cost.peak_bytes`) over the compiled one (`memory_analysis()`), and its
+bytes sent per device per step over each mesh axis (`rules.cost.wire_bytes_by_axis`) over the
+compiled HLO's (`step.comm`): the baseline, compiled side by side; the figures are the compilers'
+and do not depend on this machine's speed.
 
 These are the misses `planner/_headroom.py`'s convnet headroom covers and
 `_tpu_memory.warn_convnet_peak` reports (docs/status.md).
@@ -64,16 +65,25 @@ def measure(name: str, compiler: str, size: int) -> dict:
         "compiled_peak_bytes": step.peak_bytes,
         "compiled_temp_bytes": step.temp_bytes,
         "peak_ratio": rules.cost.peak_bytes / step.peak_bytes,
+        "predicted_wire_bytes": dict(rules.cost.wire_bytes_by_axis),
+        "compiled_wire_bytes": dict(step.comm.wire_bytes_by_axis),
         "plan_seconds": round(plan_seconds, 1),
         "compile_seconds": round(step.compile_seconds, 1),
     }
+
+
+def _bytes_ratio(r: dict, axis: str) -> str:
+    """Predicted ÷ compiled bytes over `axis`, "—" where neither sends any."""
+    predicted, compiled = r["predicted_wire_bytes"].get(axis, 0.0), r["compiled_wire_bytes"].get(axis, 0.0)
+    return f"{predicted / compiled:.3f}" if compiled else ("—" if not predicted else "inf")
 
 
 def _row(r: dict) -> str:
     return (
         f"| {r['model']} | {r['size']} x {r['size']} | {r['compiler']} | "
         f"{r['predicted_peak_bytes'] / MiB:.1f} | {r['compiled_peak_bytes'] / MiB:.1f} | "
-        f"{r['peak_ratio']:.2f} | {r['plan_seconds']:.0f} | {r['compile_seconds']:.0f} |"
+        f"{r['peak_ratio']:.2f} | {_bytes_ratio(r, 'model')} | {_bytes_ratio(r, 'data')} | "
+        f"{r['plan_seconds']:.0f} | {r['compile_seconds']:.0f} |"
     )
 
 
@@ -91,9 +101,9 @@ def main() -> None:
         return
     print(
         "| model | images | compiler | predicted peak MiB | compiled peak MiB | predicted ÷ compiled "
-        "| plan s | compile s |"
+        "| bytes ÷ compiled, model | bytes ÷ compiled, data | plan s | compile s |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     models = [args.only] if args.only else MODELS
     cases = [(name, compiler) for name in models for compiler in COMPILERS]
     run_rows(__file__, cases, _row, extra=("--size", str(args.size)), json_path=args.json, timeout=1800)
