@@ -24,6 +24,7 @@ import keras
 import keras_hub
 import pytest
 from helpers import build_convnet
+from test_convs import hub_resnet
 from test_errors import Case, raises_case
 
 import keras_meshlayout as kml
@@ -854,25 +855,38 @@ def _resnet_like() -> keras.Model:
     return keras.Model(images, layers.Dense(10, name="head")(layers.GlobalAveragePooling2D()(x)))
 
 
-def test_a_resnet_like_convnet_sends_what_xla_tpu_compiles():
-    """XLA:TPU's ways with a ResNet, `model` bytes predicted ÷ compiled 1.000 (ResNet50 at 32 × 32 the
-    same, 2×4 and 4×2; it was 0.975 and 0.990, this toy 1.038; a stage's first block as
-    `test_convolutions_reading_one_input_sum_its_gradient_in_one_all_reduce_on_xla_tpu`):
+#: `(build, images, convolutions split alone)`: the toy above and keras-hub's ResNet (its strided 3 × 3
+#: convolutions read their input zero-padded).
+RESNETS = {
+    "toy": (_resnet_like, (4, 4, 3), {"s0_b1_2_conv/kernel", "s1_b1_3_conv/kernel"}),
+    "keras-hub-ResNet": (hub_resnet, (32, 32, 3), {"stack0_block1_2_conv/kernel"}),
+}
+
+
+@pytest.mark.parametrize("name", list(RESNETS), ids=list(RESNETS))
+def test_a_resnet_sends_what_xla_tpu_compiles(name):
+    """XLA:TPU's ways with a ResNet, `model` bytes predicted ÷ compiled 1.000 (keras.applications
+    ResNet50 at 32 × 32 the same, 2×4 and 4×2, and a subclassed one of custom layers calling
+    `keras.ops.conv`; they were 0.975 and 0.990, the toy 1.038 and keras-hub's 1.036; a stage's first
+    block as `test_convolutions_reading_one_input_sum_its_gradient_in_one_all_reduce_on_xla_tpu`):
 
     - a 3 × 3 (or last 1 × 1) convolution split alone on its input channels: its region's entry has
       its output gradient gathered twice in bfloat16 (once in float32 on XLA:CPU), not once as the
-      grouped convolutions' first entries; in bfloat16 also at 8 rows a device, the last stage's,
-      as each device's 128 channels fill the lanes (ConvNeXtTiny's 192 stay float32:
+      grouped convolutions' first entries; in bfloat16 also at 8 rows a device, the toy's last
+      stage's, as each device's 128 channels fill the lanes (ConvNeXtTiny's 192 stay float32:
       `test_conv_regions.py`);
     - the channel-wise weights of its region are all-reduced after the update, but all-gathered where
-      each device's shard fills whole rows of 128 lanes (the last stage's 512 and 2,048 over 4)."""
+      each device's shard fills whole rows of 128 lanes (the toy's last stage's 512 and 2,048 over 4);
+    - a convolution split on its output channels that reads its input zero-padded (keras-hub's
+      strided 3 × 3) has its input gradient all-reduced unpadded, where XLA:CPU sums the padded one."""
+    build, image, alone = RESNETS[name]
     mesh = kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")
-    x, y = jax.ShapeDtypeStruct((16, 4, 4, 3), "float32"), jax.ShapeDtypeStruct((16,), "int32")
-    with kml.dry_build(_resnet_like) as model, pytest.warns(kml.MeshLayoutWarning, match=CONVNET_PEAK):
+    x, y = jax.ShapeDtypeStruct((16, *image), "float32"), jax.ShapeDtypeStruct((16,), "int32")
+    with kml.dry_build(build) as model, pytest.warns(kml.MeshLayoutWarning, match=CONVNET_PEAK):
         rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam")
-    assert {"s0_b1_2_conv/kernel", "s1_b1_3_conv/kernel"} <= {choice.unit for choice in rules.cost.choices}
+    assert alone <= {choice.unit for choice in rules.cost.choices}
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    step = kml.compile_step(_resnet_like, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
+    step = kml.compile_step(build, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=loss)
     for axis, measured in step.comm.wire_bytes_by_axis.items():
         assert rules.cost.wire_bytes_by_axis[axis] == pytest.approx(measured, rel=0.02), axis
     model_bytes = step.comm.wire_bytes_by_axis["model"]

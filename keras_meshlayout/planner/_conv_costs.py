@@ -100,8 +100,19 @@ class ConvCosts(Bytes):
                     if lone:  # the channel-split region its input seeds, when it is that region's owner
                         self.region_traffic(wire, owner=self.proposal.units.get(variable.path))
                 elif not self._no_gradient(lhs) and not self._merged_conv_grad(node.index, lhs):
-                    summed = self._summed(self.trace.shapes[lhs], dtype) * self._cast_for_a_conv(lhs)
+                    summed = self._summed(self._summed_shape(lhs), dtype) * self._cast_for_a_conv(lhs)
                     add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
+
+    def _summed_shape(self, value: int) -> tuple[int, ...]:
+        """The shape at which the input gradient of `value`, a column convolution's input, is summed:
+        its own, but on XLA:TPU that of what a zero padding pads into it, the gradient sliced to it
+        first (keras-hub ResNet's strided 3 × 3 convolution reads its input padded to 10 × 10 and
+        XLA:TPU all-reduces the 8 × 8 gradient, XLA:CPU the 10 × 10 one; v5e 2×4)."""
+        producer = self.trace.producer.get(value)
+        node = self.trace.nodes[producer] if producer is not None else None
+        if self.compiler == "tpu" and node is not None and node.primitive == "pad" and node.inputs[0] >= 0:
+            return self.trace.shapes[node.inputs[0]]
+        return self.trace.shapes[value]
 
     def _merged_conv_grad(self, index: int, value: int) -> bool:
         """Whether XLA:TPU folds the input-gradient all-reduce of convolution `index`, split on its output
