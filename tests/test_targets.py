@@ -855,11 +855,31 @@ def _resnet_like() -> keras.Model:
     return keras.Model(images, layers.Dense(10, name="head")(layers.GlobalAveragePooling2D()(x)))
 
 
-#: `(build, images, convolutions split alone)`: the toy above and keras-hub's ResNet (its strided 3 × 3
-#: convolutions read their input zero-padded).
+def _hub_resnet_pre_activation() -> keras.Model:
+    """keras-hub's pre-activation ResNet (ResNet v2): a block's convolutions are added with no norm
+    after them."""
+    backbone = keras_hub.models.ResNetBackbone(
+        input_conv_filters=[16],
+        input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64, 64],
+        stackwise_num_blocks=[2, 1],
+        stackwise_num_strides=[1, 2],
+        block_type="bottleneck_block",
+        use_pre_activation=True,
+        image_shape=(32, 32, 3),
+        name="backbone",
+    )
+    inputs = keras.Input((32, 32, 3))
+    pooled = keras.layers.GlobalAveragePooling2D()(backbone(inputs))
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(pooled))
+
+
+#: `(build, images, convolutions split alone)`: the toy above, keras-hub's ResNet (its strided 3 × 3
+#: convolutions read their input zero-padded) and its pre-activation one.
 RESNETS = {
     "toy": (_resnet_like, (4, 4, 3), {"s0_b1_2_conv/kernel", "s1_b1_3_conv/kernel"}),
     "keras-hub-ResNet": (hub_resnet, (32, 32, 3), {"stack0_block1_2_conv/kernel"}),
+    "keras-hub-ResNet-pre-activation": (_hub_resnet_pre_activation, (32, 32, 3), set()),
 }
 
 
@@ -867,8 +887,9 @@ RESNETS = {
 def test_a_resnet_sends_what_xla_tpu_compiles(name):
     """XLA:TPU's ways with a ResNet, `model` bytes predicted ÷ compiled 1.000 (keras.applications
     ResNet50 at 32 × 32 the same, 2×4 and 4×2, and a subclassed one of custom layers calling
-    `keras.ops.conv`; they were 0.975 and 0.990, the toy 1.038 and keras-hub's 1.036; a stage's first
-    block as `test_convolutions_reading_one_input_sum_its_gradient_in_one_all_reduce_on_xla_tpu`):
+    `keras.ops.conv`; they were 0.975 and 0.990, the toy 1.038, keras-hub's 1.036 and its
+    pre-activation one 1.129; a stage's first block as
+    `test_convolutions_reading_one_input_sum_its_gradient_in_one_all_reduce_on_xla_tpu`):
 
     - a 3 × 3 (or last 1 × 1) convolution split alone on its input channels: its region's entry has
       its output gradient gathered twice in bfloat16 (once in float32 on XLA:CPU), not once as the
@@ -877,8 +898,13 @@ def test_a_resnet_sends_what_xla_tpu_compiles(name):
       `test_conv_regions.py`);
     - the channel-wise weights of its region are all-reduced after the update, but all-gathered where
       each device's shard fills whole rows of 128 lanes (the toy's last stage's 512 and 2,048 over 4);
-    - a convolution split on its output channels that reads its input zero-padded (keras-hub's
-      strided 3 × 3) has its input gradient all-reduced unpadded, where XLA:CPU sums the padded one."""
+    - a convolution that reads its input zero-padded (keras-hub's strided 3 × 3) has that input
+      gathered, or its gradient all-reduced, unpadded, where XLA:CPU moves the padded one;
+    - two convolutions split on their input channels whose outputs are added with no norm between
+      (a pre-activation block's shortcut and last 1 × 1) are all-reduced once, summed first.
+
+    keras-hub's ResNet with basic blocks is 1.027 (1.028 pre-activation; were 1.063 and 1.123):
+    XLA:TPU gathers its first block's entry once, not twice, not followed."""
     build, image, alone = RESNETS[name]
     mesh = kml.Mesh(data=2, model=4, target="tpu-v5e:2x4")
     x, y = jax.ShapeDtypeStruct((16, *image), "float32"), jax.ShapeDtypeStruct((16,), "int32")

@@ -92,6 +92,8 @@ class ConvCosts(Bytes):
                 lhs, out = node.inputs[0], node.outputs[0]
                 dtype = self.trace.dtypes[out]
                 if split != out_dim:  # the row end: partial sums over the split input channels
+                    if self._summed_with_an_earlier_row_end(node):
+                        continue
                     add_wire(
                         wire,
                         self.model_axis,
@@ -100,14 +102,36 @@ class ConvCosts(Bytes):
                     if lone:  # the channel-split region its input seeds, when it is that region's owner
                         self.region_traffic(wire, owner=self.proposal.units.get(variable.path))
                 elif not self._no_gradient(lhs) and not self._merged_conv_grad(node.index, lhs):
-                    summed = self._summed(self._summed_shape(lhs), dtype) * self._cast_for_a_conv(lhs)
+                    summed = self._summed(self._moved_shape(lhs), dtype) * self._cast_for_a_conv(lhs)
                     add_wire(wire, self.model_axis, wire_bytes("all-reduce", summed, self.m))
 
-    def _summed_shape(self, value: int) -> tuple[int, ...]:
-        """The shape at which the input gradient of `value`, a column convolution's input, is summed:
-        its own, but on XLA:TPU that of what a zero padding pads into it, the gradient sliced to it
-        first (keras-hub ResNet's strided 3 × 3 convolution reads its input padded to 10 × 10 and
-        XLA:TPU all-reduces the 8 × 8 gradient, XLA:CPU the 10 × 10 one; v5e 2×4)."""
+    def _summed_with_an_earlier_row_end(self, node: object) -> bool:
+        """Whether XLA:TPU adds the partial sums of row end `node` to an earlier row end's before their
+        one all-reduce: both convolutions' outputs read only by the one addition (a pre-activation
+        ResNet's shortcut and last 1 × 1 convolution, added with no norm between: keras-hub's
+        `use_pre_activation=True`, v5e 2×4; XLA:CPU all-reduces each)."""
+        readers = self.trace.consumers.get(node.outputs[0], ())
+        if self.compiler != "tpu" or len(readers) != 1:
+            return False
+        add = self.trace.nodes[readers[0]]
+        if add.primitive not in ("add", "add_any"):
+            return False
+        for other in (v for v in add.inputs if v >= 0 and v != node.outputs[0]):
+            producer = self.trace.producer.get(other)
+            if producer is None or producer >= node.index or self.trace.consumers.get(other) != (add.index,):
+                continue
+            earlier = self.trace.nodes[producer]
+            axes = self._kernel_axes(earlier) if earlier.primitive == CONV else None
+            if axes is not None and earlier.params["feature_group_count"] == 1 and axes[0] == axes[1]:
+                return True
+        return False
+
+    def _moved_shape(self, value: int) -> tuple[int, ...]:
+        """The shape at which `value`, a convolution's input, or its gradient moves between devices: its
+        own, but on XLA:TPU that of what a zero padding pads into it, padded after the gather and the
+        gradient sliced before the all-reduce (keras-hub ResNet's strided 3 × 3 convolution reads its
+        input padded to 10 × 10: XLA:TPU gathers it and all-reduces its gradient at 8 × 8, XLA:CPU at
+        10 × 10; v5e 2×4)."""
         producer = self.trace.producer.get(value)
         node = self.trace.nodes[producer] if producer is not None else None
         if self.compiler == "tpu" and node is not None and node.primitive == "pad" and node.inputs[0] >= 0:
@@ -374,7 +398,7 @@ class ConvCosts(Bytes):
         """A region value all-gathered for `node` (an exit's input, an entry's output gradient), `times`
         times, else twice on XLA:TPU and on XLA:CPU once or twice by the size of the gathered
         activation against the kernel's shard (`region_traffic`)."""
-        shape, dtype = self.trace.shapes[value], self.trace.dtypes[value]
+        shape, dtype = self._moved_shape(value), self.trace.dtypes[value]
         gathered = wire_bytes("all-gather", self._activation(shape, dtype), self.m)
         if self.compiler == "tpu":
             channels = shape[region.values[value]]
