@@ -84,8 +84,9 @@ def patches() -> keras.Model:
     return keras.Model(inputs, L.Dense(10, name="head")(pooled), name="vit_stem")
 
 
-def hub_resnet() -> keras.Model:
-    """keras-hub's ResNet (bottleneck blocks, two small stacks) under a pooled classifier."""
+def hub_resnet(pre_activation: bool = False) -> keras.Model:
+    """keras-hub's ResNet (bottleneck blocks, two small stacks) under a pooled classifier; with
+    `pre_activation`, its ResNet v2 (a block's convolutions added with no norm after them)."""
     import keras_hub
 
     backbone = keras_hub.models.ResNetBackbone(
@@ -95,6 +96,7 @@ def hub_resnet() -> keras.Model:
         stackwise_num_blocks=[2, 1],
         stackwise_num_strides=[1, 2],
         block_type="bottleneck_block",
+        use_pre_activation=pre_activation,
         image_shape=IMAGE,
         name="backbone",
     )

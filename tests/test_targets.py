@@ -855,31 +855,12 @@ def _resnet_like() -> keras.Model:
     return keras.Model(images, layers.Dense(10, name="head")(layers.GlobalAveragePooling2D()(x)))
 
 
-def _hub_resnet_pre_activation() -> keras.Model:
-    """keras-hub's pre-activation ResNet (ResNet v2): a block's convolutions are added with no norm
-    after them."""
-    backbone = keras_hub.models.ResNetBackbone(
-        input_conv_filters=[16],
-        input_conv_kernel_sizes=[3],
-        stackwise_num_filters=[64, 64],
-        stackwise_num_blocks=[2, 1],
-        stackwise_num_strides=[1, 2],
-        block_type="bottleneck_block",
-        use_pre_activation=True,
-        image_shape=(32, 32, 3),
-        name="backbone",
-    )
-    inputs = keras.Input((32, 32, 3))
-    pooled = keras.layers.GlobalAveragePooling2D()(backbone(inputs))
-    return keras.Model(inputs, keras.layers.Dense(10, name="head")(pooled))
-
-
 #: `(build, images, convolutions split alone)`: the toy above, keras-hub's ResNet (its strided 3 × 3
 #: convolutions read their input zero-padded) and its pre-activation one.
 RESNETS = {
     "toy": (_resnet_like, (4, 4, 3), {"s0_b1_2_conv/kernel", "s1_b1_3_conv/kernel"}),
     "keras-hub-ResNet": (hub_resnet, (32, 32, 3), {"stack0_block1_2_conv/kernel"}),
-    "keras-hub-ResNet-pre-activation": (_hub_resnet_pre_activation, (32, 32, 3), set()),
+    "keras-hub-ResNet-pre-activation": (functools.partial(hub_resnet, True), (32, 32, 3), set()),
 }
 
 
