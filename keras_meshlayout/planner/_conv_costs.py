@@ -120,9 +120,7 @@ class ConvCosts(Bytes):
             producer = self.trace.producer.get(other)
             if producer is None or producer >= node.index or self.trace.consumers.get(other) != (add.index,):
                 continue
-            earlier = self.trace.nodes[producer]
-            axes = self._kernel_axes(earlier) if earlier.primitive == CONV else None
-            if axes is not None and earlier.params["feature_group_count"] == 1 and axes[0] == axes[1]:
+            if self._split_conv(producer, channels=1):  # a row end too
                 return True
         return False
 
@@ -151,11 +149,16 @@ class ConvCosts(Bytes):
 
     def _column_conv(self, index: int) -> bool:
         """Whether node `index` is a convolution (not grouped) split on its output channels."""
+        return self._split_conv(index, channels=2)
+
+    def _split_conv(self, index: int, channels: int) -> bool:
+        """Whether node `index` is a convolution (not grouped) whose kernel is split over the model axis
+        on its input (`channels=1`) or output (`channels=2`) channels (`_kernel_axes`' order)."""
         node = self.trace.nodes[index]
         if node.primitive != CONV or node.params["feature_group_count"] != 1:
             return False
         axes = self._kernel_axes(node)
-        return axes is not None and axes[0] == axes[2]
+        return axes is not None and axes[0] == axes[channels]
 
     def _cast_for_a_conv(self, value: int) -> float:
         """The share of a float32 gradient of `value` XLA:TPU sums: half, in bfloat16, when a convolution
