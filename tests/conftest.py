@@ -309,30 +309,39 @@ SLOW: dict[str, tuple[str, ...]] = {
 SLOW_FIXTURES = ("two_process_run", "full_disk")
 
 
-# The files that run longest, longest first (the whole file, measured with `--durations=0`;
-# CONTRIBUTING.md has the figures). Under `-n 2` each file runs whole in one process, and files
-# are handed out in collection order to whichever process is free (`--no-loadscope-reorder` in
-# pyproject.toml: xdist would otherwise hand out the files with the most tests first, and a file
-# of a few long tests, started last, would run alone at the end). These start first; the rest
-# follow in their usual order and fill in. tests/test_docs.py checks that every name exists.
+# The files that run longest, longest first: each file's seconds under `pytest -q -n 2
+# --durations=0` (2026-12-07, sixteenth session, an idle machine, 16 min 37 s in all; CONTRIBUTING.md
+# has the figures). Under `-n 2` each file runs whole in one process, and files are handed out in
+# collection order to whichever process is free (`--no-loadscope-reorder` in pyproject.toml: xdist
+# would otherwise hand out the files with the most tests first, and a file of a few long tests,
+# started last, would run alone at the end). These start first, longest first (the greedy order
+# that leaves the two processes' ends closest); the rest follow in their usual order and fill in.
+# tests/test_docs.py checks that every name exists.
 FIRST: tuple[str, ...] = (
-    "test_zoo.py",  # 679 s at load 9 falling to 3
-    "test_budget.py",  # 580 s at load 9 (about 3x idle)
-    "test_resume.py",  # 447 s at load 8.6
-    "test_recipes.py",  # 332 s at load 12.9; 9 tests, so xdist's default started it last
-    "test_checkpoint_faults.py",
-    "test_multiprocess.py",
-    "test_hub.py",
-    "test_targets.py",  # 117 s at load 8.6
-    "test_checkpoint_processes.py",
-    "test_adapters.py",
-    "test_qlora.py",  # 40 s
-    "test_convs.py",
-    "test_embeddings.py",
-    "test_experts.py",
-    "test_cli.py",  # 63 s at load 8.8
-    "test_mesh_choice.py",  # 68 s at load 10.9
-    "test_recurrence.py",  # 50 s at load 9.2
+    "test_targets.py",  # 215 s: XLA:TPU compiles
+    "test_zoo.py",  # 202 s
+    "test_conv_regions.py",  # 156 s: Xception and ConvNeXtTiny for XLA:TPU (62 s, 32 s)
+    "test_resume.py",  # 121 s
+    "test_budget.py",  # 92 s
+    "test_recipes.py",  # 90 s; 9 tests, so xdist's default started it last
+    "test_multiprocess.py",  # 83 s
+    "test_convs.py",  # 76 s
+    "test_checkpoint_faults.py",  # 68 s
+    "test_adapters.py",  # 62 s
+    "test_hub.py",  # 57 s
+    "test_peak.py",  # 57 s
+    "test_cli.py",  # 44 s
+    "test_styles.py",  # 40 s
+    "test_names.py",  # 36 s
+    "test_experts.py",  # 34 s
+    "test_qlora.py",  # 33 s
+    "test_inference.py",  # 33 s
+    "test_checkpoint.py",  # 26 s
+    "test_compiled_plan.py",  # 26 s
+    "test_headroom.py",  # 22 s
+    "test_planning.py",  # 21 s
+    "test_embeddings.py",  # 18 s
+    "test_checkpoint_processes.py",  # 16 s
 )
 
 
