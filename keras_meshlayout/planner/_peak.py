@@ -3,10 +3,9 @@
 `peak_memory(trace, layouts, axis_sizes, ...)` walks the traced training step
 (`_trace.trace_step`: forward, then backward, as JAX emits them) once:
 
-1. **Per-device shapes** (`_propagate.Specs`): each value's layout, propagated
-   from the variables' layouts and the batch (split over the batch axis on its
-   first dimension) through the operations, with the gathered copies of
-   batch-split weights and the buffers one operation writes while it runs.
+1. **Per-device shapes** (`_propagate.Specs`): each value's layout, propagated from the variables'
+   layouts and the batch (split over the batch axis on its first dimension) through the operations,
+   with the gathered copies of batch-split weights and the buffers one operation writes while it runs.
 2. **What is materialised** (`_fusion`). A value is a buffer unless it is computed by an
    element-wise operation (a cast, a broadcast, a reshape included) whose every
    reader is also element-wise or a reduction: XLA fuses those into their
@@ -209,6 +208,7 @@ class PeakWalk:
             accumulated=self.accumulated,
             update=orthogonalised_update(self.orthogonalised, layouts, self.axis_sizes, self.compiler),
             update_arrays=self.update_arrays,
+            convnet=self.convnet,
         )
 
 
@@ -458,6 +458,7 @@ def peak_memory(
     accumulated: bool = False,
     update: int = 0,
     update_arrays: float = 0.0,
+    convnet: bool | None = None,
 ) -> PeakMemory:
     """The `PeakMemory` of the traced step `trace` (`_trace.trace_step`) under `layouts`.
 
@@ -470,7 +471,8 @@ def peak_memory(
     each device sums in its own shard (`CostTable.rows_moved`); `accumulated` whether the
     optimizer accumulates gradients (`accumulated_update`); `update` what the optimizer's update holds
     once the gradients are spent (`orthogonalised_update`), `update_arrays` the arrays of its
-    gradients' size it writes beside them (`update_arrays`).
+    gradients' size it writes beside them (`update_arrays`); `convnet` whether `trace` is a convnet's
+    step (`is_convnet`, worked out where `None`): XLA:TPU keeps less of it on chip.
     """
     arrays = state / gradients if gradients else 0.0
     accumulated_bytes = accumulated_update(gradients, compiler, arrays) if accumulated else 0
@@ -486,6 +488,8 @@ def peak_memory(
         chip,
         rows_moved,
         accumulated_bytes,
+        gradients=gradients,
+        convnet=compiler == "tpu" and (is_convnet(trace) if convnet is None else convnet),
     )
     transient = max(transient, update)
     if compiler == "tpu":  # each gradient is applied as it is written: none is held to the end
