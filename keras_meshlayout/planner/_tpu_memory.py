@@ -86,8 +86,7 @@ KEPT_UP_TO = 2.75
 def in_hbm(transient: int, on_chip: int = ON_CHIP_BYTES, *, gradients: int = 0, convnet: bool = False) -> int:
     """What of the walk's `transient` peak XLA:TPU holds in HBM: none of it up to `on_chip`; beyond, up
     to `KEPT_UP_TO` times `on_chip`, all but `KEPT_SHARE` of `on_chip` or, just over `on_chip`, all but
-    what is left of `on_chip` once the excess is taken from it again (no step at `on_chip`); all of
-    it beyond.
+    what is left of `on_chip` once the excess is taken from it again; all of it beyond.
 
     What it keeps of a larger one is not the step's `gradients` (their bytes per device), which the
     optimizer applies from HBM, and nothing of a convnet's step (`convnet`).
