@@ -90,12 +90,10 @@ def transient_peak(
     for first, final, value in shared_constants(trace, not_written) if held else ():
         _add(starts, first, sizes[value])
         _add(frees, final, sizes[value])
-    for value, (first, final) in specs.gathered.items():
-        _add(starts, first, specs.bytes(value))
-        _add(frees, final, specs.bytes(value))
-    for when, size in specs.early_copies.items():
-        _add(starts, 0, size)
-        _add(frees, when, size)
+    copies = [(first, final, specs.bytes(value)) for value, (first, final) in specs.gathered.items()]
+    for first, final, size in copies + [(0, when, size) for when, size in specs.early_copies.items()]:
+        _add(starts, first, size)
+        _add(frees, final, size)
     if held and axis_sizes.get(batch_axis or "", 1) > 1:
         # The gradients are summed over the batch axis into buffers of their own (one combined
         # all-reduce at the end of the backward pass, measured on XLA:CPU), before the update.
