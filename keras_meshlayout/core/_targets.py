@@ -72,8 +72,8 @@ class Generation:
             TensorCores are one JAX device (v4); `None` for libtpu's default.
         on_chip_bytes: The largest transient peak of a training step XLA:TPU was measured to
             keep all in on-chip vector memory (0 B of temporaries in HBM), what the peak walk
-            (`planner._tpu_memory.in_hbm`) leaves out of HBM, and whose `KEPT_SHARE` it leaves out
-            of a larger one up to `KEPT_UP_TO` times it: 64 MiB on v5e (measured there,
+            (`planner._tpu_memory.in_hbm`) leaves out of HBM, and part of which it leaves out of a
+            larger one up to `KEPT_UP_TO` times it: 64 MiB on v5e (measured there,
             kept for v4 and v6e, whose toy steps also report 0 B); 0 on v5p, whose buffer
             assignment keeps a step's activations in HBM however small (libtpu 0.0.42.1).
         hbm_alignment: The alignment of each of a program's temporary buffers in HBM, where
