@@ -103,10 +103,12 @@ _HAND_2D = (
 )
 MISSES: dict[tuple[str, str], str] = {
     ("GemmaBackbone", "hand_budget"): "MemoryBudgetError at the map's compiled peak ÷ 0.95 (478,438 "
-    "bytes): the smallest plan is predicted at 465,516, 1.053 of its compiled 441,960 (2026-12-06): the "
-    "walk holds the 2-D kernels' gathered copies from the forward pass to the backward (16 copies), where "
-    "XLA:CPU gathers 8 of them briefly and none kept; it passed while the walk left out the table "
-    "gradient's zeros, which XLA:CPU allocates early in the forward pass (32 KiB a device)",
+    "bytes): the smallest plan is predicted at 464,076, 1.050 of its compiled 441,960 (2026-12-07): "
+    "the walk holds each RMS norm's x / sqrt(var), which XLA:CPU recomputes from the residual in the "
+    "backward pass (8 KiB a norm), and counts the vocab-parallel look-up's rows in batch shards where "
+    "XLA:CPU holds them whole (16 KiB, not 8); both counted, Qwen's budget plan compiles over the map "
+    "(docs/status.md); it passed while the walk left out the table gradient's zeros, which XLA:CPU "
+    "allocates early in the forward pass (32 KiB a device)",
     # predicted ÷ compiled bytes per step, by axis
     # keras-hub's hand maps (2-D: key/value and embeddings over both axes) vs the no-budget plan
     ("GemmaBackbone", "hand_memory"): "1.167× the hand map's state (343,208 vs 294,056 bytes per device; "
