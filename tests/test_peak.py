@@ -279,3 +279,29 @@ def test_a_tpu_peak_is_shown_as_what_it_holds_never_a_negative_figure():
     assert (cpu.peak, cpu.resident, cpu.working, cpu.non_state) == (105_000, 100_000, 5_000, 5_000)
     cost = PlanCost({}, 100_000, -25_000, None, (), peak_bytes=75_000)
     assert "-" not in str(cost) and "97.7 KiB state, a peak of 73.2 KiB per device" in str(cost)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="measured 2026-12-07 (jax 0.10.2, XLA:CPU): a 1-layer keras-hub Gemma on 2x4 is predicted at "
+    "0.852 of its compiled peak over 16 x 256 tokens (106.8 of 125.4 MiB), 0.737 over 16 x 1,024 "
+    "(467 of 634 MiB; 2 layers 0.773); the zoo's 16 x 8 tokens are within 2%. At 1,024 tokens XLA:CPU "
+    "runs the RMS norms and their gradients as YNNPACK fusions and writes their broadcast operands "
+    "(the row statistics, 1 + scale) at full size: 11 activation-sized buffers for 3 norms at its peak, "
+    "where the walk holds 7; at 256 tokens it writes one such broadcast and the rest of the gap is "
+    "not yet attributed (docs/status.md)",
+)
+def test_a_decoders_peak_over_a_longer_sequence_is_within_ten_percent_of_the_compiled_one():
+    """The peak is a bound users plan long sequences with: under-predicting is the failure that costs
+    a run (a plan said to fit that does not)."""
+    config = dict(vocabulary_size=8192, num_layers=1, hidden_dim=512, intermediate_dim=1024, head_dim=64)
+    heads = dict(num_query_heads=8, num_key_value_heads=2)
+    build = functools.partial(hub_models.causal_lm, "GemmaBackbone", 256, "gemma_256", **heads, **config)
+    x = {n: np.zeros((16, 256), "int32") for n in ("token_ids", "padding_mask")}
+    mesh = kml.Mesh(data=2, model=4)
+    with kml.dry_build(build) as model:
+        rules = kml.auto_rules(model, mesh, batch=x, optimizer="adam")
+    y = np.zeros((16, 256), "int32")
+    step = kml.compile_step(build, kml.ModelParallel(mesh, rules), x, y, optimizer="adam", loss=LOSS)
+    assert 0.9 <= rules.cost.peak_bytes / step.peak_bytes <= 1.1, (rules.cost.peak_bytes, step.peak_bytes)

@@ -464,19 +464,20 @@ def _fraction_read(jaxpr: Any) -> list[float]:
     except (ImportError, AttributeError, TypeError):  # pragma: no cover - a JAX without it
         used = [True] * len(jaxpr.invars)
     kept = iter(jaxpr.invars)  # the pruned jaxpr keeps only the inputs it reads, in order
+    readers_of: dict[int, list[Any]] = {}  # by identity, as the equations hold them
+    for reader, var in ((e, v) for e in jaxpr.eqns for v in e.invars):
+        readers_of.setdefault(id(var), []).append(reader)
     fractions = []
-    for is_used in used:
-        if not is_used:
+    for invar in (next(kept) if is_used else None for is_used in used):
+        readers = readers_of.get(id(invar), [])
+        if invar is None:
             fractions.append(0.0)
-            continue
-        invar = next(kept)
-        readers = [eqn for eqn in jaxpr.eqns if any(v is invar for v in eqn.invars)]
-        size = math.prod(invar.aval.shape) or 1
-        if (
+        elif (
             readers
             and all(eqn.primitive.name in ("slice", "dynamic_slice") for eqn in readers)
             and invar not in jaxpr.outvars
         ):
+            size = math.prod(invar.aval.shape) or 1
             fractions.append(max(math.prod(eqn.outvars[0].aval.shape) for eqn in readers) / size)
         else:
             fractions.append(1.0)
