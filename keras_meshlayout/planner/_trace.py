@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -35,13 +35,15 @@ _PASS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """One primitive operation: the values it reads and writes (by id; `-1` is a literal)."""
+    """One primitive operation: the values it reads and writes (by id; `-1` is a literal), and its JAX
+    name stack (`"jvp(gemma_backbone)/decoder_block_0/attention"`), as XLA's `op_name` metadata has it."""
 
     index: int
     primitive: str
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     params: Mapping[str, Any]
+    name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,10 +388,11 @@ class _Builder:
             return -1
         return self.env[atom]
 
-    def inline(self, jaxpr: Any) -> list[int]:
+    def inline(self, jaxpr: Any, scope: str = "") -> list[int]:
         for eqn in jaxpr.eqns:
+            name = "/".join(n for n in (scope, str(eqn.source_info.name_stack)) if n)
             inner = _inner_jaxpr(eqn)
-            args = [self.read(a) for a in eqn.invars]
+            args = tuple(self.read(a) for a in eqn.invars)
             if inner is not None:
                 body = getattr(inner, "jaxpr", inner)
                 for var in body.constvars:
@@ -398,18 +401,18 @@ class _Builder:
                     if value < 0:
                         value = self.new(var.aval)
                     self.env[var] = value
-                results = self.inline(body)
+                results = self.inline(body, name)
                 for var, value in zip(eqn.outvars, results, strict=True):
                     self.env[var] = value if value >= 0 else self.new(var.aval)
                 continue
-            outs = [self.new(v.aval) for v in eqn.outvars]
+            outs = tuple(self.new(v.aval) for v in eqn.outvars)
             for var, value in zip(eqn.outvars, outs, strict=True):
                 self.env[var] = value
             params = dict(eqn.params)
             literals = tuple(_scalar(a) for a in eqn.invars)
             if any(v is not None for v in literals):
                 params[LITERALS] = literals
-            self.nodes.append(Node(len(self.nodes), eqn.primitive.name, tuple(args), tuple(outs), params))
+            self.nodes.append(Node(len(self.nodes), eqn.primitive.name, args, outs, params, name))
         return [self.read(v) for v in jaxpr.outvars]
 
 
@@ -482,10 +485,6 @@ def _fraction_read(jaxpr: Any) -> list[float]:
         else:
             fractions.append(1.0)
     return fractions
-
-
-def nbytes(shape: Sequence[int], dtype: str) -> int:
-    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 def _reshape_dim(before: tuple[int, ...], after: tuple[int, ...], dim: int, size: int) -> int | None:
