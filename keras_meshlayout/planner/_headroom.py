@@ -28,6 +28,9 @@ PEAK_HEADROOM = 0.05
 #: The same on a TPU target: the walk follows XLA:TPU's buffers to 0.87-1.06 of its compiled peak at
 #: Llama-3 and Mixtral widths (docs/benchmarks.md, `benchmarks/targets.py`), under it where XLA:TPU's
 #: heap fragments (0.87: the Llama-3 8 B fully sharded on v5e 16x16), so a plan said to fit keeps 15%.
+#: Not enough where attention scores of hundreds of MiB a device dominate the step: a 2-layer Gemma at
+#: 16 x 2,048 tokens on v5e 2x4 is predicted at 0.734, XLA:TPU's heap 1.237 of its bytes live at once
+#: (docs/status.md, "Decoders over longer sequences"; `plan_and_compile` confirms a plan by compiling it).
 TPU_PEAK_HEADROOM = 0.15
 #: The same for a convnet's step (`_peak.is_convnet`), on XLA:CPU: keras.applications convnets at
 #: 224 x 224 (16 images on 2x4, `benchmarks/convnet_peaks.py`) were predicted at 0.76 (ResNet50) to
