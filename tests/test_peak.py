@@ -161,7 +161,7 @@ def accumulated_peaks(optimizer: str, shape: tuple[int, int], target: str | None
 def test_an_optimizer_accumulating_gradients_holds_two_more_copies_of_the_variables(optimizer, shape):
     """Regression: under `gradient_accumulation_steps=4` the predicted peak was 0.75 of XLA:CPU's (the
     update's conditional writes parameters, slots and accumulators beside its operands:
-    `_peak.accumulated_update`); now within 0.1% on these MLPs."""
+    `_update_memory.accumulated_update`); now within 0.1% on these MLPs."""
     predicted, compiled = accumulated_peaks(optimizer, shape)
     assert predicted / compiled == pytest.approx(1.0, abs=0.01), (predicted, compiled)
 

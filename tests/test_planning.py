@@ -375,6 +375,7 @@ PLANNER_ORDER = [
     "_fusion",
     "_walk_gradients",
     "_liveness",
+    "_update_memory",
     "_peak",
     "_headroom",
     "_search",

@@ -717,7 +717,7 @@ def test_the_peak_of_an_optimizer_accumulating_gradients_follows_xla_tpu(optimiz
     """XLA:TPU keeps this MLP's step without accumulation on chip (0 B of temporaries); with
     `gradient_accumulation_steps=4` its update's conditional puts 3.0x (Adam) and 1.49x (SGD) the
     gradients in HBM. Predicted 0.929 and 1.001 of the compiled peak with the update counted
-    (`_peak.accumulated_update`), 0.57 without (libtpu 0.0.42.1)."""
+    (`_update_memory.accumulated_update`), 0.57 without (libtpu 0.0.42.1)."""
     from test_peak import accumulated_peaks
 
     predicted, compiled = accumulated_peaks(optimizer, (8, 1), target="tpu-v5e:2x4")

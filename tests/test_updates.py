@@ -170,8 +170,9 @@ def test_the_plan_predicts_the_compiled_bytes_of_the_update(build, data, model, 
 
 
 def test_the_peak_of_muons_update_is_estimated_and_said_to_be():
-    """XLA:CPU holds each matrix's Newton-Schulz buffers in the update (`_peak.orthogonalised_update`):
-    the MLP's predicted peak was 0.477 of the compiled one; the planner still warns (an estimate)."""
+    """XLA:CPU holds each matrix's Newton-Schulz buffers in the update
+    (`_update_memory.orthogonalised_update`): the MLP's predicted peak was 0.477 of the compiled one;
+    the planner still warns (an estimate)."""
     rules, step, said = planned_and_compiled(mlp, 2, 4)
     assert any("rules.cost.peak_bytes only estimates" in message for message in said), said
     assert rules.cost.peak_bytes / step.peak_bytes == pytest.approx(1.0, abs=0.1)  # 1.073
@@ -186,7 +187,8 @@ OTHER_OPTIMIZERS = ["adadelta", "ftrl", "nadam", "lion", "adamax", "rmsprop", "s
 @pytest.mark.parametrize("optimizer", OTHER_OPTIMIZERS)
 def test_any_keras_optimizer_is_planned_as_compiled(optimizer):
     """Bytes exact, peak within 10%. Adadelta's and Ftrl's updates write one more array of the
-    gradients' size (`_peak.UPDATE_ARRAYS`): their peaks were 0.83 of the compiled ones, now 0.995."""
+    gradients' size (`_update_memory.UPDATE_ARRAYS`): their peaks were 0.83 of the compiled ones, now
+    0.995."""
     rules, step, _ = planned_and_compiled(mlp, 2, 4, None, optimizer)
     predicted, compiled = rules.cost.wire_bytes_by_axis, step.comm.wire_bytes_by_axis
     assert set(predicted) == set(compiled)

@@ -62,7 +62,8 @@ def transient_peak(
     `rows_moved` the tables split over the batch axis whose looked-up rows move instead
     (`_tables_2d.BothAxesTables._moved_rows`): each device sums its own rows' gradient, in its
     shard, with no all-reduce. `update` is what the optimizer's update holds beyond the gradients at
-    the end of the step (`_peak.accumulated_update`): on XLA:TPU it is in HBM, whatever stays on chip.
+    the end of the step (`_update_memory.accumulated_update`): on XLA:TPU it is in HBM, whatever
+    stays on chip.
     `gradients` (the step's, per device) and `convnet` (`_peak.is_convnet`) say what of a larger
     transient XLA:TPU keeps on chip (`_tpu_memory.in_hbm`).
     """

@@ -46,7 +46,7 @@ from ..core._memory import optimizer_of
 from ..core._rules import LayoutRules
 from ..report._collectives import wire_bytes
 from ._candidates import Candidate, CostTable, frozen
-from ._peak import muon_matrices
+from ._update_memory import muon_matrices
 
 __all__ = [
     "adafactor_wire",
