@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # the names, for type checkers and the docs; at run time each
     from .core._rules import Rule as Rule
     from .core._targets import Target as Target
     from .core._targets import parse_target as parse_target
+    from .planner._at_peak import PeakBuffer as PeakBuffer
     from .planner._auto import auto_rules as auto_rules
     from .planner._compiled_plan import CompiledPlan as CompiledPlan
     from .planner._compiled_plan import plan_and_compile as plan_and_compile
@@ -154,6 +155,7 @@ _LAZY = {
     "conv_rules": "planner._presets",
     "mlp_rules": "planner._presets",
     "transformer_rules": "planner._presets",
+    "PeakBuffer": "planner._at_peak",
     "PlanCost": "planner._search",
     "UnitChoice": "planner._search",
     "CommReport": "report._comm",
@@ -261,5 +263,6 @@ __all__ = [
     "rules_from_layout_map",
     "transformer_rules",
     "PlanCost",
+    "PeakBuffer",
     "UnitChoice",
 ]

@@ -198,8 +198,16 @@ def test_plan_on_a_batch_reports_the_peak_and_checks_it_against_the_device(tmp_p
     memory, predicted = data["memory_per_device"], data["predicted"]
     assert memory["peak_bytes"] == predicted["peak_bytes_per_device"]
     assert memory["peak_bytes"] == memory["total"] + memory["activation_bytes"] > memory["total"]
+    # What fills it: the largest buffers live at the peak, named after the operations writing them.
+    buffers = data["memory"]["peak_buffers"]
+    assert buffers and {tuple(b) for b in buffers} == {("operation", "shape", "dtype", "bytes")}
+    assert sum(b["bytes"] for b in buffers) <= memory["activation_bytes"]
+    assert any(b["operation"].startswith("up: ") for b in buffers), buffers  # a Sequential: its layers
     assert main(args) == 0
-    assert "Peak per device (one training step, predicted)" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "Peak per device (one training step, predicted)" in table
+    assert "largest buffers live at the predicted peak, a device:\n  " in table
+    assert buffers[0]["operation"] in table.split("largest buffers live at the predicted peak")[1]
     # Room for the training state, not for the step's peak: the plan fails, naming the peak.
     assert main([*args, "--device-memory", str(memory["total"] + 1)]) == 1
     assert "at its predicted peak" in capsys.readouterr().err

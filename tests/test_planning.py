@@ -374,6 +374,7 @@ PLANNER_ORDER = [
     "_tpu_memory",
     "_fusion",
     "_walk_gradients",
+    "_at_peak",
     "_liveness",
     "_update_memory",
     "_peak",

@@ -404,6 +404,7 @@ def _print_json(
     data["memory"] = {
         "state_bytes": plan.memory(args.device_memory).total,
         "peak_bytes": None if peak is None else peak.peak,
+        "peak_buffers": [] if peak is None else [buffer.to_dict() for buffer in peak.buffers],
     }
     if compiled is not None:
         data["compiled"] = compiled.to_dict()
@@ -442,6 +443,8 @@ def _print_table(planned: _Planned, messages: list[str], note: str | None, *, fu
             f"{format_bytes(peak.working - peak.batch)})",
             markup=False,
         )
+        lines = [f"\n  {buffer}" for buffer in peak.buffers]
+        console.print("largest buffers live at the predicted peak, a device:" + "".join(lines), markup=False)
     if getattr(rules, "cost", None) is not None:
         console.print(f"predicted: {rules.cost}", markup=False)
     if compiled is not None:

@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 from ..core._axes import Axes, entry_axes
 from . import _tpu_memory
+from ._at_peak import PeakBuffer, buffers_at
 from ._batch_gathers import windowed_on_tpu
 from ._fusion import (
     ELEMENTWISE,
@@ -53,8 +54,10 @@ def transient_peak(
     update: int = 0,
     gradients: int = 0,
     convnet: bool = False,
-) -> tuple[int, int]:
-    """`(transient peak, batch bytes)` per device of the traced step `trace` (see the module docstring).
+) -> tuple[int, int, tuple[PeakBuffer, ...]]:
+    """`(transient peak, batch bytes, buffers)` per device of the traced step `trace` (see the module
+    docstring); `buffers` the largest live at the walk's peak (`_at_peak.buffers_at`), before what
+    XLA:TPU keeps on chip.
 
     `layouts` gives each variable path its axes (missing: replicated); `whole_after` and
     `gathered` are `_propagate.Specs`'; `chip` the TPU generation's on-chip figures (`_tpu_memory.Chip`:
@@ -113,10 +116,11 @@ def transient_peak(
         _add(frees, when, extra)
     batch = sum(sizes[value] if held else _tiled(trace, specs, value) for value in trace.inputs)
     vmem = 0 if held else chip.vmem
-    peak = _sweep(starts, frees, end, _short_lived(trace, buffers, sizes, last, written, vmem), vmem)
+    peak, when = _sweep(starts, frees, end, _short_lived(trace, buffers, sizes, last, written, vmem), vmem)
+    at_peak = buffers_at(trace, when, buffers, sizes, written, last)
     if not held:  # XLA:TPU keeps a step whose temporaries are small in on-chip memory, not HBM
         peak = _tpu_memory.in_hbm(peak, chip.on_chip, gradients=gradients, convnet=convnet) + update
-    return peak, batch
+    return peak, batch, at_peak
 
 
 def _not_written_on_cpu(trace: Trace) -> set[int]:
@@ -270,18 +274,19 @@ def _sweep(
     end: int,
     short: tuple[Mapping[int, int], Mapping[int, int]] = (MappingProxyType({}), MappingProxyType({})),
     vmem: int = 0,
-) -> int:
+) -> tuple[int, int]:
     """The largest sum of live bytes over the program, less what of the short-lived buffers live then
     (`short`: their bytes written and freed per node, `_short_lived`) the `vmem` bytes of vector
-    memory hold."""
-    live = peak = kept = 0
+    memory hold; and the first node where the program holds it."""
+    live = peak = kept = at = 0
     for when in range(end + 1):
         live += starts.get(when, 0)
         kept += short[0].get(when, 0)
-        peak = max(peak, live - min(kept, vmem))
+        if live - min(kept, vmem) > peak:
+            peak, at = live - min(kept, vmem), when
         live -= frees.get(when, 0)
         kept -= short[1].get(when, 0)
-    return peak
+    return peak, at
 
 
 def _short_lived(

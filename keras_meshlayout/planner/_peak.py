@@ -54,6 +54,7 @@ from ..core._memory import accumulates
 from ..core._mesh import jax_device_grid
 from ..core._targets import GENERATIONS, Generation
 from . import _notes, _tpu_memory
+from ._at_peak import PeakBuffer
 from ._convs import CONV_LAYERS
 from ._grouped import CONV, conv_kernel
 from ._liveness import live_code, transient_peak
@@ -89,6 +90,8 @@ class PeakMemory:
             on XLA:CPU.
         aligned: What aligning the step's temporary buffers in HBM adds
             (`_tpu_memory.aligned_bytes`); 0 on XLA:CPU and where the target aligns none.
+        buffers: The largest buffers live at the transient peak, each named after the JAX
+            operation that writes it (`_at_peak.PeakBuffer`): what fills the memory.
     """
 
     state: int
@@ -98,6 +101,7 @@ class PeakMemory:
     held: bool = True
     tiles: int = 0
     aligned: int = 0
+    buffers: tuple[PeakBuffer, ...] = ()
 
     @property
     def non_state(self) -> int:
@@ -385,7 +389,7 @@ def peak_memory(
     arrays = state / gradients if gradients else 0.0
     accumulated_bytes = accumulated_update(gradients, compiler, arrays) if accumulated else 0
     accumulated_bytes += round(update_arrays * gradients) if compiler != "tpu" else 0
-    transient, batch = transient_peak(
+    transient, batch, buffers = transient_peak(
         trace,
         layouts,
         axis_sizes,
@@ -404,5 +408,5 @@ def peak_memory(
         padding = round((state - gradients) * (tiles - 1))
         # Each variable's update reads its parameter, gradient and slots: state ÷ gradients arrays.
         aligned = _tpu_memory.aligned_bytes(variables, arrays, chip.alignment)
-        return PeakMemory(state, gradients, batch, transient, held=False, tiles=padding, aligned=aligned)
-    return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient)
+        return PeakMemory(state, gradients, batch, transient, False, padding, aligned, buffers)
+    return PeakMemory(state=state, gradients=gradients, batch=batch, transient=transient, buffers=buffers)

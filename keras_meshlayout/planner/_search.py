@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from ..core._errors import MemoryBudgetError
 from ..core._format import format_bytes
+from ._at_peak import PeakBuffer
 from ._costs import CostTable, UnitCosts
 from ._peak import PeakMemory
 
@@ -63,6 +64,8 @@ class PlanCost:
         cast_gather_bytes_by_axis: Of `wire_bytes_by_axis`, the all-gathers of float32 weights
             that XLA:TPU casts to bfloat16 first (on a TPU target); between the slices of a
             multi-slice target they go in float32, twice these bytes (`kml.choose_mesh`).
+        peak_buffers: The largest buffers live at the predicted peak, each named after the JAX
+            operation that writes it (`PeakBuffer`: operation, shape, dtype, bytes a device).
     """
 
     wire_bytes_by_axis: Mapping[str, float]
@@ -72,6 +75,7 @@ class PlanCost:
     choices: tuple[UnitChoice, ...]
     peak_bytes: int | None = None
     cast_gather_bytes_by_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    peak_buffers: tuple[PeakBuffer, ...] = ()
 
     @property
     def wire_bytes(self) -> float:
@@ -205,4 +209,5 @@ def plan_cost(
         choices=tuple(choices),
         peak_bytes=None if peak is None else peak.peak,
         cast_gather_bytes_by_axis=cast,
+        peak_buffers=() if peak is None else peak.buffers,
     )
