@@ -81,7 +81,7 @@ DEFAULT_CHIP = Chip()
 #: `on_chip` (40 MiB on v5e), and up to which multiple of `on_chip` it does (192 MiB on v5e): `in_hbm`.
 #: Measured kept up to a 187 MiB transient, none kept from 195 MiB (the cut was 176 MiB until
 #: 2026-12-07: a 4-layer Gemma at 16 x 512 tokens, 187 MiB, was predicted at 1.201 of its compiled peak,
-#: 0.980 since; Llama 3 at 10 x 1,024 tokens, 180 MiB, was 1.33).
+#: 0.978 since; a 2-layer Llama 3 at 10 x 1,024 tokens, 180 MiB, 1.326 -> 1.081).
 KEPT_SHARE = 0.625
 KEPT_UP_TO = 3.0
 
