@@ -217,11 +217,14 @@ def test_every_choice_is_explained_in_the_plan():
     assert "sent per device per step" in str(rules.cost)
 
 
-def test_a_budget_too_small_is_refused_with_the_smallest_plan():
+def test_a_budget_too_small_is_refused_with_the_smallest_plan_and_what_fills_its_peak():
     with pytest.raises(
         kml.MemoryBudgetError, match=r"smallest plan needs .* batch, activations and temporaries.*Fix"
-    ):
+    ) as error:
         plan_for("llama", "2x4", "1MB")
+    # The three largest buffers live at that plan's peak, named after the operations writing them.
+    said = str(error.value).split(" Largest at that peak: ")[1].split(". Fix:")[0]
+    assert len(said.split(", ")) >= 3 and all(" from " in part for part in said.split("), ")), said
 
 
 def test_a_budget_needs_a_batch():

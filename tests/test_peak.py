@@ -210,7 +210,10 @@ def test_plan_on_a_batch_reports_the_peak_and_checks_it_against_the_device(tmp_p
     assert buffers[0]["operation"] in table.split("largest buffers live at the predicted peak")[1]
     # Room for the training state, not for the step's peak: the plan fails, naming the peak.
     assert main([*args, "--device-memory", str(memory["total"] + 1)]) == 1
-    assert "at its predicted peak" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "at its predicted peak" in err
+    top = buffers[0]
+    assert f"Largest at that peak: {top['bytes'] / 2**10:.1f} KiB from {top['operation']}" in err
 
 
 def test_the_cli_peak_holds_the_gathered_key_value_kernels_as_auto_rules_does():

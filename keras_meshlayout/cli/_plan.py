@@ -307,6 +307,8 @@ def _choice(args: argparse.Namespace, build: Callable[[], Any], budget: int | No
 
 def _failure(args: argparse.Namespace, plan: Any, peak: Any) -> str | None:
     """Why the plan fails its checks (replication guard, device memory, the predicted peak), or `None`."""
+    from ..planner._at_peak import filled_by
+
     try:
         # Under a memory budget the planner replicates on purpose wherever the budget allows,
         # so the budget replaces the replication guard.
@@ -319,8 +321,9 @@ def _failure(args: argparse.Namespace, plan: Any, peak: Any) -> str | None:
         return (
             f"one training step needs {format_bytes(peak.peak)} per device at its predicted peak ("
             f"{_resident(peak)} {format_bytes(peak.resident)}, batch, {_working(peak)} "
-            f"{format_bytes(peak.working)}), more than the {format_bytes(capacity)} available. Fix: a "
-            "smaller --batch-size, a mesh with a larger model axis, or --auto --memory-budget SIZE"
+            f"{format_bytes(peak.working)}), more than the {format_bytes(capacity)} available."
+            f"{filled_by(peak.buffers)} Fix: a smaller --batch-size, a mesh with a larger model axis, or "
+            "--auto --memory-budget SIZE"
         )
     return None
 

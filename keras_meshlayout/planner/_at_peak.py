@@ -11,13 +11,13 @@ can be found in XLA's own dumps (CONTRIBUTING.md, "Reading a peak miss buffer by
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from ..core._format import format_bytes
 from ._trace import Trace
 
-__all__ = ["AT_PEAK", "PeakBuffer", "buffers_at", "operation_of"]
+__all__ = ["AT_PEAK", "PeakBuffer", "buffers_at", "filled_by", "operation_of"]
 
 #: How many buffers `buffers_at` lists.
 AT_PEAK = 8
@@ -88,3 +88,17 @@ def buffers_at(
         shape, dtype = tuple(trace.shapes[value]), str(trace.dtypes[value])
         found.append(PeakBuffer(operation, shape, dtype, int(sizes[value])))
     return tuple(found)
+
+
+def filled_by(buffers: Sequence[PeakBuffer], count: int = 3) -> str:
+    """The largest `count` of `buffers` in a sentence for an error message, or `""` with none.
+
+    >>> filled_by([PeakBuffer("lm/head: dot_general", (8, 128, 32000), "float32", 2**20)])
+    ' Largest at that peak: 1.0 MiB from lm/head: dot_general (float32[8, 128, 32000]).'
+    """
+    if not buffers:
+        return ""
+    said = ", ".join(
+        f"{format_bytes(b.bytes)} from {b.operation} ({b.dtype}{list(b.shape)})" for b in buffers[:count]
+    )
+    return f" Largest at that peak: {said}."

@@ -41,6 +41,7 @@ from ..core._mesh import mesh_axis_sizes
 from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
 from . import _by_layers, _by_name, _by_trace, _convs, _embeddings, _experts, _lora, _peak, _quantized
+from ._at_peak import filled_by
 from ._costs import CostTable, cost_units
 from ._headroom import peak_headroom
 from ._layers import auto_named, packed_axes
@@ -333,8 +334,9 @@ def _search_within_peak(
         f"auto_rules: the smallest plan needs {format_bytes(least.peak)} per device at its predicted "
         f"peak ({format_bytes(least.working)} of it the batch, activations and temporaries), "
         f"{format_bytes(needed)} with the {headroom} kept for the prediction's error, "
-        f"over the memory budget of {format_bytes(given)}. Fix: a larger budget, a mesh with a larger "
-        "model axis, a smaller batch per device, or an optimizer with fewer slots (e.g. Adafactor).",
+        f"over the memory budget of {format_bytes(given)}.{filled_by(least.buffers)} Fix: a larger budget, "
+        "a mesh with a larger model axis, a smaller batch per device, keras.RematScope around the layers "
+        "whose activations fill it, or an optimizer with fewer slots (e.g. Adafactor).",
         smallest_bytes=needed,
         smallest_peak_bytes=least.peak,
     )
