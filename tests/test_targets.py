@@ -1153,10 +1153,11 @@ def test_over_64_devices_a_small_kernel_split_over_both_axes_is_gathered_as_an_a
     assert both == pytest.approx(expected, abs=0.002)
 
 
-def test_a_budget_on_a_tpu_target_keeps_15_percent_for_the_walks_error():
-    """On a TPU target the walk is 0.87-1.06 of XLA:TPU's compiled peak (`benchmarks/targets.py`), so a
-    plan said to fit keeps 15% of the budget free (5% where the walk follows XLA:CPU): a budget the
-    smallest plan fits with 10% to spare is refused, naming the budget it needs."""
+def test_a_budget_on_a_tpu_target_keeps_27_percent_for_the_walks_error():
+    """On a TPU target the walk is 0.87-1.06 of XLA:TPU's compiled peak (`benchmarks/targets.py`), and
+    0.734 over long sequences, where XLA:TPU's heap packs loosely (docs/status.md), so a plan said to
+    fit keeps 27% of the budget free (5% where the walk follows XLA:CPU): a budget the smallest plan
+    fits with 20% to spare is refused, naming the budget it needs."""
 
     def build():
         layers = [keras.Input((256,)), keras.layers.Dense(1024), keras.layers.Dense(256)]
@@ -1166,12 +1167,12 @@ def test_a_budget_on_a_tpu_target_keeps_15_percent_for_the_walks_error():
     x = jax.ShapeDtypeStruct((64, 256), "float32")
     with kml.dry_build(build) as model:
         least = plan_rules(model, mesh, batch=x, optimizer="adam", fully_sharded=True).cost.peak_bytes
-        with pytest.raises(kml.MemoryBudgetError, match="15% headroom") as refused:
-            kml.auto_rules(model, mesh, memory_budget=int(least / 0.90), batch=x, optimizer="adam")
+        with pytest.raises(kml.MemoryBudgetError, match="27% headroom") as refused:
+            kml.auto_rules(model, mesh, memory_budget=int(least / 0.80), batch=x, optimizer="adam")
         needed = refused.value.smallest_bytes
-        assert needed == math.ceil(least / 0.85)
+        assert needed == math.ceil(least / 0.73)
         rules = kml.auto_rules(model, mesh, memory_budget=needed, batch=x, optimizer="adam")
-    assert rules.cost.peak_bytes <= 0.85 * needed
+    assert rules.cost.peak_bytes <= 0.73 * needed
 
 
 def test_a_mesh_of_tpu_devices_without_a_target_plans_as_its_generation():

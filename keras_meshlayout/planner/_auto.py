@@ -113,7 +113,7 @@ def auto_rules(
             The returned rules carry it, so `kml.ModelParallel` applies it too.
         memory_budget: Per-device memory (bytes or `"16GiB"`) that one training
             step's predicted peak must fit with 5% to spare for the prediction's
-            error (15% on a TPU target; for a convnet 30%, and on a TPU target 40%
+            error (27% on a TPU target; for a convnet 30%, and on a TPU target 40%
             and 64 MiB at least: `_headroom.peak_headroom`):
             parameters, gradients, optimizer slots, the batch's shard, and the
             activations and temporaries the traced step keeps alive at its worst
