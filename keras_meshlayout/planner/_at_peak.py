@@ -3,7 +3,8 @@ that writes it.
 
 `_liveness.transient_peak` finds the node where the most bytes are live and `buffers_at` lists the
 buffers live there (`PeakBuffer`), largest first: the answer to "what fills my memory?" before any
-compile (`kml.plan(...)`'s `PeakMemory.buffers`, `keras-meshlayout plan --batch-size ...`). The names
+compile (`rules.cost.peak_buffers`, `PeakMemory.buffers`, `keras-meshlayout plan --batch-size ...`,
+and the three largest in `MemoryBudgetError`'s message: `filled_by`). The names
 are JAX's name stacks (`_trace.Node.name`), as XLA's `op_name` metadata has them, so the same buffers
 can be found in XLA's own dumps (CONTRIBUTING.md, "Reading a peak miss buffer by buffer").
 """
