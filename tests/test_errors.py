@@ -893,6 +893,51 @@ def test_a_target_the_loss_cannot_take_is_one_clear_error_from_compile_step():
     assert_message(info.value, ("Model 'm'", "x (32, 16), y (32, 9)", "(32, 9), (32, 8)", "Fix: x and y"))
 
 
+def _mlp() -> keras.Model:
+    return mlp(16, ("up", 64, "relu"), ("down", 16))
+
+
+def _planned(**kwargs: Any) -> Callable[[], Any]:
+    """`auto_rules` of a small MLP on data=2 × model=4 with `kwargs` (`model=`/`mesh=` replace them)."""
+
+    def make() -> Any:
+        given = dict(kwargs)
+        model = given.pop("model", None) or _mlp()
+        return kml.auto_rules(model, given.pop("mesh", mesh("data=2,model=4")), **given)
+
+    return make
+
+
+#: Arguments of the planner and the compiled step that are not what they must be: refused before
+#: any tracing, naming what was given (a typo'd batch axis had planned with no data parallelism).
+ARGUMENT_CASES = [
+    Case("batch-axis-typo", _planned(batch_axis="dta"), kml.InvalidMeshError,
+         ("batch_axis='dta' is not an axis", "('data', 'model')", "Did you mean 'data'?", "Fix")),
+    Case("batch-axis-is-the-model-axis", _planned(batch_axis="model"), kml.InvalidMeshError,
+         ("batch_axis and model_axis are both 'model'", "Fix")),
+    Case("model-axis-typo", _planned(model_axis="modle"), kml.InvalidRuleError,
+         ("model_axis='modle'", "Did you mean 'model'?", "Fix")),
+    Case("mesh-as-text", _planned(mesh="2x4"), kml.InvalidMeshError,
+         ("received str '2x4'", "kml.Mesh.parse('2x4')")),
+    Case("a-builder-not-a-model", _planned(model=_mlp), kml.InvalidOptionError,
+         ("received function", "kml.dry_build(fn)")),
+    Case("optimizer-not-a-name", _planned(optimizer=3, batch=np.zeros((8, 16), "float32")),
+         kml.InvalidOptionError, ("received int 3", "optimizer='adam'")),
+    Case("loss-typo",
+         lambda: kml.compile_step(_mlp, kml.ModelParallel(mesh("data=2,model=4"), []), np.zeros((8, 16)),
+                                  np.zeros((8, 16)), loss="crossentropyy"),
+         kml.InvalidOptionError, ("no loss named 'crossentropyy'", "sparse_categorical_crossentropy", "Fix")),
+    Case("comm-report-of-an-uncompiled-model",
+         lambda: kml.comm_report(_mlp(), np.zeros((8, 16), "float32")), kml.InvalidOptionError,
+         ("is not compiled", "model.compile(", "kml.compile_step")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ARGUMENT_CASES, ids=lambda case: case.id)
+def test_bad_planner_arguments(case: Case):
+    raises_case(case)
+
+
 @pytest.mark.parametrize(
     ("size", "said"),
     [

@@ -116,6 +116,12 @@ def optimizer_of(optimizer: Any) -> Any:
     """
     import keras
 
+    if not isinstance(optimizer, (str, dict)):
+        raise InvalidOptionError(
+            f"The optimizer must be a name (such as 'adam') or a keras.optimizers.Optimizer; received "
+            f"{type(optimizer).__name__} {optimizer!r}. Fix: pass optimizer='adam' or "
+            "keras.optimizers.Adam(...)."
+        )
     try:
         return keras.optimizers.get(optimizer)
     except ValueError:

@@ -33,8 +33,14 @@ from typing import Any
 import keras
 
 from .. import _compat
-from ..core._errors import IndivisibleBatchError, InvalidOptionError, InvalidRuleError, MemoryBudgetError
-from ..core._format import format_bytes
+from ..core._errors import (
+    IndivisibleBatchError,
+    InvalidMeshError,
+    InvalidOptionError,
+    InvalidRuleError,
+    MemoryBudgetError,
+)
+from ..core._format import did_you_mean, format_bytes
 from ..core._grouped_scan import abstract_batch
 from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
@@ -148,6 +154,8 @@ def auto_rules(
 
     Raises:
         InvalidRuleError: `model_axis` is not an axis of `mesh`.
+        InvalidMeshError: `mesh` is not a mesh, or `batch_axis` is not one of its axes or is
+            `model_axis`.
         InvalidOptionError: `memory_budget` without `batch`.
         MemoryBudgetError: Even the smallest layout does not fit `memory_budget`.
 
@@ -196,12 +204,46 @@ def auto_rules(
     )  # fmt: skip
 
 
-def _check_model_axis(mesh: keras.distribution.DeviceMesh, model_axis: str) -> None:
-    if model_axis not in mesh.axis_names:
+def _check_mesh_and_model(model: Any, mesh: Any) -> None:
+    """The two positional arguments, refused before any tracing when they are not a model and a mesh."""
+    if not isinstance(mesh, keras.distribution.DeviceMesh):
+        raise InvalidMeshError(
+            f"auto_rules: the mesh must be a kml.Mesh (or keras.distribution.DeviceMesh); received "
+            f"{type(mesh).__name__} {mesh!r}. Fix: kml.Mesh(data=2, model=4), or "
+            f"kml.Mesh.parse('2x4') for a shape written as text."
+        )
+    if not isinstance(model, keras.layers.Layer):
+        builder = " (a function: call it, or plan it unbuilt with `with kml.dry_build(fn) as model:`)"
+        raise InvalidOptionError(
+            f"auto_rules: the model must be a built Keras model or layer; received {type(model).__name__}"
+            f"{builder if callable(model) else ''}."
+        )
+
+
+def _checked_axes(mesh: keras.distribution.DeviceMesh, model_axis: str, batch_axis: str | None) -> str | None:
+    """`batch_axis` (the first axis other than `model_axis` by default), both checked against the mesh."""
+    names = tuple(mesh.axis_names)
+    if model_axis not in names:
         raise InvalidRuleError(
             f"auto_rules: model_axis={model_axis!r} is not an axis of the mesh, which has axes "
-            f"{tuple(mesh.axis_names)}. Fix: pass model_axis= one of them."
+            f"{names}.{did_you_mean(model_axis, names)} Fix: pass model_axis= one of them."
         )
+    if batch_axis is None:
+        return next((axis for axis in names if axis != model_axis), None)
+    if batch_axis not in names:
+        raise InvalidMeshError(
+            f"auto_rules: batch_axis={batch_axis!r} is not an axis of the mesh, which has axes "
+            f"{names}.{did_you_mean(batch_axis, names)} Fix: pass batch_axis= one of them (the one "
+            "kml.ModelParallel splits the batch over), or leave it out for the first axis other than "
+            f"{model_axis!r}."
+        )
+    if batch_axis == model_axis:
+        raise InvalidMeshError(
+            f"auto_rules: batch_axis and model_axis are both {model_axis!r}: the batch and the weights "
+            "cannot be split over the same axis. Fix: a mesh with a data axis (kml.Mesh(data=2, "
+            f"model=4)), or leave batch_axis out{' (no data parallelism)' if len(names) == 1 else ''}."
+        )
+    return batch_axis
 
 
 def plan_rules(
@@ -225,9 +267,8 @@ def plan_rules(
     `batch_axis` (and the model axis where it divides), a table over both axes: the plan
     `auto_rules` falls back to when nothing else fits. `memory_budget` is then only checked.
     """
-    _check_model_axis(mesh, model_axis)
-    if batch_axis is None:
-        batch_axis = next((axis for axis in mesh.axis_names if axis != model_axis), None)
+    _check_mesh_and_model(model, mesh)
+    batch_axis = _checked_axes(mesh, model_axis, batch_axis)
     if fully_sharded:
         model_axis = _fully_sharded_model_axis(mesh, model_axis, batch_axis)
     size = mesh_axis_sizes(mesh)[model_axis]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _compat
+from ..core._errors import InvalidOptionError
 from ..core._format import Displayed, format_bytes, to_text
 from ..core._mesh import jax_device_grid, mesh_axis_sizes
 from ._collectives import wire_bytes
@@ -209,6 +210,12 @@ def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = 
     import jax
     import keras
 
+    if not getattr(model, "compiled", False):
+        raise InvalidOptionError(
+            f"comm_report: model {getattr(model, 'name', model)!r} is not compiled, so it has no training "
+            "step to report on. Fix: model.compile(optimizer=..., loss=...) first (under the distribution), "
+            "or kml.compile_step(build, dist, x, y), which builds and compiles the model itself."
+        )
     distribution = keras.distribution.distribution()
     data = (x, y, sample_weight)
     _compat.symbolic_build(model, data)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _compat
 from ..core._dry import _deferred_variables, names_handed_back, new_optimizer
-from ..core._errors import UnmatchedRuleWarning
-from ..core._format import Displayed, format_bytes, to_text
+from ..core._errors import InvalidOptionError, UnmatchedRuleWarning
+from ..core._format import Displayed, did_you_mean, format_bytes, to_text
 from ..core._mesh import jax_device_grid
 from ..core._model_calls import failing_on
 from ..core._planning import plan_model
@@ -214,6 +214,7 @@ def _compile_model(model: Any, chosen: Any, optimizer: Any, loss: Any) -> None:
     optimizer and loss, unless `optimizer` or `loss` is given: then it is compiled again
     with them, the other kept, as a training script would.
     """
+    _check_loss(loss)
     if not model.compiled:
         model.compile(optimizer=chosen, loss="mse" if loss is None else loss)
     elif optimizer is not None or loss is not None:
@@ -221,6 +222,27 @@ def _compile_model(model: Any, chosen: Any, optimizer: Any, loss: Any) -> None:
             optimizer=chosen if optimizer is not None else model.optimizer,
             loss=loss if loss is not None else model.loss,
         )
+
+
+def _check_loss(loss: Any) -> None:
+    """A loss named as Keras does not know it, refused here: Keras resolves it only when the step is
+    traced, where its failure reads as the data's."""
+    import keras
+
+    if not isinstance(loss, str) or loss in ("crossentropy", "ce"):  # `compile` picks those by shape
+        return
+    try:
+        keras.losses.get(loss)
+    except ValueError:
+        known = sorted(
+            name
+            for name in dir(keras.losses)
+            if name.islower() and name not in ("get", "serialize", "deserialize") and not name.startswith("_")
+        )
+        raise InvalidOptionError(
+            f"Keras knows no loss named {loss!r}.{did_you_mean(loss, known)} Fix: pass one of "
+            f"{', '.join(known)}, or a keras.losses.Loss."
+        ) from None
 
 
 def _lower(model: Any, distribution: Any, data: Any) -> tuple[Any, Any, int]:
