@@ -346,6 +346,11 @@ def keeps_no_slots(optimizer: Any, variable: Any) -> bool:
     return bool(optimizer._overwrite_variable_with_gradient(variable))
 
 
+def updated_as_adamw(optimizer: Any, variable: Any) -> bool:
+    """Whether Keras's Muon `optimizer` gives `variable` AdamW's update (and keeps its velocity)."""
+    return bool(optimizer._should_use_adamw(variable)) and not keeps_no_slots(optimizer, variable)
+
+
 def orthogonalised(optimizer: Any, variable: Any) -> bool:
     """Whether Keras's Muon `optimizer` gives `variable` its Newton-Schulz update (not AdamW's)."""
     return not optimizer._should_use_adamw(variable) and not keeps_no_slots(optimizer, variable)

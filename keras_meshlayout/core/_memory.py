@@ -11,11 +11,13 @@ their real dtypes, mixed precision included. Activations are not counted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .. import _compat
 from ._errors import InvalidOptionError, MemoryBudgetError
 from ._format import did_you_mean, format_bytes
 
@@ -60,15 +62,26 @@ class SlotModel:
         factored: Adafactor: a matrix also keeps the row and column statistics
             of its last two dimensions, replicated; a vector two int32 placeholders.
         scalar_bytes: The optimizer's own scalars (iterations, learning rate).
+        one_more: Whether a parameter keeps one more slot like itself than the probe did
+            (Keras's Muon: the variables it updates as AdamW, vectors and embeddings by
+            default, keep a velocity beside the momentum); `None` when none does.
     """
 
     like_parameter: int
     factored: bool
     scalar_bytes: int
+    one_more: Callable[[Any], bool] | None = None
 
-    def slot_shapes(self, shape: tuple[int, ...], dtype: str) -> list[tuple[tuple[int, ...], str, bool]]:
-        """`(shape, dtype, laid out like the parameter)` of each slot one parameter gets."""
-        slots = [(tuple(shape), dtype, True)] * self.like_parameter
+    def slots_like(self, variable: Any) -> int:
+        """How many slots shaped and laid out like `variable` the optimizer keeps for it."""
+        return self.like_parameter + bool(self.one_more is not None and self.one_more(variable))
+
+    def slot_shapes(
+        self, shape: tuple[int, ...], dtype: str, like: int | None = None
+    ) -> list[tuple[tuple[int, ...], str, bool]]:
+        """`(shape, dtype, laid out like the parameter)` of each slot one parameter gets (`like` of
+        them shaped like it: `slots_like`, the probe's count by default)."""
+        slots = [(tuple(shape), dtype, True)] * (self.like_parameter if like is None else like)
         if self.factored:
             if len(shape) >= 2:
                 slots += [(tuple(shape[:-1]), dtype, False), (tuple(shape[:-2] + shape[-1:]), dtype, False)]
@@ -77,12 +90,19 @@ class SlotModel:
         return slots
 
     def state_bytes(
-        self, shape: tuple[int, ...], dtype: str, shards: int, trainable: bool = True, slots: bool = True
+        self,
+        shape: tuple[int, ...],
+        dtype: str,
+        shards: int,
+        trainable: bool = True,
+        slots: bool = True,
+        like: int | None = None,
     ) -> int:
         """Per-device bytes of a parameter split into `shards`, its gradient and its slots.
 
         Without `slots`: a variable Keras's optimizers overwrite with its gradient (float8's scales
-        and amax histories, `overwrite_with_gradient`), which they keep no slots for.
+        and amax histories, `overwrite_with_gradient`), which they keep no slots for. `like`: the
+        slots shaped like it (`slots_like`).
         """
         per_device = _nbytes(shape, dtype) // shards
         if not trainable:
@@ -90,7 +110,7 @@ class SlotModel:
         total = 2 * per_device
         if not slots:
             return total
-        for slot_shape, slot_dtype, follows in self.slot_shapes(tuple(shape), dtype):
+        for slot_shape, slot_dtype, follows in self.slot_shapes(tuple(shape), dtype, like):
             size = _nbytes(slot_shape, slot_dtype)
             total += size // shards if follows else size
         return total
@@ -116,7 +136,7 @@ def optimizer_of(optimizer: Any) -> Any:
     """
     import keras
 
-    if not isinstance(optimizer, (str, dict)):
+    if not isinstance(optimizer, (str, dict, keras.optimizers.Optimizer)):
         raise InvalidOptionError(
             f"The optimizer must be a name (such as 'adam') or a keras.optimizers.Optimizer; received "
             f"{type(optimizer).__name__} {optimizer!r}. Fix: pass optimizer='adam' or "
@@ -168,8 +188,14 @@ def slot_model(optimizer: Any) -> SlotModel:
     probe = keras.Variable(np.zeros((4, 4), "float32"), name="kml_slot_probe")
     fresh.build([probe])
     slots = sum(int(np.prod(v.shape)) for v in fresh.variables if len(v.shape) > 0)
+    one_more = None
+    if isinstance(fresh, keras.optimizers.Muon):  # the probe, a 4×4 matrix, is one it orthogonalises
+        one_more = functools.partial(_compat.updated_as_adamw, fresh)
     return SlotModel(
-        like_parameter=round(slots / 16), factored=False, scalar_bytes=_scalar_bytes(fresh.variables)
+        like_parameter=round(slots / 16),
+        factored=False,
+        scalar_bytes=_scalar_bytes(fresh.variables),
+        one_more=one_more,
     )
 
 

@@ -252,7 +252,7 @@ def warn_unpredicted_updates(model: keras.Model, rules: LayoutRules, optimizer: 
         warnings.warn(
             f"Muon orthogonalises each matrix's update whole (Newton-Schulz iterations): for the "
             f"{len(split)} kernel(s) this plan splits ({split[0]!r}...), XLA holds the iterations' "
-            "products, which rules.cost.peak_bytes only estimates (0.74-1.18 of XLA:CPU's compiled "
+            "products, which rules.cost.peak_bytes only estimates (0.93-1.12 of XLA:CPU's compiled "
             "peak on the plans measured; not at all on XLA:TPU). The bytes they send are "
             "predicted. Compile the plan for the real peak: kml.compile_step, or plan --compile.",
             MeshLayoutWarning,
