@@ -71,3 +71,32 @@ def test_every_buffer_names_its_layer_and_the_pass_that_writes_it():
         "dtype": "float32",
         "bytes": buffers[0].bytes,
     }
+
+
+def test_max_poolings_positions_are_named_where_they_fill_the_peak():
+    """On XLA:CPU a max pooling reads int32 position arrays as large as its input in the forward pass
+    (`planner/_max_pooling.py`): at a pooled convnet's peak they are the largest buffers, named so."""
+    import keras
+
+    def pooled() -> keras.Model:
+        layers = keras.layers
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                layers.Conv2D(32, 3, padding="same", activation="relu", name="c1"),
+                layers.Conv2D(32, 3, padding="same", activation="relu", name="c2"),
+                layers.MaxPooling2D(2, name="pool"),
+                layers.Conv2D(64, 3, padding="same", activation="relu", name="c3"),
+                layers.GlobalAveragePooling2D(),
+                layers.Dense(10, name="head"),
+            ],
+            name="pooled",
+        )
+
+    with kml.dry_build(pooled) as model:
+        x = jax.ShapeDtypeStruct((8, 32, 32, 3), "float32")
+        cost = kml.auto_rules(model, kml.Mesh(data=2, model=4), batch=x, optimizer="adam").cost
+    largest = cost.peak_buffers[0]
+    assert largest.operation == "pool: reduce_window_max (the windows' positions)"
+    assert (largest.shape, largest.dtype) == ((4, 8, 32, 32, 32), "int32")
+    assert largest.bytes == 4 * 8 * 32 * 32 * 32 * 4 // 2  # four positions an element, the batch over 'data'

@@ -375,6 +375,7 @@ PLANNER_ORDER = [
     "_fusion",
     "_walk_gradients",
     "_at_peak",
+    "_max_pooling",
     "_liveness",
     "_update_memory",
     "_peak",

@@ -76,19 +76,23 @@ def buffers_at(
     written: Mapping[int, int],
     last: Mapping[int, int],
     count: int = AT_PEAK,
+    also: Iterable[tuple[int, int, PeakBuffer]] = (),
 ) -> tuple[PeakBuffer, ...]:
     """The `count` largest of `buffers` (value ids, each written at `written[value]` and read last at
-    `last[value]`) live at node `when` of `trace`, as `PeakBuffer`s of `sizes[value]` bytes a device."""
+    `last[value]`) live at node `when` of `trace`, as `PeakBuffer`s of `sizes[value]` bytes a device,
+    with those of `also` (`(first node, last node, buffer)`: what XLA holds beyond the traced values)
+    live there."""
     live = [v for v in buffers if written[v] <= when <= last.get(v, written[v]) and sizes[v] > 0]
-    live.sort(key=lambda v: (-sizes[v], written[v]))
     found = []
-    for value in live[:count]:
+    for value in live:
         producer = trace.producer.get(value)  # not `written[value]`: a buffer may be written early
         node = None if producer is None else trace.nodes[producer]
         operation = "input" if node is None else operation_of(node.name, node.primitive)
         shape, dtype = tuple(trace.shapes[value]), str(trace.dtypes[value])
-        found.append(PeakBuffer(operation, shape, dtype, int(sizes[value])))
-    return tuple(found)
+        found.append((written[value], PeakBuffer(operation, shape, dtype, int(sizes[value]))))
+    found += [(first, buffer) for first, final, buffer in also if first <= when <= final]
+    found.sort(key=lambda entry: (-entry[1].bytes, entry[0]))
+    return tuple(buffer for _, buffer in found[:count])
 
 
 def filled_by(buffers: Sequence[PeakBuffer], count: int = 3) -> str:

@@ -30,6 +30,7 @@ from ._fusion import (
     shared_constants,
     stacked_early,
 )
+from ._max_pooling import pool_gradients
 from ._propagate import REDUCTIONS, Specs, copied_operands, itemsize
 from ._trace import Node, Trace
 from ._walk_gradients import walked_gradients
@@ -79,11 +80,14 @@ def transient_peak(
     zeros, summed = walked_gradients(trace, specs, sizes, held, rows_moved)
     not_written = zeros | (_not_written_on_cpu(trace) if held else _not_written_on_tpu(trace, specs, sizes))
     recomputed = _recomputed_copies(trace) if held else {}
-    last = _last_reads(trace, not_written, set(recomputed))
+    pools = tuple(pool_gradients(trace, specs)) if held else ()  # max pooling's argmax (`_max_pooling`)
+    unread = {(pool.backward, pool.operand) for pool in pools}
+    last = _last_reads(trace, not_written, set(recomputed) | unread)
     end = len(trace.nodes)
     last.update({value: end for value in trace.outputs if value >= 0 and held})  # gradients to the update
     written = {value: node.index for node in trace.nodes for value in node.outputs}
     written.update(stacked_early(trace) if held else {})
+    written.update({trace.nodes[pool.backward].outputs[0]: 0 for pool in pools})  # its zeros, made early
     starts: dict[int, int] = {}
     frees: dict[int, int] = {}
     buffers = [v for v in written if v not in not_written]
@@ -95,6 +99,8 @@ def transient_peak(
         _add(starts, first, sizes[value])
         _add(frees, final, sizes[value])
     copies = [(first, final, specs.bytes(value)) for value, (first, final) in specs.gathered.items()]
+    pooled = [held for pool in pools for held in pool.held]
+    copies += [(first, final, buffer.bytes) for first, final, buffer in pooled]
     for first, final, size in copies + [(0, when, size) for when, size in specs.early_copies.items()]:
         _add(starts, first, size)
         _add(frees, final, size)
@@ -117,7 +123,7 @@ def transient_peak(
     batch = sum(sizes[value] if held else _tiled(trace, specs, value) for value in trace.inputs)
     vmem = 0 if held else chip.vmem
     peak, when = _sweep(starts, frees, end, _short_lived(trace, buffers, sizes, last, written, vmem), vmem)
-    at_peak = buffers_at(trace, when, buffers, sizes, written, last)
+    at_peak = buffers_at(trace, when, buffers, sizes, written, last, also=pooled)
     if not held:  # XLA:TPU keeps a step whose temporaries are small in on-chip memory, not HBM
         peak = _tpu_memory.in_hbm(peak, chip.on_chip, gradients=gradients, convnet=convnet) + update
     return peak, batch, at_peak
