@@ -331,3 +331,67 @@ def test_the_depthwise_conv_sends_what_is_predicted(mixer, mesh_name):
     mesh = kml.Mesh(**MIXER_MESHES[mesh_name])
     rules, (x, y) = _mixer_rules(mixer, mesh), _mixer_data()
     assert_predicted_as_compiled(MIXERS[mixer][0], rules, kml.ModelParallel(mesh, rules), x[:16], y[:16])
+
+
+def _indivisible(separable: bool) -> keras.Model:
+    """Five channels convolved depthwise, which no model axis of 2 or 4 splits."""
+    layers = keras.layers
+    grouped = (
+        layers.SeparableConv2D(6, 3, padding="same", activation="relu", name="grouped")
+        if separable
+        else layers.DepthwiseConv2D(3, depth_multiplier=1, padding="same", activation="relu", name="grouped")
+    )
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            layers.Conv2D(5, 3, padding="same", activation="relu", name="stem"),
+            grouped,
+            layers.Conv2D(32, 1, activation="relu", name="pointwise"),
+            layers.GlobalAveragePooling2D(name="pool"),
+            layers.Dense(10, name="head"),
+        ],
+        name="net",
+    )
+
+
+INDIVISIBLE = {
+    "separable": functools.partial(_indivisible, True),
+    "depthwise": functools.partial(_indivisible, False),
+}
+
+
+@functools.cache
+def _indivisible_reference(name: str) -> Reference:
+    return Reference(INDIVISIBLE[name], images_and_labels(), batch_size=16)
+
+
+def images_and_labels() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((32, 8, 8, 3)).astype("float32"), rng.integers(0, 10, 32)
+
+
+@pytest.mark.parametrize("mesh_name", MIXER_MESHES)
+@pytest.mark.parametrize("name", INDIVISIBLE)
+def test_a_grouped_conv_whose_channels_do_not_divide_gets_the_batch_over_every_axis(name, mesh_name):
+    """Regression (NASNetMobile's 11-channel separable convolutions on a model axis of 4): left whole on the
+    batch axis alone, the depthwise kernel trained wrongly (2e-3 from one device in one step), warned only
+    when `fit` started. Its layer's output is now split over the batch on every axis, the kernel
+    gradient summed over the batch's shards: `fit` equals one device, and only the plan's costs are said
+    to be estimates."""
+    mesh = kml.Mesh(**MIXER_MESHES[mesh_name])
+    x, _ = images_and_labels()
+    unpredicted = pytest.warns(kml.MeshLayoutWarning, match=r"1 grouped convolution\(s\) .* \('grouped'\)")
+    with kml.dry_build(INDIVISIBLE[name]) as model, unpredicted:
+        rules = kml.auto_rules(model, mesh, batch=x[:16], optimizer="sgd")
+    output = rules.match("net/grouped/output")
+    assert output is not None and output.axes == (("data", "model"), None, None, None), output
+    assert "channels whole" in output.note and "over the batch on data × model" in output.note
+    assert (
+        rules.match("net/grouped/depthwise_kernel" if name == "separable" else "net/grouped/kernel").axes
+        == (None,) * 4
+    )
+    dist = kml.ModelParallel(mesh, rules)
+    assert kml.dry_plan(INDIVISIBLE[name], dist).grouped_convs == ()
+    reference = _indivisible_reference(name)
+    model = train(INDIVISIBLE[name], reference.initial, images_and_labels(), dist, batch_size=16)
+    assert_same_weights(model, reference.trained)

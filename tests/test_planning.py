@@ -340,6 +340,7 @@ def test_transformer_preset_norms_and_routers(path, note):
 # reads one way.
 PLANNER_ORDER = [
     "_memo",
+    "_arguments",
     "_unpacking",
     "_trace",
     "_batch_sums",
@@ -361,6 +362,7 @@ PLANNER_ORDER = [
     "_conv_regions",
     "_lora",
     "_quantized",
+    "_grouped_batch",
     "_batch_gathers",
     "_expert_gathers",
     "_candidates",
@@ -376,6 +378,7 @@ PLANNER_ORDER = [
     "_walk_gradients",
     "_at_peak",
     "_max_pooling",
+    "_windowed_copies",
     "_liveness",
     "_update_memory",
     "_peak",

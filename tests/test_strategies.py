@@ -363,6 +363,7 @@ def test_auto_rules_is_the_ordered_list_of_strategies():
         "_lora.lora_adapters",
         "_quantized.int8_scales",
         "_by_trace.left_whole",
+        "_grouped_batch.grouped_convs_batch_split",
     ]
     model = mlp(4096)
     ledger = Ledger(model.name, MESH_AXIS, "data")

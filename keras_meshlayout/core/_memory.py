@@ -72,6 +72,11 @@ class SlotModel:
     scalar_bytes: int
     one_more: Callable[[Any], bool] | None = None
 
+    def variable_bytes(self, variable: Any, shards: int, trainable: bool = True, slots: bool = True) -> int:
+        """`state_bytes` of a variable, with the slots the optimizer keeps for it (`slots_like`)."""
+        shape, dtype, like = tuple(variable.shape), str(variable.dtype), self.slots_like(variable)
+        return self.state_bytes(shape, dtype, shards, trainable, slots, like)
+
     def slots_like(self, variable: Any) -> int:
         """How many slots shaped and laid out like `variable` the optimizer keeps for it."""
         return self.like_parameter + bool(self.one_more is not None and self.one_more(variable))

@@ -192,6 +192,8 @@ def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tupl
     for path, cls, kernel, dim in layers:
         if others and kernel is not None and _split_by_planner(distribution, kernel, others, dim):
             continue
+        if others and _batch_split_by_planner(distribution, path, others):
+            continue
         found.append((path, cls))
     if others and _has_custom_layers(model):
         seen = {kernel.path for _, _, kernel, _ in layers if kernel is not None}
@@ -210,6 +212,17 @@ def _split_by_planner(distribution: Distributes, kernel: Any, others: set[str], 
         return False
     dims = range(len(entry.axes)) if dim is None else [dim] if dim < len(entry.axes) else []
     return any(others <= set(_axis_names(entry.axes[d])) for d in dims)
+
+
+def _batch_split_by_planner(distribution: Distributes, layer_path: str, others: set[str]) -> bool:
+    """Whether a suggested rule lays out the layer's output over the batch on the batch axis and on
+    every axis of `others` (`planner/_grouped_batch.py`): XLA then sums the kernel gradient over
+    the batch's shards, the whole mesh."""
+    rules = getattr(distribution, "rules", None)
+    rule = None if rules is None else rules.match(f"{layer_path}/output")
+    if rule is None or not rule.suggested or not rule.axes:
+        return False
+    return {distribution.batch_dim_name, *others} <= set(_axis_names(rule.axes[0]))
 
 
 def _has_custom_layers(model: keras.Model) -> bool:

@@ -34,19 +34,28 @@ import keras
 
 from .. import _compat
 from ..core._errors import (
-    IndivisibleBatchError,
-    InvalidMeshError,
     InvalidOptionError,
-    InvalidRuleError,
     MemoryBudgetError,
 )
-from ..core._format import did_you_mean, format_bytes
+from ..core._format import format_bytes
 from ..core._grouped_scan import abstract_batch
 from ..core._memory import parse_bytes
 from ..core._mesh import mesh_axis_sizes
 from ..core._policy import LayoutPolicy, resolve_policy
 from ..core._rules import LayoutRules
-from . import _by_layers, _by_name, _by_trace, _convs, _embeddings, _experts, _lora, _peak, _quantized
+from . import (
+    _by_layers,
+    _by_name,
+    _by_trace,
+    _convs,
+    _embeddings,
+    _experts,
+    _grouped_batch,
+    _lora,
+    _peak,
+    _quantized,
+)
+from ._arguments import check_budget_args, check_mesh_and_model, checked_axes
 from ._at_peak import filled_by
 from ._costs import CostTable, cost_units
 from ._headroom import peak_headroom
@@ -85,6 +94,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     _lora.lora_adapters,  # LoRA adapters laid out as their base kernel
     _quantized.int8_scales,  # int8 kernels' scales split with their output features
     _by_trace.left_whole,  # anything else, replicated with the operations that read it
+    _grouped_batch.grouped_convs_batch_split,  # a grouped conv left whole: its output over every axis
 )
 
 
@@ -204,48 +214,6 @@ def auto_rules(
     )  # fmt: skip
 
 
-def _check_mesh_and_model(model: Any, mesh: Any) -> None:
-    """The two positional arguments, refused before any tracing when they are not a model and a mesh."""
-    if not isinstance(mesh, keras.distribution.DeviceMesh):
-        raise InvalidMeshError(
-            f"auto_rules: the mesh must be a kml.Mesh (or keras.distribution.DeviceMesh); received "
-            f"{type(mesh).__name__} {mesh!r}. Fix: kml.Mesh(data=2, model=4), or "
-            f"kml.Mesh.parse('2x4') for a shape written as text."
-        )
-    if not isinstance(model, keras.layers.Layer):
-        builder = " (a function: call it, or plan it unbuilt with `with kml.dry_build(fn) as model:`)"
-        raise InvalidOptionError(
-            f"auto_rules: the model must be a built Keras model or layer; received {type(model).__name__}"
-            f"{builder if callable(model) else ''}."
-        )
-
-
-def _checked_axes(mesh: keras.distribution.DeviceMesh, model_axis: str, batch_axis: str | None) -> str | None:
-    """`batch_axis` (the first axis other than `model_axis` by default), both checked against the mesh."""
-    names = tuple(mesh.axis_names)
-    if model_axis not in names:
-        raise InvalidRuleError(
-            f"auto_rules: model_axis={model_axis!r} is not an axis of the mesh, which has axes "
-            f"{names}.{did_you_mean(model_axis, names)} Fix: pass model_axis= one of them."
-        )
-    if batch_axis is None:
-        return next((axis for axis in names if axis != model_axis), None)
-    if batch_axis not in names:
-        raise InvalidMeshError(
-            f"auto_rules: batch_axis={batch_axis!r} is not an axis of the mesh, which has axes "
-            f"{names}.{did_you_mean(batch_axis, names)} Fix: pass batch_axis= one of them (the one "
-            "kml.ModelParallel splits the batch over), or leave it out for the first axis other than "
-            f"{model_axis!r}."
-        )
-    if batch_axis == model_axis:
-        raise InvalidMeshError(
-            f"auto_rules: batch_axis and model_axis are both {model_axis!r}: the batch and the weights "
-            "cannot be split over the same axis. Fix: a mesh with a data axis (kml.Mesh(data=2, "
-            f"model=4)), or leave batch_axis out{' (no data parallelism)' if len(names) == 1 else ''}."
-        )
-    return batch_axis
-
-
 def plan_rules(
     model: keras.Model,
     mesh: keras.distribution.DeviceMesh,
@@ -267,13 +235,13 @@ def plan_rules(
     `batch_axis` (and the model axis where it divides), a table over both axes: the plan
     `auto_rules` falls back to when nothing else fits. `memory_budget` is then only checked.
     """
-    _check_mesh_and_model(model, mesh)
-    batch_axis = _checked_axes(mesh, model_axis, batch_axis)
+    check_mesh_and_model(model, mesh)
+    batch_axis = checked_axes(mesh, model_axis, batch_axis)
     if fully_sharded:
         model_axis = _fully_sharded_model_axis(mesh, model_axis, batch_axis)
     size = mesh_axis_sizes(mesh)[model_axis]
     batch_size = mesh_axis_sizes(mesh).get(batch_axis, 1) if batch_axis else 1
-    _check_budget_args(memory_budget, batch, fully_sharded, batch_axis, batch_size)
+    check_budget_args(memory_budget, batch, fully_sharded, batch_axis, batch_size)
     chosen_policy = resolve_policy("auto_rules()", policy, replicate_below=replicate_below)
     trace = _trace(model, batch)
     expert = _expert_axis(mesh, model_axis, batch_axis)
@@ -313,6 +281,7 @@ def plan_rules(
     rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy)
     rules.cost = plan_cost(table, chosen, budget, peak)
     _warn_estimated_peaks(model, rules, optimizer, compiler, step is not None and step.convnet)
+    _grouped_batch.warn_unpredicted(ledger.batch_everywhere)
     return rules
 
 
@@ -428,36 +397,6 @@ def _fully_sharded_model_axis(mesh: Any, model_axis: str, batch_axis: str | None
     expert = _expert_axis(mesh, model_axis, batch_axis)
     sizes = mesh_axis_sizes(mesh)
     return expert if expert is not None and sizes[model_axis] == 1 and sizes[expert] > 1 else model_axis
-
-
-def _check_budget_args(
-    memory_budget: int | str | None,
-    batch: Any,
-    fully_sharded: bool = False,
-    batch_axis: str | None = None,
-    axis_size: int = 1,
-) -> None:
-    if memory_budget is not None:
-        parse_bytes(memory_budget)  # a size that is no positive number of bytes: refused before planning
-    if fully_sharded and batch is None:
-        raise InvalidOptionError(
-            "the fully sharded plan needs batch=: one global batch of inputs, to cost each layout "
-            "and its gathers. Fix: pass batch=x."
-        )
-    if memory_budget is not None and batch is None:
-        raise InvalidOptionError(
-            "auto_rules(memory_budget=...) needs batch=: one global batch of inputs (arrays, or "
-            "anything with .shape and .dtype), to size the activations and the traffic they cause. "
-            'Fix: auto_rules(model, mesh, memory_budget="16GiB", batch=x).'
-        )
-    rows = {int(leaf.shape[0]) for leaf in keras.tree.flatten(batch) if len(getattr(leaf, "shape", ())) > 0}
-    if axis_size > 1 and any(count % axis_size for count in rows):
-        count = min(count for count in rows if count % axis_size)
-        raise IndivisibleBatchError(
-            f"auto_rules: a batch of {count} samples cannot be split over batch axis {batch_axis!r} of "
-            f"size {axis_size}: {count} is not a multiple of {axis_size}, so fit could not run it. "
-            f"Fix: pass batch= with a multiple of {axis_size} samples, the global batch fit will see."
-        )
 
 
 def _trace(model: keras.Model, batch: Any) -> Trace | None:

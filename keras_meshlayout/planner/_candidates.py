@@ -357,9 +357,7 @@ class Bytes(BatchGathers, ExpertGathers):
 
     def _state(self, variable: keras.Variable, shards: int, trainable: bool) -> int:
         slots = not getattr(variable, "overwrite_with_gradient", False)  # float8's scales and histories
-        like = self.memory.slots_like(variable)  # Muon: a velocity beside the momentum where it is AdamW
-        shape, dtype = tuple(variable.shape), str(variable.dtype)
-        return self.memory.state_bytes(shape, dtype, shards, trainable, slots, like)
+        return self.memory.variable_bytes(variable, shards, trainable, slots)  # Muon's AdamW slots too
 
     def _activation(self, shape: Sequence[int], dtype: str) -> float:
         """Per-device bytes of an activation whose first dimension is the batch."""

@@ -171,6 +171,7 @@ class Ledger:
         self.conv_units: set[str] = set()
         self.lone_convs: set[str] = set()
         self.lone_grouped: set[str] = set()
+        self.batch_everywhere: list[str] = []  # grouped convs' layers, outputs over every axis
         self.input_convs: set[str] = set()
 
     # -- writing --------------------------------------------------------------------------
@@ -229,11 +230,13 @@ class Ledger:
 
     def output_whole(self, layer_path: str, rank: int, note: str) -> None:
         """A rule keeping a layer's output whole over the model axis (split over the batch axis only)."""
+        self.output_split(layer_path, (self.batch_axis,) + (None,) * (rank - 1), note)
+
+    def output_split(self, layer_path: str, axes: Axes, note: str) -> None:
+        """A rule laying out a layer's output (`<layer>/output`), unless one already does."""
         key = ("output", layer_path)
         if key not in self._entries:
-            pattern = self.pattern(layer_path) + "/output"
-            axes = (self.batch_axis,) + (None,) * (rank - 1)
-            self._entries[key] = Decision(pattern, axes, note)
+            self._entries[key] = Decision(self.pattern(layer_path) + "/output", axes, note)
 
     # -- reading --------------------------------------------------------------------------
 

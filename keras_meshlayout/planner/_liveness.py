@@ -16,10 +16,9 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 
-from ..core._axes import Axes, entry_axes
+from ..core._axes import Axes
 from . import _tpu_memory
 from ._at_peak import PeakBuffer, buffers_at
-from ._batch_gathers import windowed_on_tpu
 from ._fusion import (
     ELEMENTWISE,
     EXPENSIVE,
@@ -32,8 +31,9 @@ from ._fusion import (
 )
 from ._max_pooling import pool_gradients
 from ._propagate import REDUCTIONS, Specs, copied_operands, itemsize
-from ._trace import Node, Trace
+from ._trace import Trace
 from ._walk_gradients import walked_gradients
+from ._windowed_copies import windowed_operands
 
 __all__ = ["SHORT_LIVED", "live_code", "transient_peak"]
 
@@ -95,13 +95,9 @@ def transient_peak(
     for value in buffers:
         _add(starts, written[value], sizes[value])
         _add(frees, last.get(value, written[value]), sizes[value])
-    for first, final, value in shared_constants(trace, not_written) if held else ():
-        _add(starts, first, sizes[value])
-        _add(frees, final, sizes[value])
-    copies = [(first, final, specs.bytes(value)) for value, (first, final) in specs.gathered.items()]
     pooled = [held for pool in pools for held in pool.held]
-    copies += [(first, final, buffer.bytes) for first, final, buffer in pooled]
-    for first, final, size in copies + [(0, when, size) for when, size in specs.early_copies.items()]:
+    beside = _held_beside(trace, specs, not_written, pooled, layouts, set(buffers))
+    for first, final, size in beside:
         _add(starts, first, size)
         _add(frees, final, size)
     if held and axis_sizes.get(batch_axis or "", 1) > 1:
@@ -110,9 +106,6 @@ def transient_peak(
         _add(specs.scratch, end, sum(sizes[value] for value in summed))
     _add(specs.scratch, end, update if held else 0)  # the update's own copies (XLA:TPU's: in HBM, below)
     if not held:
-        for first, final, size in _windowed_operands(trace, specs, layouts, batch_axis, set(buffers)):
-            _add(starts, first, size)
-            _add(frees, final, size)
         for when, reused in _in_place(trace, set(buffers), sizes, last).items():
             starts[when] -= reused
             frees[when] -= reused
@@ -274,6 +267,28 @@ def _feature_minor_bytes(trace: Trace, specs: Specs) -> dict[int, int]:
     }
 
 
+def _held_beside(
+    trace: Trace,
+    specs: Specs,
+    not_written: set[int],
+    pooled: Sequence[tuple[int, int, PeakBuffer]],
+    layouts: Mapping[str, Axes],
+    buffers: set[int],
+) -> Iterator[tuple[int, int, int]]:
+    """`(first, last node, bytes)` of what the step holds beside its traced values' buffers: XLA:CPU's
+    shared constants, the batch-split weights' gathered copies, max pooling's positions (`pooled`),
+    the early copies, and XLA:TPU's bfloat16 copies of windowed projections' inputs."""
+    if specs.xla_cpu:
+        for first, final, value in shared_constants(trace, not_written):
+            yield first, final, specs.bytes(value)
+    for value, (first, final) in specs.gathered.items():
+        yield first, final, specs.bytes(value)
+    yield from ((first, final, buffer.bytes) for first, final, buffer in pooled)
+    yield from ((0, when, size) for when, size in specs.early_copies.items())
+    if not specs.xla_cpu:
+        yield from windowed_operands(trace, specs, layouts, specs.batch_axis, buffers)
+
+
 def _sweep(
     starts: Mapping[int, int],
     frees: Mapping[int, int],
@@ -345,64 +360,6 @@ def _last_reads(
             if value >= 0 and last.get(value, -1) < when:
                 last[value] = when
     return last
-
-
-def _windowed_operands(
-    trace: Trace, specs: Specs, layouts: Mapping[str, Axes], batch_axis: str | None, buffers: set[int]
-) -> Iterator[tuple[int, int, int]]:
-    """`(first, last node, bytes)` of the bfloat16 copies XLA:TPU keeps of windowed projections' inputs.
-
-    Where XLA:TPU computes a batch-split kernel's gradient as a windowed einsum over the batch axis
-    (`_batch_gathers.windowed_on_tpu`), the loop reads the projection's input in bfloat16, whole
-    on its last (contracted) dimension: XLA writes that copy once, where the input is computed in
-    the forward pass, and keeps it to the loop, beside the input's own buffer, if any. Measured on
-    the Mixtral 8×7 B row of `benchmarks/targets.py` (v5e `data=32, model=8`, fully sharded, 16,384
-    tokens a chip): the attention norm's output (`bf16[8,2048,4096]`, read by the query, key and
-    value kernels, itself fused into them), the expert block's input (`bf16[16384,4096]`, beside its
-    float32 buffer) and the SwiGLU's output (`bf16[1,16384,14336]`), one copy each per layer. The
-    input is the kernel gradient's operand computed first (the other is the output's cotangent);
-    one copy per input, none for an input already a bfloat16 buffer.
-    """
-    batch_devices = specs.sizes.get(batch_axis or "", 1)
-    paths = list(trace.variables.values())
-    seen: set[int] = set()
-    for index, gradient in enumerate(trace.outputs):
-        split = any(batch_axis in entry_axes(e) for e in layouts.get(paths[index], ()))
-        if gradient < 0 or not split:
-            continue
-        for node in _products_of(trace, gradient):
-            operands = sorted((v for v in node.inputs if v >= 0), key=lambda v: trace.producer.get(v, -1))
-            value = operands[0]
-            size = itemsize(trace.dtypes[value])
-            rows = math.prod(trace.shapes[value][:-1])  # contracted over its last dimension
-            if value in seen or (size <= 2 and value in buffers):
-                continue
-            if not windowed_on_tpu("tpu", batch_devices, rows):
-                continue
-            seen.add(value)
-            spec = specs.spec.get(value, ())
-            whole = math.prod(specs.sizes[a] for a in spec[-1]) if spec else 1
-            yield trace.producer.get(value, 0), node.index, specs.bytes(value) * whole * 2 // max(size, 2)
-
-
-#: Operations between a kernel gradient's matmuls and the gradient the step returns.
-_GRADIENT_PLUMBING = frozenset("transpose reshape convert_element_type add_any squeeze expand_dims".split())
-
-
-def _products_of(trace: Trace, gradient: int) -> list[Node]:
-    """The `dot_general` nodes whose results make up `gradient`, through transposes, casts and sums."""
-    found, pending, seen = [], [gradient], set()
-    while pending:
-        value = pending.pop()
-        if value in seen or value not in trace.producer:
-            continue
-        seen.add(value)
-        node = trace.nodes[trace.producer[value]]
-        if node.primitive == "dot_general":
-            found.append(node)
-        elif node.primitive in _GRADIENT_PLUMBING:
-            pending.extend(v for v in node.inputs if v >= 0)
-    return found
 
 
 def _recomputed_on_tpu(trace: Trace, not_written: set[int]) -> set[int]:

@@ -330,6 +330,15 @@ def conv_grouped_lone(kernel: str, axis: str) -> str:
     )
 
 
+def conv_grouped_batch(layer: str, kernel: str, axes: tuple[str, ...]) -> str:
+    over = " × ".join(axes)
+    return (
+        f"grouped conv, channels whole: {layer}'s output split over the batch on {over}, so XLA sums "
+        f"{kernel}'s gradient over the batch's shards only (with the batch on the batch axis alone it "
+        "sums over the whole mesh: kml.GroupedConvWarning)"
+    )
+
+
 def conv_input(kernel: str, axis: str) -> str:
     return (
         f"input conv, output channels split over {axis!r}: {kernel} reads the model's input (a patch or "

@@ -33,7 +33,7 @@ element-wise result read only by matmuls is computed inside them, and a cheap on
 in each of its readers (`_fusion.fused_on_tpu`), an expensive one too where the buffers it is
 computed from outlive it (`_liveness._recomputed_on_tpu`); the input a windowed kernel
 gradient's loop reads is kept in bfloat16 from the forward pass
-(`_liveness._windowed_operands`). A transient peak small enough to stay in the chip's vector
+(`_windowed_copies.windowed_operands`). A transient peak small enough to stay in the chip's vector
 memory (the generation's `on_chip_bytes`, `chip_of`; none on v5p) is not counted in HBM, the
 parameters, slots and batch take XLA:TPU's tiled layouts, and on v5p each temporary buffer its
 16 KiB alignment (`_tpu_memory`).
