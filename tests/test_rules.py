@@ -531,3 +531,17 @@ def test_output_rules_are_matched_with_keras_meaning(pattern):
         model.fit(np.zeros((16, 8), "float32"), np.zeros((16, 4), "float32"), batch_size=8, verbose=0)
     expected = jax.sharding.NamedSharding(mesh.backend_mesh, jax.sharding.PartitionSpec("batch", None))
     assert capture.captured.is_equivalent_to(expected, 2), capture.captured
+
+
+def test_the_planners_rules_join_a_users_own_with_their_notes_and_flags():
+    """`kml.LayoutRules([mine, *auto.rules])`: the planner's rules keep what they say and how they are
+    kept (`suggested`, `keep_split`); a user's rule put first wins. Refused before as not a pair."""
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(64, name="up"), keras.layers.Dense(16, name="down")],
+        name="mlp",
+    )
+    auto = kml.auto_rules(model, kml.Mesh(data=2, model=4), replicate_below=0)
+    mine = kml.LayoutRules([(r"mlp/up/kernel", ("model", None)), *auto.rules])
+    assert mine.match("mlp/up/kernel").axes == ("model", None) and not mine.match("mlp/up/kernel").suggested
+    joined, planned = mine.match("mlp/down/kernel"), auto.match("mlp/down/kernel")
+    assert (joined.axes, joined.note, joined.suggested) == (planned.axes, planned.note, True)

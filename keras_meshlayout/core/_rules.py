@@ -101,6 +101,8 @@ class LayoutRules(keras.distribution.LayoutMap):
             note as a third item), or a mapping of pattern to axes (kept in
             its order). Axes may be a `keras.distribution.TensorLayout`. A
             `DeviceMesh` here is taken as `mesh`, as `LayoutMap(device_mesh)`.
+            A `kml.Rule` (another set's, say `kml.auto_rules`' `rules.rules`)
+            keeps its note and its `optional`, `suggested` and `keep_split`.
         mesh: Optional mesh to validate against and to build layouts on.
         optional: Mark these rules as optional: matching no variable is
             expected and draws no `UnmatchedRuleWarning` (presets use this).
@@ -140,6 +142,12 @@ class LayoutRules(keras.distribution.LayoutMap):
         >>> rules["mlp/dense_1/bias"] = (None,)  # an exact key wins, as in Keras
         >>> rules.match("mlp/dense_1/bias").index
         2
+
+        Rules of another set join a new one as they are, after your own:
+
+        >>> mine = kml.LayoutRules([(r".*dense_2/kernel", ("model", None)), *rules.rules])
+        >>> [rule.pattern for rule in mine.rules]
+        ['.*dense_2/kernel', '.*dense_1/kernel', '.*dense_1/.*', 'mlp/dense_1/bias']
     """
 
     def __init__(
@@ -187,6 +195,11 @@ class LayoutRules(keras.distribution.LayoutMap):
         items = rules.items() if isinstance(rules, Mapping) else rules
         kept = tuple(dict.fromkeys(keep_split))  # in the order given, for the error
         for entry in items:
+            if isinstance(entry, Rule):  # another set's rule (`auto.rules`), with its note and flags
+                flags = dict(optional=entry.optional or optional, suggested=entry.suggested or suggested)
+                keep = entry.keep_split or entry.pattern in kept
+                self._append(entry.pattern, entry.axes, entry.note, **flags, keep_split=keep)
+                continue
             if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
                 raise InvalidRuleError(
                     f"Each layout rule must be a (pattern, axes) pair, e.g. "
