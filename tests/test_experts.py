@@ -126,6 +126,25 @@ def test_expert_parallel_prediction_matches_the_compiled_step(name, mesh_name):
     assert rules.cost.state_bytes == state
 
 
+def test_a_dense_model_on_a_mesh_with_an_idle_expert_axis_is_predicted_as_compiled():
+    """A dense keras-hub Llama on `data=2,expert=2,model=2` (the expert axis holds no weight): its token
+    table stays vocab-parallel over `model` (over both axes XLA spread its look-up over the idle axis,
+    65,536 bytes over 'expert' and 16,512 over 'data×expert' not predicted)."""
+    mesh = kml.Mesh(data=2, expert=2, model=2)
+    row = next(row for row in hub_models.ROWS if row.name == "LlamaBackbone")
+    row = dataclasses.replace(row, config={**row.config, "vocabulary_size": 1024})  # a table worth splitting
+    build = functools.partial(hub_models.build_classifier, row)
+    with kml.dry_build(build) as model:
+        x, y = hub_models.inputs_for(model), np.zeros(hub_models.BATCH, "int32")
+        rules = kml.auto_rules(model, mesh, replicate_below=0, batch=x, optimizer="adam")
+        table = next(v.path for v in model.weights if "token_embedding" in v.path)
+    assert rules.match(table).axes == ("model", None)
+    report, state = compiled_step(build, kml.ModelParallel(mesh, rules), x, y)
+    assert set(report.wire_bytes_by_axis) == {"data", "model"}
+    assert rules.cost.wire_bytes_by_axis == pytest.approx(report.wire_bytes_by_axis, rel=0.02)
+    assert rules.cost.state_bytes == state
+
+
 def test_a_fully_sharded_moe_sends_what_xla_cpu_compiles_gathering_its_tokens():
     """Fully sharded (`fully_sharded=True`, as `choose_mesh`'s ZeRO-3 rows) on `data=2,model=2`: each
     expert kernel's shard is as large as the block's tokens, and XLA:CPU gathers the tokens over
