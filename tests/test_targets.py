@@ -517,12 +517,12 @@ def test_a_windowed_reduce_scatter_is_counted_once_per_run_of_its_loop():
 def test_a_windowed_kernel_gradient_reads_bfloat16_copies_of_its_inputs_as_the_walk_holds_them():
     """The loops that reduce-scatter the kernels' gradients carry each projection's input in bfloat16,
     2,048 rows a chip, whole on its features (the batch's `bf16[2048,256]`, the hidden `bf16[2048,1024]`):
-    the copies the peak walk keeps from the forward pass to those loops (`_liveness._windowed_operands`;
+    the copies the peak walk keeps from the forward pass to those loops (`_windowed_copies.windowed_operands`;
     on the Mixtral 8x7 B row of `benchmarks/targets.py` 1.2 GiB of them at the peak, its predicted peak
     0.80 -> 0.92 of the compiled)."""
-    from keras_meshlayout.planner._liveness import _windowed_operands
     from keras_meshlayout.planner._propagate import Specs
     from keras_meshlayout.planner._trace import trace_step
+    from keras_meshlayout.planner._windowed_copies import windowed_operands
 
     mlp = _windowed_mlp()
     bodies = re.findall(r"^%\S*windowed_dot_general_body_rs\S* \((.*)\) -> ", mlp.hlo, re.MULTILINE)
@@ -532,7 +532,7 @@ def test_a_windowed_kernel_gradient_reads_bfloat16_copies_of_its_inputs_as_the_w
     paths = {path: mlp.rules.match(path).axes for path in trace.variables.values()}
     assert all("data" in axes for path, axes in paths.items() if path.endswith("kernel"))  # fully sharded
     specs = Specs(trace, paths, {"data": 8, "model": 1}, "data")
-    held = sorted(size for *_, size in _windowed_operands(trace, specs, paths, "data", set()))
+    held = sorted(size for *_, size in windowed_operands(trace, specs, paths, "data", set()))
     assert held == [2048 * 256 * 2, 2048 * 1024 * 2]
 
 
