@@ -1257,3 +1257,27 @@ def test_checkpoint_modules_import_only_those_listed_before_them():
                 imported |= {node.module} if node.module else {alias.name for alias in node.names}
         later = sorted(imported & set(order[position:]))
         assert not later, f"{name} imports {later}, listed at or after it in checkpoint/__init__.py"
+
+
+@pytest.mark.parametrize("what", ["a directory of files", "a file"])
+def test_a_save_refuses_to_replace_what_no_save_wrote(what, tmp_path):
+    """Regression: saving onto a directory of the user's own files deleted them (a save replaces its
+    directory whole); onto a file, moved it aside. Both are refused before anything is written."""
+    model = build_mlp()
+    target = tmp_path / "results"
+    if what == "a file":
+        target.write_text("my notes")
+    else:
+        target.mkdir()
+        (target / "important.txt").write_text("my data")
+    with pytest.raises(
+        kml.CheckpointError, match=r"exists and is .* nothing was written\. Fix: save to a new"
+    ):
+        kml.save_checkpoint(model, target)
+    kept = target.read_text() if what == "a file" else (target / "important.txt").read_text()
+    assert kept in ("my notes", "my data") and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+    (tmp_path / "empty").mkdir()
+    assert (
+        kml.save_checkpoint(model, tmp_path / "empty") / "manifest.json"
+    ).is_file()  # an empty one is fine
+    assert (kml.save_checkpoint(model, tmp_path / "empty") / "manifest.json").is_file()  # as a checkpoint is

@@ -60,7 +60,8 @@ def save_checkpoint(
     Args:
         model: The model, built (and compiled, with its optimizer built, to
             include the optimizer state).
-        directory: Checkpoint directory; replaced if it exists.
+        directory: Checkpoint directory; replaced if it holds a checkpoint
+            (or nothing).
         distribution: The `kml.ModelParallel` whose plan to save; defaults to
             the current distribution (no plan is saved without one).
         storage: How the arrays are stored. `"orbax"` (the default): Orbax
@@ -78,6 +79,9 @@ def save_checkpoint(
             read-only directory, any `OSError`): the message names the file
             and says whether a previous checkpoint at `directory` is intact
             (it always is: nothing replaces it until the new one is complete).
+            Also, before anything is written, when `directory` holds what no
+            save wrote (a file, or a directory of files without a manifest),
+            which the save would otherwise delete.
 
     Example:
         >>> import keras, keras_meshlayout as kml, tempfile, os
@@ -95,7 +99,29 @@ def save_checkpoint(
         raise InvalidOptionError(
             f'storage must be "orbax" (the default) or "h5". Received: storage={storage!r}.'
         )
+    _refuse_what_is_not_a_checkpoint(Path(directory))
     return save_everywhere(model, Path(directory), distribution, storage=storage)
+
+
+def _refuse_what_is_not_a_checkpoint(target: Path) -> None:
+    """Raises `CheckpointError` when `target` holds something a save would replace that no save wrote.
+
+    A save replaces its directory whole: a directory of the user's own files (no manifest) or a
+    file there would be deleted. An empty directory, or a checkpoint, is replaced.
+    """
+    if not target.exists() and not target.is_symlink():
+        return
+    if target.is_dir() and not target.is_symlink():
+        if (target / _manifest.MANIFEST).is_file() or not any(target.iterdir()):
+            return
+        what = f"a directory that is not a checkpoint (it has no {_manifest.MANIFEST})"
+    else:
+        what = "a file" if target.is_file() else "not a directory"
+    raise CheckpointError(
+        f"save_checkpoint: {target} exists and is {what}. A save replaces its directory whole, so "
+        f"what is there would be deleted; nothing was written. Fix: save to a new directory (or to one "
+        f"a save wrote before), or move {target} away first."
+    )
 
 
 def save_everywhere(
