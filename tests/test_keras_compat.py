@@ -424,7 +424,9 @@ def test_small_matrix_follows_a_user_rule(suggested, axes, reason):
 
 def test_presets_are_suggested_and_user_additions_are_not():
     rules = kml.mlp_rules(["fc1", "fc2"])
-    assert all(rule.suggested and rule.optional for rule in rules.rules)
+    assert all(rule.suggested for rule in rules.rules)
+    # The layers named are the user's: their kernels must match; a layer may have no bias.
+    assert [rule.optional for rule in rules.rules] == [False, True, False, True]
     rules[r".*head/kernel"] = (None, "model")
     assert not rules.rules[-1].suggested and not rules.rules[-1].optional
 

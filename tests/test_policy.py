@@ -215,3 +215,25 @@ def test_a_preset_policy_set_once_is_honoured_by_model_parallel():
         assert tuple(build().get_layer("up").kernel.value.sharding.spec) == (None, None)
     with kml.ModelParallel(mesh, kml.mlp_rules(["up"], policy=P(replicate_below=0))).scope():
         assert tuple(build().get_layer("up").kernel.value.sharding.spec) == (None, "model")
+
+
+def test_a_misspelt_layer_in_the_mlp_preset_is_an_unmatched_rule():
+    """Regression: `kml.mlp_rules` (and `--preset mlp:...`) made every rule optional, so a misspelt
+    layer left its kernel replicated behind a column-parallel one with no warning, even under
+    `--strict`. Its kernel rules are the user's layers now; a bias rule stays optional."""
+    import warnings
+
+    def planned(layers: list[str]) -> kml.Plan:
+        dist = kml.ModelParallel(kml.Mesh(data=2, model=4), kml.mlp_rules(layers))
+        with dist.scope():
+            dense = keras.layers.Dense
+            fc2 = dense(32, name="fc2", use_bias=False)
+            model = keras.Sequential([keras.Input((32,)), dense(64, name="fc1"), fc2], name="mlp")
+        return dist.plan(model)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = planned(["fc1", "fc_2"])
+    assert [rule.pattern for rule in plan.unmatched_rules] == ["(?:.*/)?fc_2/kernel"]
+    assert [w.category for w in caught] == [kml.UnmatchedRuleWarning]
+    assert not planned(["fc1", "fc2"]).unmatched_rules  # fc2 has no bias: its bias rule is optional

@@ -128,6 +128,9 @@ def mlp_rules(
     bias replicated). Give an even number of layers: a trailing column layer
     leaves its output split, and the next replicated layer must gather it.
 
+    A kernel rule that matches no variable (a misspelt layer) is reported as any rule of
+    yours (`kml.UnmatchedRuleWarning`, the plan's `unmatched_rules`); a bias rule is optional.
+
     Args:
         layers: Layer names (or regexes matching them), in data-flow order.
         model_axis: The tensor-parallel mesh axis.
@@ -160,7 +163,11 @@ def mlp_rules(
             rules.append(
                 (scope + "/bias", (None,), "bias of a row-parallel layer: added after the all-reduce")
             )
-    return LayoutRules(rules, optional=True, suggested=True, policy=resolve_policy("mlp_rules()", policy))
+    # The layers are named by the user: a kernel rule matching nothing is a typo, warned of as any
+    # (`UnmatchedRuleWarning`); a bias rule may (a layer built with `use_bias=False`).
+    checked = LayoutRules(rules, suggested=True).rules
+    kept = [dataclasses.replace(rule, optional=rule.pattern.endswith("/bias")) for rule in checked]
+    return LayoutRules(kept, suggested=True, policy=resolve_policy("mlp_rules()", policy))
 
 
 @_register("transformer", summary="attention heads and feed-forward pairs split, Megatron-style")
