@@ -166,6 +166,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._global_seed: Mapping[str, Any] | None = None  # a manifest whose global seed is due
 
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
+        _save.refuse_lora_in_h5(_compat.callback_model(self), self.storage)  # before any step, not at a save
         self._wait_for_save()  # a backup this callback started in a fit that died
         self._restore_train_function()  # left in place if the last fit died while skipping
         self._since_save = 0

@@ -103,6 +103,22 @@ def save_checkpoint(
     return save_everywhere(model, Path(directory), distribution, storage=storage)
 
 
+def refuse_lora_in_h5(model: keras.Model, storage: str) -> None:
+    """Raises `CheckpointError` for `storage="h5"` of a model with LoRA enabled: Keras's h5 weights hold
+    each such kernel merged with its adapters and no adapters, so training resumed from them does not
+    continue the run (every weight differed after a resume, measured on a LoRA Dense)."""
+    if storage != "h5":
+        return
+    lora = [layer.name for layer in _compat.sublayers(model) if getattr(layer, "lora_enabled", False)]
+    if lora:
+        raise CheckpointError(
+            f'storage="h5" cannot hold the LoRA adapters of {", ".join(map(repr, lora[:3]))}'
+            f"{' and more' if len(lora) > 3 else ''}: Keras's h5 weights merge them into their kernels "
+            'and drop them, so a resumed run would not continue this one. Fix: storage="orbax" (the '
+            "default), which keeps them."
+        )
+
+
 def _refuse_what_is_not_a_checkpoint(target: Path) -> None:
     """Raises `CheckpointError` when `target` holds something a save would replace that no save wrote.
 
@@ -140,6 +156,7 @@ def save_everywhere(
     """
     import jax
 
+    refuse_lora_in_h5(model, storage)
     extras = _Extras(training, keep)
     if storage == "orbax":
         return _save_orbax(model, target, distribution, extras)
