@@ -355,6 +355,8 @@ class FailAtStep3(keras.callbacks.Callback):
                 raise RuntimeError("step 3 went wrong")
             if HOW == "exit":
                 sys.exit(3)
+            if HOW == "exit-0":
+                sys.exit(0)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -374,9 +376,12 @@ model.fit(x, y, batch_size=kml.local_batch_size(64), epochs=100, verbose=0, call
         ("exception", 1, 1, "exited with status 1", "RuntimeError: step 3 went wrong"),
         ("exception", 0, 1, "exited with status 1", "RuntimeError: step 3 went wrong"),
         ("exit", 1, 3, "exited with status 3", None),
+        # Regression: a status of 0 from inside `fit` hung the job (the other rank waited for it in
+        # a collective, the launcher for both): reported as a failure with what to do instead.
+        ("exit-0", 1, 1, "exited with status 1", "kml: this process left model.fit with sys.exit(0)"),
         ("sigkill", 1, 128 + signal.SIGKILL, r"was killed by signal 9 \(SIGKILL\)", None),
     ],
-    ids=["exception-rank-1", "exception-coordinator", "sys-exit", "sigkill"],
+    ids=["exception-rank-1", "exception-coordinator", "sys-exit", "sys-exit-0", "sigkill"],
 )
 def test_a_failing_worker_ends_the_job_naming_it(tmp_path, how, rank, status, described, shown):
     """Regression (issue 13): a worker failing after kml.initialize hung ~300 s in JAX's exit barrier,

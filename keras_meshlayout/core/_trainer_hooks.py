@@ -76,6 +76,11 @@ _INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("kml_inference
 _PURGED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar("kml_purged", default=None)
 
 
+#: Whether `sys.exit(0)` (or `sys.exit()`) left a `fit`: under the launcher the other processes would
+#: wait for this one in their next collective, so its worker reports a failure (`runtime/_worker.py`).
+exited_during_fit = False
+
+
 def install(is_ours: Callable[[Any], bool]) -> None:
     """Wraps Keras's JAX trainer methods and `distribute_data_input`, once.
 
@@ -183,6 +188,9 @@ def _guard(method: Callable[..., Any], inference: bool, is_ours: Callable[[Any],
             return method(model, *args, **kwargs)
         except BaseException as error:
             _restore(model, {**before, **purged}, empty, stale, error)
+            if isinstance(error, SystemExit) and error.code in (None, 0) and method.__name__ == "fit":
+                global exited_during_fit  # read by the launcher's worker (`runtime/_worker.py`)
+                exited_during_fit = True
             raise
         finally:
             _PURGED.reset(purged_token)

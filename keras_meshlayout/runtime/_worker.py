@@ -54,8 +54,22 @@ def main() -> None:
         sys.excepthook(*sys.exc_info())  # kml.initialize's hook ends the process here, reporting it
         status = 1
         fail(status, error)
+    if status == 0 and _exited_during_fit():
+        print(
+            "kml: this process left model.fit with sys.exit(0): the other processes would wait for it "
+            "in their next collective forever, so the job is stopped. To end training on every process, "
+            "set model.stop_training = True in a callback (or raise) instead.",
+            file=sys.stderr,
+        )
+        status = 1
     if status != 0:
         fail(status)
+
+
+def _exited_during_fit() -> bool:
+    """Whether the script left a `fit` with `sys.exit(0)` (`core._trainer_hooks.exited_during_fit`)."""
+    hooks = sys.modules.get("keras_meshlayout.core._trainer_hooks")
+    return bool(getattr(hooks, "exited_during_fit", False))
 
 
 def _exit_status(code: object) -> int:
