@@ -111,6 +111,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_checkpoint.py": ("test_a_save_killed_by_sigkill_is_recovered_and_cleaned_up",),  # kills a process
     "test_checkpoint_faults.py": (  # real signals to real processes, a tmpfs; 1-3 fits with backups each
+        "test_a_sigterm_in_the_last_validation_stops_the_run_as_after_any_step",  # two processes, 12 s
         "test_a_clean_stop_keeps_the_backup_at_its_step_and_resumes_exactly",
         "test_the_newest_backups_are_kept_with_their_steps",
         "test_the_guard_can_be_turned_off",

@@ -514,6 +514,55 @@ def test_sigterm_at_a_random_step_backs_up_that_step_and_the_restart_is_bit_exac
     assert not (work / "backup").exists(), "deleted once the resumed run completed"
 
 
+LAST_VALIDATION = """
+import os, signal, sys
+
+import keras_meshlayout as kml
+
+kml.emulate_devices(8)
+import keras
+import numpy as np
+
+x = np.random.default_rng(0).normal(size=(96, 16)).astype("float32")
+keras.utils.set_random_seed(0)
+layers = [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(8)]
+model = keras.Sequential(layers)
+model.compile(keras.optimizers.Adam(1e-2), "mse")
+
+
+class SignalInTheLastValidation(keras.callbacks.Callback):
+    def on_test_batch_end(self, batch, logs=None):
+        if sys.argv[2] == "signal" and int(model.optimizer.iterations) == 18 and batch == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+backup = kml.ResumableCheckpoint(sys.argv[1], save_freq=4)
+callbacks = [SignalInTheLastValidation(), backup]
+model.fit(x, x[:, :8], batch_size=16, epochs=3, verbose=0, validation_data=(x, x[:, :8]), callbacks=callbacks)
+print("fit returned, iterations", int(model.optimizer.iterations), flush=True)
+"""
+
+
+def test_a_sigterm_in_the_last_validation_stops_the_run_as_after_any_step(tmp_path):
+    """Regression: a SIGTERM after the last step (the last epoch's validation) was lost: `fit` returned,
+    the backups were deleted and the script went on, to be killed mid-write by the scheduler. It stops
+    as after any step now: backed up, status 143; run again, the script finds the run complete."""
+    script = tmp_path / "train.py"
+    script.write_text(LAST_VALIDATION)
+
+    def run_it(*how: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, str(script), str(tmp_path / "backup"), *how]
+        return subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+    stopped = run_it("signal")
+    assert stopped.returncode == 143, stopped.stderr[-4000:]
+    assert "fit returned" not in stopped.stdout
+    assert training(tmp_path / "backup" / "latest")["step"] == 18
+    resumed = run_it("no-signal")
+    assert resumed.returncode == 0 and "fit returned, iterations 18" in resumed.stdout, resumed.stderr[-4000:]
+    assert not (tmp_path / "backup").exists()
+
+
 def test_a_second_job_on_a_held_directory_is_refused_until_the_holder_is_gone(tmp_path):
     first = start_slow(tmp_path, 1, slow_from=2, pause=5.0)  # held until killed below
     try:

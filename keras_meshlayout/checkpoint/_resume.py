@@ -245,7 +245,14 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._save(epoch + 1, 0)
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
+        # A signal after the last step (during the last validation) stops the run as after any step:
+        # backed up, the backups kept, the process ended with 128 + N (it was lost: fit returned 0).
+        late = self._notice.requested() if self.preemption and self._stopped_by is None else None
         self._notice.uninstall()
+        if late is not None:
+            self._stopped_by = late
+            if self._since_save:
+                self._save_here()
         epochs = self.params.get("epochs") if self.params else None
         completed = self._stopped_by is None and (epochs is None or self._epochs_done >= epochs)
         if not completed and self._since_save and self._stopped_by is None:
