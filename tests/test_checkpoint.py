@@ -1301,3 +1301,19 @@ def test_h5_refuses_a_model_with_lora_whose_adapters_it_would_merge_away(tmp_pat
     with pytest.raises(kml.CheckpointError, match="cannot hold the LoRA adapters"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[callback])
     assert int(model.optimizer.iterations) == 0
+
+
+def test_a_model_with_no_variables_yet_is_refused_not_saved_empty(tmp_path):
+    """Regression: an unbuilt subclassed model was saved as a manifest alone, which no load could use."""
+
+    class Unbuilt(keras.Model):
+        def __init__(self):
+            super().__init__(name="unbuilt")
+            self.dense = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.dense(x)
+
+    with pytest.raises(kml.CheckpointError, match=r"has no variables yet .* model\.build"):
+        kml.save_checkpoint(Unbuilt(), tmp_path / "empty")
+    assert not (tmp_path / "empty").exists()

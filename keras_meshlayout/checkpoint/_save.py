@@ -99,6 +99,12 @@ def save_checkpoint(
         raise InvalidOptionError(
             f'storage must be "orbax" (the default) or "h5". Received: storage={storage!r}.'
         )
+    if not model.weights:
+        raise CheckpointError(
+            f"save_checkpoint: model {model.name!r} has no variables yet (not built), so the checkpoint "
+            "would hold nothing to load; nothing was written. Fix: build it first: call it on a batch, "
+            "or model.build(input_shape)."
+        )
     _refuse_what_is_not_a_checkpoint(Path(directory))
     return save_everywhere(model, Path(directory), distribution, storage=storage)
 
