@@ -279,10 +279,16 @@ EXIT_CASES = [
         1,
         ["more than the"],
     ),
+    # A first axis inferred: `-1x4` is the mesh, not an unknown option (argparse read it as one).
+    (["--mesh", "-1x4", "--model", "models:mlp", "--auto"], 0, []),
+    (["--mesh", "2x4", "--model", "models:mlp", "--rules", "."], 2, ["error: --rules .: a directory, not a"]),
 ]
 for case in EXIT_CASES:
     line("plan", *case[0])
-EXIT_IDS = ["bad-mesh", "bad-function", "no-file", "bad-preset", "guard", "strict-typo", "capacity"]
+EXIT_IDS = [
+    "bad-mesh", "bad-function", "no-file", "bad-preset", "guard", "strict-typo", "capacity", "inferred-axis",
+    "rules-directory",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("args, status, fragments", EXIT_CASES, ids=EXIT_IDS)

@@ -41,13 +41,15 @@ EXIT_HELP = (
 )
 
 
-#: Options that take a memory size: a negative one (`-5GiB`) is still their value, not an option.
-SIZE_OPTIONS = ("--memory-budget", "--device-memory")
+#: Options whose value may start with a minus: a negative memory size (`-5GiB`), refused by its own
+#: check, and a mesh whose first axis is inferred (`-1x4`).
+SIZE_OPTIONS = ("--memory-budget", "--device-memory", "--mesh")
 
 
 def sizes_joined(argv: Sequence[str]) -> list[str]:
-    """`argv` with `--memory-budget -5GiB` as `--memory-budget=-5GiB`, so that argparse hands the size
-    to its check ("a memory size is positive") instead of reading `-5GiB` as an unknown option."""
+    """`argv` with `--memory-budget -5GiB` as `--memory-budget=-5GiB` (and `--mesh -1x4` as
+    `--mesh=-1x4`), so that argparse hands the value to its check ("a memory size is positive") or
+    to the mesh instead of reading it as an unknown option."""
     out: list[str] = []
     for word in argv:
         if out and out[-1] in SIZE_OPTIONS and re.match(r"-[\d.]", word):

@@ -201,7 +201,8 @@ def preset_rules(name: str, model_axis: str) -> Any:
 def rules_file(name: str, build: Callable[[], Any], mesh: Any) -> Any:
     path = Path(name)
     if not path.is_file():
-        raise InputError(f"--rules {name}: no such file.")
+        said = "a directory, not a rules file (.json or .py)" if path.is_dir() else "no such file"
+        raise InputError(f"--rules {name}: {said}.")
     if path.suffix == ".json":
         try:
             data = json.loads(path.read_text())
