@@ -52,7 +52,8 @@ def grouped_convs_batch_split(ledger: Ledger, setting: Setting) -> None:
         rank = len(trace.shapes[node.outputs[0]])
         note = _notes.conv_grouped_batch(setting.display(layer), setting.display(path), axes)
         ledger.output_split(layer, (axes, *(None,) * (rank - 1)), note)
-        ledger.batch_everywhere.append(setting.display(layer))
+        if setting.display(layer) not in ledger.batch_everywhere:  # a layer called twice: named once
+            ledger.batch_everywhere.append(setting.display(layer))
 
 
 def warn_unpredicted(layers: list[str]) -> None:
