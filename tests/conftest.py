@@ -265,6 +265,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_port_held_by_another_program_is_a_clear_error",
         "test_failing_process_stops_the_others_and_sets_the_exit_status",
         "test_launcher_timeout_stops_everything",
+        "test_a_process_that_finished_while_another_waits_for_it_is_named",
         "test_process_that_never_joins_times_out_with_a_clear_message",
         "test_process_that_hangs_before_joining_is_named",
         "test_unreachable_coordinator_times_out_with_a_clear_message",

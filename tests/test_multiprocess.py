@@ -643,6 +643,58 @@ def test_failing_process_stops_the_others_and_sets_the_exit_status(tmp_path):
     assert not processes_running(str(script))
 
 
+def test_a_script_failing_in_every_process_is_its_own_failure_not_a_lost_peer(tmp_path):
+    """Regression: a SyntaxError in both ranks ended "Then rank 1 exited with status 1 (a process fails
+    once a collective loses its peer)", and each traceback opened on the launcher's own frames."""
+    script = write_script(tmp_path, "broken.py", "def broken(:\n    pass\n")
+    result, seconds = run_launcher(script, options=("--grace", "2"))
+    assert result.returncode == 1, output(result)
+    assert seconds < 30, output(result)
+    for rank in (0, 1):  # what `python broken.py` prints, no more
+        assert f'[{rank}]   File "{script}", line 1\n' in result.stderr, output(result)
+        assert f"[{rank}] SyntaxError: invalid syntax" in result.stderr, output(result)
+    assert "_worker.py" not in result.stderr and "runpy" not in result.stderr, output(result)
+    last = result.stderr.strip().splitlines()[-1]
+    assert "loses its peer" not in last, output(result)
+    if "stopped rank" not in last:  # both failed within the launcher's settling time (0.5 s)
+        assert re.search(r"Rank [01] exited with status 1 too, by an error of its own", last), last
+        assert last.endswith("Every process failed by itself: the script fails on its own, not the job."), (
+            last
+        )
+
+
+STRAGGLER = """
+import sys
+import keras_meshlayout as kml
+
+process_id, _ = kml.initialize()
+if process_id == 1:
+    print("rank 1 leaves its loop early", flush=True)
+    sys.exit(0)
+from jax.experimental import multihost_utils
+
+multihost_utils.sync_global_devices("rank 1 never comes")
+"""
+
+
+def test_a_process_that_finished_while_another_waits_for_it_is_named(tmp_path):
+    """Regression: `sys.exit(0)` outside `fit` on one rank left the other in a collective and the job
+    silent until --timeout (forever without one). Nothing failed; the launcher now says who is done
+    and who still runs, and what to do."""
+    script = write_script(tmp_path, "straggler.py", STRAGGLER)
+    options = ("--notice-after", "2", "--timeout", "12", "--grace", "2", "--init-timeout", "60")
+    result, _ = run_launcher(script, options=options)
+    assert result.returncode == 124, output(result)
+    notice = [line for line in result.stderr.splitlines() if "finished its script" in line]
+    assert len(notice) == 1, output(result)
+    assert notice[0].startswith(
+        "keras_meshlayout.launch: rank 1 finished its script 2 s ago and waits for the others to end; "
+        "rank 0 still running. If it waits in a collective"
+    ), notice
+    assert "model.stop_training = True" in notice[0]
+    assert not processes_running(str(script))
+
+
 SEES = """
 import json, sys
 print("SEES " + json.dumps([sys.argv, sys.path[0], __name__, __file__, type(__spec__).__name__]))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ._cluster import INIT_TIMEOUT_EXIT_STATUS
-from ._supervise import Outcome
+from ._supervise import Outcome, reports
 
 __all__ = ["describe_exit", "report"]
 
@@ -103,10 +103,21 @@ def _failure(
         for r, process in enumerate(processes)
         if r != rank and r not in survivors and process.returncode not in (None, 0)
     ]
-    if after:
+    reported = reports(range(len(processes)), status_dir)
+    own = [r for r in after if r in reported and not reported[r][1]]
+    lost = [r for r in after if r not in own]
+    if own:
+        message += (
+            " "
+            + "; ".join(f"Rank {r} {describe_exit(processes[r].returncode)}" for r in own)
+            + " too, by an error of its own (its output above), not by losing a peer."
+        )
+        if len(own) == len(processes) - 1:
+            message += " Every process failed by itself: the script fails on its own, not the job."
+    if lost:
         message += (
             " Then "
-            + "; ".join(f"rank {r} {describe_exit(processes[r].returncode)}" for r in after)
+            + "; ".join(f"rank {r} {describe_exit(processes[r].returncode)}" for r in lost)
             + " (a process fails once a collective loses its peer)."
         )
     return message

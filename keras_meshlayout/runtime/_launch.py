@@ -55,10 +55,11 @@ from ._cluster import (
 from ._failure import report
 from ._ports import NAME, PortInUseError, claim_port
 from ._relay import GlooLines, relay
-from ._supervise import die_with_parent, joining, stop, watch
+from ._supervise import Stragglers, die_with_parent, joining, stop, watch
 
 PROG = "python -m keras_meshlayout.launch"
 DEFAULT_GRACE = 5.0
+DEFAULT_NOTICE_AFTER = 60.0
 _XLA_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 #: The bootstrap each process runs the script under (see its docstring).
 WORKER = Path(__file__).resolve().with_name("_worker.py")
@@ -80,7 +81,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         )
     if args.port is not None and not 0 <= args.port < 65536:
         return _usage_error(f"--port must be in 0..65535 (0: a free one). Received: {args.port}.")
-    for option in ("init_timeout", "grace", "timeout"):
+    for option in ("init_timeout", "grace", "timeout", "notice_after"):
         value = getattr(args, option)
         if value is not None and value <= 0:
             return _usage_error(f"--{option.replace('_', '-')} must be positive. Received: {value}.")
@@ -95,6 +96,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         init_timeout=args.init_timeout,
         grace=args.grace,
         timeout=args.timeout,
+        notice_after=args.notice_after,
         cpu_only=args.platform == "cpu",
     )
 
@@ -146,6 +148,14 @@ def _parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--timeout", type=float, default=None, metavar="S", help="stop everything after S seconds"
     )
     parser.add_argument(
+        "--notice-after",
+        type=float,
+        default=DEFAULT_NOTICE_AFTER,
+        metavar="S",
+        help="once a process has finished its script and others still run S seconds later, say which "
+        f"(they may wait in a collective for it, forever) (default {DEFAULT_NOTICE_AFTER:g})",
+    )
+    parser.add_argument(
         "--platform",
         choices=("cpu", "auto"),
         default="cpu",
@@ -172,6 +182,7 @@ def launch(
     init_timeout: float = DEFAULT_INIT_TIMEOUT,
     grace: float = DEFAULT_GRACE,
     timeout: float | None = None,
+    notice_after: float = DEFAULT_NOTICE_AFTER,
     cpu_only: bool = True,
     stdout: IO[bytes] | None = None,
     stderr: IO[bytes] | None = None,
@@ -188,6 +199,8 @@ def launch(
         init_timeout: Seconds each process waits for all to join.
         grace: Seconds between SIGTERM and SIGKILL when stopping processes.
         timeout: Stop everything after this many seconds (status 124).
+        notice_after: Seconds after a process finished its script with others still running before
+            the launcher names them (`_supervise.Stragglers`).
         cpu_only: Make JAX use only CPUs (`JAX_PLATFORMS=cpu`).
         stdout: Where prefixed output goes; defaults to this process's.
         stderr: Where prefixed error output and the launcher's messages go.
@@ -222,12 +235,18 @@ def launch(
             processes.append(_start(command, env))
         devices = f" × {devices_per_process} CPU devices" if devices_per_process else ""
         say(
-            f"{num_processes} processes{devices}, coordinator {address}; "
+            f"{num_processes} process{'es' if num_processes != 1 else ''}{devices}, coordinator {address}; "
             + ", ".join(f"rank {rank}: pid {p.pid}" for rank, p in enumerate(processes))
         )
         with joining(status_dir, num_processes) as progress:
             readers = _relays(processes, out, err, lock, before=progress.stop)
-            outcome = watch(processes, timeout, stop_requested, status_dir, progress.tick)
+            stragglers = Stragglers(status_dir, notice_after, lambda message: (progress.stop(), say(message)))
+
+            def tick() -> None:
+                progress.tick()
+                stragglers.tick(processes)
+
+            outcome = watch(processes, timeout, stop_requested, status_dir, tick)
         survivors = [rank for rank, p in enumerate(processes) if p.poll() is None]
         killed = stop(processes, grace) if outcome.kind != "done" else []
         for reader in readers:

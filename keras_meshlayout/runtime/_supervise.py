@@ -20,7 +20,17 @@ from typing import Any
 
 from ..core._progress import shown, spinner
 
-__all__ = ["Joining", "Outcome", "die_with_parent", "first_failure", "joining", "reports", "stop", "watch"]
+__all__ = [
+    "Joining",
+    "Outcome",
+    "Stragglers",
+    "die_with_parent",
+    "first_failure",
+    "joining",
+    "reports",
+    "stop",
+    "watch",
+]
 
 POLL = 0.05
 _SETTLE = 0.5  # seconds a failure waits for an earlier one to be reported
@@ -72,6 +82,47 @@ def watch(
         if tick is not None:
             tick()
         time.sleep(POLL)
+
+
+class Stragglers:
+    """Says once which processes still run `after` seconds after another finished its script.
+
+    A process whose script ended well (`done.RANK` in the status directory, `_worker._report_done`)
+    waits in JAX's exit barrier for the others. If one of them waits for it in a collective (one rank
+    left its training loop early, e.g. with `sys.exit(0)` outside `fit`), neither ever ends, and
+    nothing fails: without `--timeout` the job would hang, silent. The notice names both sides.
+    """
+
+    def __init__(self, status_dir: Path, after: float, say: Callable[[str], None]) -> None:
+        self._status_dir, self._after, self._say = status_dir, after, say
+        self._since: float | None = None
+        self._said = False
+
+    def tick(self, processes: list[subprocess.Popen]) -> None:
+        if self._said:
+            return
+        done = sorted(
+            int(path.suffix[1:]) for path in self._status_dir.glob("done.*") if path.suffix[1:].isdigit()
+        )
+        running = [rank for rank, p in enumerate(processes) if rank not in done and p.poll() is None]
+        if not done or not running:
+            return
+        if self._since is None:
+            self._since = time.monotonic()
+        if time.monotonic() - self._since >= self._after:
+            self._said = True
+            self._say(
+                f"{_listed(done)} finished {'its script' if len(done) == 1 else 'their scripts'} "
+                f"{self._after:g} s ago and {'waits' if len(done) == 1 else 'wait'} for the others to end; "
+                f"{_listed(running)} still running. If {'it waits' if len(running) == 1 else 'they wait'} "
+                "in a collective for a process that left its training loop early (sys.exit(0) on one "
+                "rank), the job never ends: stop it with Ctrl-C, or pass --timeout. Every process must "
+                "run the same steps; stop training on all of them with model.stop_training = True."
+            )
+
+
+def _listed(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 class Joining:

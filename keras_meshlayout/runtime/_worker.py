@@ -51,7 +51,9 @@ def main() -> None:
         traceback.print_exc()
         status = 130
     except BaseException as error:
-        sys.excepthook(*sys.exc_info())  # kml.initialize's hook ends the process here, reporting it
+        # kml.initialize's hook ends the process here, reporting it
+        error = error.with_traceback(_script_frames(error.__traceback__))
+        sys.excepthook(type(error), error, error.__traceback__)
         status = 1
         fail(status, error)
     if status == 0 and _exited_during_fit():
@@ -64,6 +66,31 @@ def main() -> None:
         status = 1
     if status != 0:
         fail(status)
+    _report_done()
+
+
+def _report_done() -> None:
+    """Leaves `done.RANK` in the launch directory: the script ended well, and JAX's exit barrier is next.
+
+    The launcher says so when the others still run long after (`_supervise.Stragglers`).
+    """
+    directory, rank = os.environ.get(LAUNCH_DIR_ENV), os.environ.get(PROCESS_ID_ENV)
+    if directory and rank:
+        try:
+            with open(os.path.join(directory, f"done.{rank}"), "w") as report:
+                report.write(f"{time.time():.6f}\n")
+        except OSError:
+            pass  # only diagnostics for the launcher
+
+
+def _script_frames(trace):
+    """`trace` without this bootstrap's and runpy's frames: the traceback `python SCRIPT` would show."""
+    while trace is not None and (
+        trace.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
+        or os.path.basename(trace.tb_frame.f_code.co_filename) == "runpy.py"
+    ):
+        trace = trace.tb_next
+    return trace
 
 
 def _exited_during_fit() -> bool:
