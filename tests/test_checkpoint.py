@@ -180,6 +180,20 @@ def test_load_checkpoint_into_a_model_without_optimizer_loads_the_weights(saved)
         assert np.array_equal(np.asarray(variable.value), want), variable.path
 
 
+def test_optimizer_state_loaded_into_another_optimizer_class_warns_and_loads(saved):
+    """Regression: Adam's checkpoint loaded into AdamW (the same slots) without a word."""
+    keras.distribution.set_distribution(distribution_for("2x4"))
+    model = build_mlp()
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss="sparse_categorical_crossentropy")
+    with pytest.warns(kml.MeshLayoutWarning, match="holds optimizer state saved by Adam") as caught:
+        kml.load_checkpoint(model, saved["2x4"].paths["kml"])
+    message = str(caught[0].message)
+    assert "loaded into the model's AdamW, slot for slot" in message
+    assert "compile the model with Adam before loading" in message
+    assert int(model.optimizer.iterations) == STEPS
+    assert_bit_identical(model, saved["2x4"].values)
+
+
 def test_load_checkpoint_matches_in_order_whatever_the_names(saved):
     """Layers named automatically get new names in every build; Keras loads them in order, so do we."""
 

@@ -190,6 +190,8 @@ def check_variables(
     """Raises `CheckpointError` unless the saved variables line up with the model's, in order."""
     current = [v for v in describe(model) if with_optimizer or v["kind"] == "model"]
     if [_signature(v) for v in saved] == [_signature(v) for v in current]:
+        if with_optimizer:
+            _warn_other_optimizer(manifest, model, source)
         return
     _check_manifest_against_weights(manifest, source)
     saved_names = _names(saved, manifest.get("model"), (manifest.get("optimizer") or {}).get("name"))
@@ -226,6 +228,28 @@ def check_variables(
         "model):\n" + "\n".join(shown) + "\nNothing was loaded; the model is unchanged. Fix: build the "
         "same model (and compile it with the same optimizer, to restore the optimizer state) before "
         "loading; to load only the model weights, load into the model before compiling it."
+    )
+
+
+def _warn_other_optimizer(manifest: Mapping[str, Any], model: keras.Model, source: Path) -> None:
+    """Warns when optimizer state saved by one optimizer class is loaded into another of the same slots.
+
+    Adam's moments load into AdamW (and Adam into Lion's one slot's shape, or Adamax) variable for
+    variable: the shapes match, so nothing refuses it, but the state means what the saved optimizer
+    meant by it, and the step count (and its learning-rate schedule) carries on from the checkpoint.
+    """
+    saved = (manifest.get("optimizer") or {}).get("class")
+    now = type(model.optimizer).__name__
+    if saved in (None, now):
+        return
+    warnings.warn(
+        f"Checkpoint {source} holds optimizer state saved by {saved}; it was loaded into the model's "
+        f"{now}, slot for slot (the shapes match), and its step count (optimizer.iterations, which "
+        "drives the learning-rate schedule) carries on from the checkpoint. If that is not what you meant, "
+        f"compile the model with {saved} before loading; to start {now} afresh, load into the model "
+        "before compiling it (the weights only).",
+        MeshLayoutWarning,
+        stacklevel=3,
     )
 
 
