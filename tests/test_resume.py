@@ -268,6 +268,23 @@ def test_resumable_checkpoint_discards_half_written_backups(reference, tmp_path)
     assert sorted(p.name for p in backup.iterdir()) == ["latest", "step-000000020"]
 
 
+def test_a_fit_that_finds_its_run_complete_says_it_trains_nothing(reference, tmp_path):
+    """Regression: a second `fit` with a `delete_on_end=False` callback (or a rerun of a finished
+    script) found the run complete and trained 0 steps without a word."""
+    backup = kml.ResumableCheckpoint(tmp_path, save_freq=4, delete_on_end=False)
+    model = fit("2x4", reference["initial"], [backup])
+    with pytest.warns(kml.MeshLayoutWarning, match="is of a run that completed 3 epochs") as caught:
+        history = model.fit(
+            *data(), batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[backup]
+        )
+    assert "pass epochs greater than 3" in str(caught[0].message)
+    assert int(model.optimizer.iterations) == EPOCHS * STEPS and not history.history
+    assert_same(model, reference["trained"], 1e-6)
+    # Asked for more, it trains on from the backup, without a word.
+    model.fit(*data(), batch_size=BATCH, epochs=EPOCHS + 1, shuffle=False, verbose=0, callbacks=[backup])
+    assert int(model.optimizer.iterations) == (EPOCHS + 1) * STEPS
+
+
 def test_resumable_checkpoint_touches_nothing_else_in_its_directory(reference, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     model = fit("2x4", reference["initial"], [kml.ResumableCheckpoint(tmp_path, save_freq=5)])

@@ -198,6 +198,16 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         epoch, batch = int(training.get("epoch", 0)), int(training.get("batch", 0))
         _compat.set_initial_epoch(self.model, epoch)  # read by fit right after on_train_begin
         self._epochs_done = epoch
+        epochs = self.params.get("epochs") if self.params else None
+        if epochs is not None and epoch >= epochs and not batch:
+            warnings.warn(
+                f"ResumableCheckpoint: the backup {source} is of a run that completed {epoch} epochs, and "
+                f"this fit asks for {epochs}: it trains nothing. fit counts epochs from the backup's, so to train on, pass epochs greater than "
+                f"{epoch}; to start a new run, give the callback another directory, or delete "
+                f"{self.directory}.",
+                MeshLayoutWarning,
+                stacklevel=2,
+            )
         if batch:
             self._resume = (epoch, batch)
             self._train_function = self.model.train_function
