@@ -285,6 +285,50 @@ def test_a_fit_that_finds_its_run_complete_says_it_trains_nothing(reference, tmp
     assert int(model.optimizer.iterations) == (EPOCHS + 1) * STEPS
 
 
+class StopAt(keras.callbacks.Callback):
+    """Stops training after `batch` of `epoch` (both from 0), as `EarlyStopping` would."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.at = (epoch, batch)
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "arrays",
+        # Keras warns at the end of every generator it exhausts, one epoch or not.
+        pytest.param("generator", marks=pytest.mark.filterwarnings("ignore:Your input ran out of data")),
+    ],
+)
+def test_a_resume_on_fewer_batches_than_it_skips_warns(reference, tmp_path, source):
+    """Regression: a rerun whose epochs are shorter than the backup's position in its epoch skipped
+    the whole epoch as trained, silently."""
+    model = fit("2x4", reference["initial"], [StopAt(1, 5), kml.ResumableCheckpoint(tmp_path, save_freq=100)])
+    assert int(model.optimizer.iterations) == STEPS + 6
+    x, y = (a[: 4 * BATCH] for a in data())  # 4 batches an epoch, where the backup is after batch 6
+    if source == "arrays":  # the epoch's length is known before it starts: said in on_train_begin
+        inputs, epochs, trained = dict(x=x, y=y, batch_size=BATCH), EPOCHS, 4  # epoch 3 is trained
+    else:  # a generator's one epoch (Keras cannot know its length): said when the epoch ends
+        batches = ((x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH))
+        inputs, epochs, trained = dict(x=batches), 2, 0
+    model = build()
+    backup = kml.ResumableCheckpoint(tmp_path, save_freq=100)
+    with pytest.warns(
+        kml.MeshLayoutWarning, match="was taken after batch 6 of epoch 2, but this fit's epochs"
+    ):
+        model.fit(**inputs, epochs=epochs, shuffle=False, verbose=0, callbacks=[backup])
+    assert int(model.optimizer.iterations) == STEPS + 6 + trained  # epoch 2 skipped whole
+
+
 def test_resumable_checkpoint_touches_nothing_else_in_its_directory(reference, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     model = fit("2x4", reference["initial"], [kml.ResumableCheckpoint(tmp_path, save_freq=5)])

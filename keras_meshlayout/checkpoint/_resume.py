@@ -208,6 +208,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 MeshLayoutWarning,
                 stacklevel=2,
             )
+        steps = self.params.get("steps") if self.params else None
+        if batch and steps is not None and batch >= steps:
+            self._warn_fewer_batches(source, epoch, batch, steps)
         if batch:
             self._resume = (epoch, batch)
             self._train_function = self.model.train_function
@@ -215,6 +218,17 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._global_seed = manifest  # restored once the batches trained before are skipped
         else:
             _rng.restore_global_seed(manifest)
+
+    def _warn_fewer_batches(self, source: Path, epoch: int, batch: int, steps: int) -> None:
+        warnings.warn(
+            f"ResumableCheckpoint: the backup {source} was taken after batch {batch} of epoch "
+            f"{epoch + 1}, but this fit's epochs have {steps} batches: the data differ from the "
+            f"interrupted run's, so the resume is not exact. Epoch {epoch + 1}'s batches are all skipped "
+            "as trained, and training goes on from the next epoch. Fix: resume with the same data "
+            "(samples, batch size, steps_per_epoch), or start a new run in another directory.",
+            MeshLayoutWarning,
+            stacklevel=3,
+        )
 
     def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         self._epoch = epoch
@@ -247,6 +261,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._save_here()
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        resume = self._resume
+        if resume is not None and resume[0] == epoch and not (self.params or {}).get("steps"):
+            # An epoch of unknown length (a generator) ended before the batches to skip did.
+            self._warn_fewer_batches(self.path, epoch, resume[1], self._done)
         steps = self.params.get("steps") if self.params else None
         if self._stopped_by is None and (self._done >= steps if steps else not self.model.stop_training):
             self._epochs_done = epoch + 1
