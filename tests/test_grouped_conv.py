@@ -162,16 +162,16 @@ class ConvMixer(keras.layers.Layer):
     apart (and multiplied) before the second projection, so no unit runs through the conv.
     """
 
-    def __init__(self, sliced: bool = False, **kwargs):
+    def __init__(self, sliced: bool = False, channels: int = MIX_CHANNELS, **kwargs):
         super().__init__(**kwargs)
-        self.sliced = sliced
+        self.sliced, self.channels = sliced, channels
 
     def build(self, input_shape):
-        self.up = keras.layers.Dense(MIX_CHANNELS, use_bias=False, name="up")
+        self.up = keras.layers.Dense(self.channels, use_bias=False, name="up")
         self.up.build(input_shape)
-        self.conv1d_kernel = self.add_weight(name="conv1d_kernel", shape=(MIX_CHANNELS, TAPS))
+        self.conv1d_kernel = self.add_weight(name="conv1d_kernel", shape=(self.channels, TAPS))
         self.down = keras.layers.Dense(HIDDEN, use_bias=False, name="down")
-        self.down.build((None, None, MIX_CHANNELS // 2 if self.sliced else MIX_CHANNELS))
+        self.down.build((None, None, self.channels // 2 if self.sliced else self.channels))
 
     def call(self, x):
         h = keras.ops.transpose(self.up(x), (0, 2, 1))  # (batch, channels, time), as Qwen 3.5
@@ -180,16 +180,16 @@ class ConvMixer(keras.layers.Layer):
         h = keras.ops.depthwise_conv(h, kernel, strides=1, padding="valid")
         h = h * keras.ops.sigmoid(h)
         if self.sliced:
-            h = h[..., : MIX_CHANNELS // 2] * h[..., MIX_CHANNELS // 2 :]
+            h = h[..., : self.channels // 2] * h[..., self.channels // 2 :]
         return self.down(h)
 
     def get_config(self):
-        return {**super().get_config(), "sliced": self.sliced}
+        return {**super().get_config(), "sliced": self.sliced, "channels": self.channels}
 
 
-def conv_mixer(sliced: bool = False) -> keras.Model:
+def conv_mixer(sliced: bool = False, channels: int = MIX_CHANNELS) -> keras.Model:
     inputs = keras.Input((STEPS_T, HIDDEN))
-    pooled = keras.layers.GlobalAveragePooling1D()(ConvMixer(sliced, name="mixer")(inputs))
+    pooled = keras.layers.GlobalAveragePooling1D()(ConvMixer(sliced, channels, name="mixer")(inputs))
     return keras.Model(inputs, keras.layers.Dense(4, name="head")(pooled), name="net")
 
 
@@ -395,3 +395,21 @@ def test_a_grouped_conv_whose_channels_do_not_divide_gets_the_batch_over_every_a
     reference = _indivisible_reference(name)
     model = train(INDIVISIBLE[name], reference.initial, images_and_labels(), dist, batch_size=16)
     assert_same_weights(model, reference.trained)
+
+
+@pytest.mark.parametrize("mesh_name", MIXER_MESHES)
+def test_a_custom_layers_indivisible_depthwise_conv_gets_the_batch_over_every_axis(mesh_name):
+    """The case of Qwen 3.5's delta-net with channels no model axis divides: the convolution sits
+    inside a custom layer, between projections, so the planner lays out that layer's output over the
+    batch on every axis. `fit` equals one device, and does not warn (it warned "4x too large" of a
+    plan that trains right: the fit-time check knew only the conv layers' own outputs)."""
+    mesh, build = kml.Mesh(**MIXER_MESHES[mesh_name]), functools.partial(conv_mixer, False, 5)
+    x, y = _mixer_data()
+    with kml.dry_build(build) as model, pytest.warns(kml.MeshLayoutWarning, match=r"\('mixer'\)"):
+        rules = kml.auto_rules(model, mesh, batch=x[:16], optimizer="sgd", replicate_below=0)
+    assert rules.match("mixer/output").axes == (("data", "model"), None, None)
+    assert rules.match("mixer/conv1d_kernel").axes == (None, None)
+    dist = kml.ModelParallel(mesh, rules)
+    assert kml.dry_plan(build, dist).grouped_convs == ()
+    reference = Reference(build, (x, y), batch_size=16)
+    assert_same_weights(train(build, reference.initial, (x, y), dist, batch_size=16), reference.trained)

@@ -198,19 +198,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         epoch, batch = int(training.get("epoch", 0)), int(training.get("batch", 0))
         _compat.set_initial_epoch(self.model, epoch)  # read by fit right after on_train_begin
         self._epochs_done = epoch
-        epochs = self.params.get("epochs") if self.params else None
-        if epochs is not None and epoch >= epochs and not batch:
-            warnings.warn(
-                f"ResumableCheckpoint: the backup {source} is of a run that completed {epoch} epochs, and "
-                f"this fit asks for {epochs}: it trains nothing. fit counts epochs from the backup's, so to train on, pass epochs greater than "
-                f"{epoch}; to start a new run, give the callback another directory, or delete "
-                f"{self.directory}.",
-                MeshLayoutWarning,
-                stacklevel=2,
-            )
-        steps = self.params.get("steps") if self.params else None
-        if batch and steps is not None and batch >= steps:
-            self._warn_fewer_batches(source, epoch, batch, steps)
+        self._warn_if_data_differ(source, epoch, batch)
         if batch:
             self._resume = (epoch, batch)
             self._train_function = self.model.train_function
@@ -218,6 +206,21 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._global_seed = manifest  # restored once the batches trained before are skipped
         else:
             _rng.restore_global_seed(manifest)
+
+    def _warn_if_data_differ(self, source: Path, epoch: int, batch: int) -> None:
+        """Warns when the backup's position is past what this fit trains: nothing, or the epoch whole."""
+        epochs, steps = (self.params.get(key) if self.params else None for key in ("epochs", "steps"))
+        if epochs is not None and epoch >= epochs and not batch:
+            warnings.warn(
+                f"ResumableCheckpoint: the backup {source} is of a run that completed {epoch} epochs, "
+                f"and this fit asks for {epochs}: it trains nothing. fit counts epochs from the "
+                f"backup's, so to train on, pass epochs greater than {epoch}; to start a new run, give "
+                f"the callback another directory, or delete {self.directory}.",
+                MeshLayoutWarning,
+                stacklevel=4,
+            )
+        if batch and steps is not None and batch >= steps:
+            self._warn_fewer_batches(source, epoch, batch, steps)
 
     def _warn_fewer_batches(self, source: Path, epoch: int, batch: int, steps: int) -> None:
         warnings.warn(

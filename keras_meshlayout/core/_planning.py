@@ -180,7 +180,9 @@ def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tupl
     mesh axis other than the batch axis is larger than 1 (`_plan.grouped_conv_axes`), except
     the ones the planner (`kml.auto_rules`, a suggested rule) split over their channels with their
     input, as part of a convolution unit: there each device convolves its own
-    channels and XLA computes the kernel gradient right. A rule of the
+    channels and XLA computes the kernel gradient right; and the ones whose
+    layer's output the planner laid out over the batch on every axis
+    (`planner/_grouped_batch.py`), a custom layer's too. A rule of the
     user's own that splits such a kernel is not trusted: a kernel split
     alone, with its input whole, still gets the wrong gradient (measured).
     Keras's conv layers are found by their class; a model with custom layers is also
@@ -199,9 +201,13 @@ def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tupl
         seen = {kernel.path for _, _, kernel, _ in layers if kernel is not None}
         by_path = {v.path: v for v in model.weights}
         for kernel_path in sorted(_grouped_scan.grouped_kernels(model) - seen):
-            kernel = by_path.get(kernel_path)
-            if kernel is None or not _split_by_planner(distribution, kernel, others, None):
-                found.append(_owner(model, kernel_path))
+            kernel, owner = by_path.get(kernel_path), _owner(model, kernel_path)
+            if kernel is not None and (
+                _split_by_planner(distribution, kernel, others, None)
+                or _batch_split_by_planner(distribution, owner[0], others)
+            ):
+                continue
+            found.append(owner)
     return tuple(found)
 
 
