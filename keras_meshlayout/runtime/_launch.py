@@ -128,6 +128,22 @@ def _parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="coordinator port on 127.0.0.1 (default: a free one); refused when another job or "
         "program uses it",
     )
+    _add_timing_options(parser)
+    parser.add_argument(
+        "--platform",
+        choices=("cpu", "auto"),
+        default="cpu",
+        help="cpu (default): JAX sees only CPUs, so processes do not compete for accelerators; "
+        "auto: JAX's default platform",
+    )
+    parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m")
+    parser.add_argument("script", metavar="SCRIPT", help="the Python script (or, with -m, module) to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _add_timing_options(parser: argparse.ArgumentParser) -> None:
+    """--init-timeout, --grace, --timeout and --notice-after: how long the launcher waits, for what."""
     parser.add_argument(
         "--init-timeout",
         type=float,
@@ -155,17 +171,6 @@ def _parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="once a process has finished its script and others still run S seconds later, say which "
         f"(they may wait in a collective for it, forever) (default {DEFAULT_NOTICE_AFTER:g})",
     )
-    parser.add_argument(
-        "--platform",
-        choices=("cpu", "auto"),
-        default="cpu",
-        help="cpu (default): JAX sees only CPUs, so processes do not compete for accelerators; "
-        "auto: JAX's default platform",
-    )
-    parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as python -m")
-    parser.add_argument("script", metavar="SCRIPT", help="the Python script (or, with -m, module) to run")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    return parser
 
 
 def _usage_error(message: str) -> int:
