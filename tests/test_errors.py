@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -322,6 +323,18 @@ MESH_CASES = [
         lambda: kml.Mesh(data=8, devices=["tpu:0"] * 8),
         kml.InvalidMeshError,
         ("No device is named 'tpu:0'", "The devices are cpu:0", "keras.distribution.list_devices()"),
+    ),
+    Case(  # regression: accepted, then `fit` failed on a bare AssertionError inside JAX
+        "repeated-device",
+        lambda: kml.Mesh(data=2, model=4, devices=[jax.devices()[0]] * 8),
+        kml.InvalidMeshError,
+        ("is given twice, at positions 0 and 1 of the 8 devices", "a mesh holds each device once"),
+    ),
+    Case(
+        "repeated-device-name",
+        lambda: kml.Mesh((2,), ["data"], ["cpu:1", "cpu:1"]),
+        kml.InvalidMeshError,
+        ("is given twice",),
     ),
     Case(
         "device-of-another-type",

@@ -408,7 +408,22 @@ def to_jax_devices(devices: Any) -> np.ndarray:
         # Objects with a device's id and process_index pass too (tests stand them in for other processes').
         known = isinstance(device, jax.Device) or (hasattr(device, "process_index") and hasattr(device, "id"))
         out[position] = device if known else _device_named(device)
+    _refuse_repeats(out)
     return grid
+
+
+def _refuse_repeats(devices: np.ndarray) -> None:
+    """Raises `InvalidMeshError` when a device is given twice: a mesh holds each device once."""
+    seen: dict[Any, int] = {}
+    for position, device in enumerate(devices):
+        key = (getattr(device, "process_index", 0), getattr(device, "platform", ""), device.id)
+        if key in seen:
+            raise InvalidMeshError(
+                f"Device {device} is given twice, at positions {seen[key]} and {position} of the "
+                f"{devices.size} devices: a mesh holds each device once. Fix: pass distinct devices, "
+                "e.g. jax.devices()[:N], or kml.emulate_devices(N) for N CPU devices."
+            )
+        seen[key] = position
 
 
 def _device_named(name: Any) -> Any:
