@@ -223,3 +223,24 @@ def test_layer_output_rules_apply_and_show_in_the_plan(mlp_reference):
     ]
     assert "Layer outputs kept in a layout" in str(plan)
     assert distribution.get_tensor_layout("mlp/hidden_1/output").axes == ("data", "model")
+
+
+def test_the_plan_lists_a_seed_generators_state_as_keras_lays_it_out():
+    """Regression: a Dropout's `SeedGenerator` state was missing from the plan, and a rule that really
+    laid it out was reported as matching nothing (`UnmatchedRuleWarning`)."""
+    rules = kml.LayoutRules([(r".*up/kernel", (None, "model")), (r".*seed_generator_state", ("data",))])
+    dist = kml.ModelParallel(kml.Mesh(data=2, model=4), rules)
+    keras.distribution.set_distribution(dist)
+    layers = [keras.Input((16,)), keras.layers.Dense(64, name="up"), keras.layers.Dropout(0.1, name="drop")]
+    model = keras.Sequential([*layers, keras.layers.Dense(4, name="head")], name="seq")
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.zeros((16, 16), "float32"), np.zeros((16, 4), "float32"), batch_size=16, verbose=0)
+    plan = dist.plan(model)  # no UnmatchedRuleWarning: warnings are errors here
+    (seed,) = [v for v in model.variables if "seed_generator_state" in v.path]
+    (entry,) = [e for e in plan if e.path == seed.path]
+    assert (entry.axes, entry.role) == (("data",), "rng")
+    assert seed.value.sharding.spec == jax.sharding.PartitionSpec("data")
+    assert plan.unmatched_rules == ()
+    assert plan.memory().total == sum(
+        e.bytes_per_device * (2 if e.role == "parameter" else 1) for e in plan if e.role != "rng"
+    )

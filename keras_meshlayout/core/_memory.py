@@ -269,7 +269,7 @@ class MemoryEstimate:
 def memory_of(entries: Iterable[Resolution], device_memory: int | str | None = None) -> MemoryEstimate:
     """The per-device training-state bytes of a plan's entries (see `Plan.memory`)."""
     capacity = None if device_memory is None else parse_bytes(device_memory)
-    by_role = {"parameter": 0, "state": 0, "optimizer": 0}
+    by_role = {"parameter": 0, "state": 0, "optimizer": 0, "rng": 0}  # rng: a SeedGenerator, uncounted
     for entry in entries:
         by_role[entry.role] += entry.bytes_per_device
     return MemoryEstimate(

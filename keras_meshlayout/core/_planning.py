@@ -59,11 +59,12 @@ def plan_model(
     variables of an optimizer that cannot be built without allocating.
     """
     params = {w.path.replace("/", "_"): w for w in model.weights}
-    trainable = {id(w) for w in model.trainable_weights}
+    trainable, weights = {id(w) for w in model.trainable_weights}, {id(w) for w in model.weights}
     entries, mismatched, off_devices = [], [], 0
-    for weight in model.weights:
+    for weight in _state_of(model):
         entry, found = _model_entry(distribution, weight)
-        entries.append(dataclasses.replace(entry, role="parameter" if id(weight) in trainable else "state"))
+        role = "parameter" if id(weight) in trainable else "state" if id(weight) in weights else "rng"
+        entries.append(dataclasses.replace(entry, role=role))
         if found is not None:
             mismatched.append((weight.path, found))
             off_devices = off_devices or (found.devices if not found.on_mesh else 0)
@@ -77,7 +78,7 @@ def plan_model(
         else:
             entry = _slot_entry(distribution, variable, parent)
         entries.append(dataclasses.replace(entry, role="optimizer"))
-    unmatched = distribution.rules.unmatched(w.path for w in model.weights)
+    unmatched = distribution.rules.unmatched(w.path for w in _state_of(model))
     layer_paths = _layer_output_paths(model)
     outputs = tuple(
         (rule, tuple(path for path in layer_paths if rule.regex.fullmatch(path + "/output")))
@@ -209,6 +210,12 @@ def grouped_convs_at_risk(distribution: Distributes, model: keras.Model) -> tupl
                 continue
             found.append(owner)
     return tuple(found)
+
+
+def _state_of(model: keras.Model) -> list[Any]:
+    """The model's weights and its other state (`SeedGenerator`s': Keras lays them out by the rules too)."""
+    seen: set[int] = set()
+    return [v for v in model.variables if not (id(v) in seen or seen.add(id(v)))]
 
 
 def _split_by_planner(distribution: Distributes, kernel: Any, others: set[str], dim: int | None) -> bool:

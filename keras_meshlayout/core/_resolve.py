@@ -49,7 +49,8 @@ class Resolution:
             matched), or `"parameter"` for an optimizer slot, which follows its
             parameter, or `"preset"` for a layout fixed on the variable itself.
         role: What the variable is in training: `"parameter"` (trainable),
-            `"state"` (non-trainable) or `"optimizer"`.
+            `"state"` (non-trainable), `"optimizer"`, or `"rng"` (a `SeedGenerator`'s
+            state: laid out by the rules as Keras does, not counted in `Plan.memory`).
     """
 
     path: str
