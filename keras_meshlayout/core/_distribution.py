@@ -12,7 +12,13 @@ import keras
 from .. import _compat
 from . import _trainer_hooks
 from ._backend import require_jax_backend
-from ._errors import IndivisibleBatchError, InvalidMeshError, InvalidRuleError, UnmatchedRuleWarning
+from ._errors import (
+    IndivisibleBatchError,
+    InvalidMeshError,
+    InvalidRuleError,
+    MeshLayoutWarning,
+    UnmatchedRuleWarning,
+)
 from ._format import did_you_mean, unmatched_hint
 from ._mesh import Mesh, mesh_axis_sizes
 from ._plan import Plan
@@ -20,7 +26,7 @@ from ._planning import plan_model
 from ._policy import IndivisiblePolicy, LayoutPolicy, resolve_policy
 from ._process_data import process_batch_block
 from ._resolve import Resolution, resolve
-from ._rules import LayoutRules
+from ._rules import LayoutRules, Origin
 
 __all__ = ["ModelParallel"]
 
@@ -147,7 +153,8 @@ class ModelParallel(keras.distribution.ModelParallel):
             replicate_below=replicate_below,
             default=given.policy if isinstance(given, LayoutRules) else None,
         )
-        batch_axis = _the_batch_axis(mesh, batch_axis, batch_dim_name)
+        planned = given.origin if isinstance(given, LayoutRules) and given.origin.planned else None
+        batch_axis = _the_batch_axis(mesh, batch_axis, batch_dim_name, planned)
         if auto_shard_dataset is None:
             auto_shard_dataset = keras_form  # Keras's default where Keras's call form is used
         self._keras_map = given if _is_raw_layout_map(given) else None
@@ -405,15 +412,39 @@ def _snapshot(layout_map: keras.distribution.LayoutMap | None) -> tuple | None:
     return tuple((key, id(layout)) for key, layout in layout_map.items())
 
 
-def _the_batch_axis(mesh: keras.distribution.DeviceMesh, batch_axis: Any, batch_dim_name: Any) -> str:
-    """The batch axis from ours or Keras's name for it; the mesh's first axis by default."""
+def _warn_other_batch_axis(mesh: keras.distribution.DeviceMesh, batch_axis: str, planned: str | None) -> None:
+    """Warns that the batch goes over another axis than the one `kml.auto_rules` planned it over."""
+    if planned:
+        was, fix = f"the batch over {planned!r}", f"kml.ModelParallel(mesh, rules, batch_axis={planned!r})"
+    else:
+        sizes = ", ".join(f"{name}={size}" for name, size in mesh_axis_sizes(mesh).items())
+        was = "no batch axis (the mesh had none but the model's): the batch whole on every device"
+        fix = f"a batch axis of size 1, which keeps the batch whole, kml.Mesh(data=1, {sizes})"
+    warnings.warn(
+        f"ModelParallel splits the batch over {batch_axis!r}, but its rules were planned by kml.auto_rules "
+        f"with {was}. Their layouts were chosen, and their costs (rules.cost) predicted, for that: "
+        f"weights split over {batch_axis!r} are gathered every step. Fix: {fix}.",
+        MeshLayoutWarning,
+        stacklevel=4,
+    )
+
+
+def _the_batch_axis(
+    mesh: keras.distribution.DeviceMesh, batch_axis: Any, batch_dim_name: Any, planned: Origin | None = None
+) -> str:
+    """The batch axis from ours or Keras's name for it; by default the one `kml.auto_rules` planned
+    with (`planned`), else the mesh's first axis."""
     if batch_axis is not None and batch_dim_name is not None and batch_axis != batch_dim_name:
         raise InvalidMeshError(
             f"batch_axis={batch_axis!r} and batch_dim_name={batch_dim_name!r} disagree; they are "
             "two names (ours and Keras's) for the same argument. Fix: pass one of them."
         )
     batch_axis = batch_axis if batch_axis is not None else batch_dim_name
+    if batch_axis is None and planned is not None and planned.batch_axis in mesh.axis_names:
+        batch_axis = planned.batch_axis
     batch_axis = mesh.axis_names[0] if batch_axis is None else batch_axis
+    if planned is not None and batch_axis != planned.batch_axis and batch_axis in mesh.axis_names:
+        _warn_other_batch_axis(mesh, batch_axis, planned.batch_axis)
     if batch_axis not in mesh.axis_names:
         raise InvalidMeshError(
             f"batch_axis={batch_axis!r} is not an axis of the mesh, which has axes "

@@ -32,10 +32,14 @@ class Origin:
         policy: The `kml.LayoutPolicy` the rules were made for, or `None`.
         cost: What the planner predicts a training step of the rules costs (a
             `kml.PlanCost`, set by `kml.auto_rules(..., batch=...)`), or `None`.
+        batch_axis: The axis the planner split the batch over (`None`: none).
+        planned: Whether `kml.auto_rules` made the rules (then `batch_axis` is its choice).
     """
 
     policy: LayoutPolicy | None = None
     cost: Any = None
+    batch_axis: str | None = None
+    planned: bool = False
 
 
 class _Store:
@@ -241,6 +245,19 @@ class LayoutRules(keras.distribution.LayoutMap):
     @cost.setter
     def cost(self, cost: Any) -> None:
         self._store.origin = dataclasses.replace(self._store.origin, cost=cost)
+
+    @property
+    def batch_axis(self) -> str | None:
+        """The mesh axis `kml.auto_rules` planned the batch over (`None`: none, or rules written by hand).
+
+        `kml.ModelParallel(mesh, rules)` splits the batch over it unless told otherwise, and warns
+        when told otherwise: the plan's layouts and costs were chosen for it.
+        """
+        return self._store.origin.batch_axis
+
+    @batch_axis.setter
+    def batch_axis(self, axis: str | None) -> None:
+        self._store.origin = dataclasses.replace(self._store.origin, batch_axis=axis, planned=True)
 
     @property
     def rules(self) -> tuple[Rule, ...]:

@@ -264,9 +264,7 @@ def plan_rules(
         for strategy in STRATEGIES:
             strategy(ledger, setting)
         if batch is None:
-            return LayoutRules(
-                ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy
-            )
+            return _rules_of(ledger, chosen_policy, batch_axis)
         budget = None if memory_budget is None else parse_bytes(memory_budget)
         if optimizer is None:
             optimizer = getattr(model, "optimizer", None)
@@ -278,10 +276,17 @@ def plan_rules(
     step = _peak.PeakWalk.of(model, batch, sizes, batch_axis, compiler, _peak.chip_of(mesh), optimizer)
     table, chosen, peak = _search_within_peak(table, budget, step, fully_sharded)
     _apply(ledger, table, chosen, budget is not None)
-    rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=chosen_policy)
+    rules = _rules_of(ledger, chosen_policy, batch_axis)
     rules.cost = plan_cost(table, chosen, budget, peak)
     _warn_estimated_peaks(model, rules, optimizer, compiler, step is not None and step.convnet)
     _grouped_batch.warn_unpredicted(ledger.batch_everywhere)
+    return rules
+
+
+def _rules_of(ledger: Ledger, policy: LayoutPolicy, batch_axis: str | None) -> LayoutRules:
+    """The ledger's rules, carrying the policy and the batch axis they were planned with."""
+    rules = LayoutRules(ledger.rules(), suggested=True, keep_split=ledger.kept_split(), policy=policy)
+    rules.batch_axis = batch_axis
     return rules
 
 
