@@ -276,3 +276,48 @@ def test_rules_planned_with_no_batch_axis_say_how_to_keep_the_batch_whole():
         kml.ModelParallel(kml.Mesh(model=8), rules)
     mesh = kml.Mesh(data=1, model=8)
     assert kml.ModelParallel(mesh, kml.auto_rules(_mlp_for_planning(), mesh)).batch_dim_name == "data"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "axes", "layers", "error", "message"),
+    [
+        (
+            ".*up/output",
+            ("data", "model", None),
+            [keras.layers.Dense(64, name="up")],
+            kml.RankMismatchError,
+            r"rule #0 '\.\*up/output' -> \('data', 'model', None\) gives the output of layer '.*up' "
+            r"3 entries, "
+            r"but that output has rank 2 \(shape \(None, 64\)\)\. Fix: one entry per dimension, e\.g\. "
+            r"\('data', None\)",
+        ),
+        (
+            ".*up/output",
+            ("data",),
+            [keras.layers.Dense(64, name="up")],
+            kml.RankMismatchError,
+            "gives the output of layer '.*up' 1 entries, but that output has rank 2",
+        ),
+        (
+            ".*lstm/output",
+            ("data", None),
+            [keras.layers.Reshape((4, 4)), keras.layers.LSTM(8, return_state=True, name="lstm")],
+            kml.InvalidRuleError,
+            r"lays out the output of layer 'lstm', which returns 3 tensors "
+            r"\(\(None, 8\), \(None, 8\), \(None, 8\)\)",
+        ),
+    ],
+    ids=["rank-3-on-rank-2", "rank-1-on-rank-2", "three-outputs"],
+)
+def test_an_output_rule_that_cannot_lay_out_the_output_is_a_clear_error_before_any_step(
+    pattern, axes, layers, error, message
+):
+    """Regression: the wrong rank failed inside JAX's `with_sharding_constraint` at the first step, a
+    too-short rule was padded silently, and a layer returning several tensors failed in
+    `jax.device_put` while the functional model was built; none named the rule or the layer."""
+    keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(data=2, model=4), [(pattern, axes)]))
+    inputs = keras.Input((16,))
+    with pytest.raises(error, match=message):
+        outputs = inputs
+        for layer in layers:
+            outputs = layer(outputs)

@@ -83,6 +83,9 @@ from typing import Any
 
 import numpy as np
 
+from ._distribution_lib import WRAPPED
+from ._distribution_lib import wrap_distribute_data_input as wrap_distribute_data_input
+from ._distribution_lib import wrap_distribute_tensor as wrap_distribute_tensor
 from ._quantize import traced_quantize
 
 #: The trainer methods `kml` wraps, and whether each runs inference (`True`) or training.
@@ -98,7 +101,7 @@ TRAINER_METHODS: dict[str, bool] = {
 #: Keys of `JAXTrainer._jax_state`, in the order of the variable groups below.
 STATE_KEYS = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
 
-_WRAPPED = "_kml_guarded"
+_WRAPPED = WRAPPED
 
 
 def trainer_class() -> type:
@@ -295,18 +298,6 @@ def global_seed_generator(create: bool = False) -> Any:
 
 
 # -- Keras's JAX distribution backend -----------------------------------------------------
-
-
-def wrap_distribute_data_input(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replaces Keras's `distribute_data_input` (looked up for every batch) by `wrap(original)`, once."""
-    from keras.src.backend.jax import distribution_lib
-
-    original = distribution_lib.distribute_data_input
-    if getattr(original, _WRAPPED, False):
-        return
-    wrapped = functools.wraps(original)(wrap(original))
-    setattr(wrapped, _WRAPPED, True)
-    distribution_lib.distribute_data_input = wrapped
 
 
 def initialize_rng() -> None:

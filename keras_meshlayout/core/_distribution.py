@@ -10,7 +10,7 @@ from typing import Any
 import keras
 
 from .. import _compat
-from . import _trainer_hooks
+from . import _output_rules, _trainer_hooks
 from ._backend import require_jax_backend
 from ._errors import (
     IndivisibleBatchError,
@@ -282,7 +282,10 @@ class ModelParallel(keras.distribution.ModelParallel):
         return _compat.tensor_layout(resolution.axes, self.device_mesh)
 
     def get_tensor_layout(self, path: str) -> keras.distribution.TensorLayout | None:
-        return self.rules[path]
+        layout = self.rules[path]
+        if layout is not None and path.endswith("/output"):
+            _output_rules.asked(path, self.rules.match(path))  # checked against the output (`check`)
+        return layout
 
     def get_data_layout(self, data_shape: Sequence[int]) -> keras.distribution.TensorLayout:
         self._warn_unmatched_once()

@@ -56,6 +56,7 @@ from typing import Any, Literal
 import keras
 
 from .. import _compat as internals
+from . import _output_rules
 from ._errors import GroupedConvWarning
 from ._held import check_on_mesh
 from ._plan import grouped_conv_axes, grouped_conv_message
@@ -104,6 +105,16 @@ def install(is_ours: Callable[[Any], bool]) -> None:
         return distribute_data_input
 
     internals.wrap_distribute_data_input(checked)
+
+    def output_checked(original: Callable[..., Any]) -> Callable[..., Any]:
+        def distribute_tensor(tensor: Any, layout: Any) -> Any:
+            if is_ours(keras.distribution.distribution()):
+                _output_rules.check(tensor)  # a layer's output, against the rule that gave `layout`
+            return original(tensor, layout)
+
+        return distribute_tensor
+
+    internals.wrap_distribute_tensor(output_checked)
 
 
 def in_inference() -> bool:
