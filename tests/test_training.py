@@ -321,3 +321,26 @@ def test_an_output_rule_that_cannot_lay_out_the_output_is_a_clear_error_before_a
         outputs = inputs
         for layer in layers:
             outputs = layer(outputs)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "split"), [(64, False), (512, True)], ids=["small-kernel", "large-kernel"]
+)
+def test_a_bias_follows_its_kernel_kept_whole_as_small(hidden, split):
+    """Regression: `mlp_rules` kept a small `up` kernel whole (`replicate_below`) and split its bias,
+    so XLA gathered the bias and the kernel's update every step: 18,816 bytes over 'model', where no
+    rules at all send none."""
+    dist = kml.ModelParallel(kml.Mesh(data=2, model=4), kml.mlp_rules(["up", "down"]))
+    keras.distribution.set_distribution(dist)
+    inputs = keras.Input((16,))
+    hidden_out = keras.layers.Dense(hidden, activation="relu", name="up")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(16, name="down")(hidden_out), name="m")
+    model.compile(optimizer="adam", loss="mse")
+    plan = dist.plan(model)
+    assert plan["up/kernel"].axes == ((None, "model") if split else (None, None))
+    assert plan["up/bias"].axes == (("model",) if split else (None,))
+    assert model.get_layer("up").bias.value.sharding.spec == jax.sharding.PartitionSpec(*plan["up/bias"].axes)
+    if not split:
+        assert "its layer's kernel is small and kept whole" in plan["up/bias"].reasons[0]
+        x = np.zeros((8, 16), "float32")
+        assert kml.comm_report(model, x, x).wire_bytes_by_axis.get("model", 0) == 0

@@ -25,7 +25,7 @@ from ._plan import Plan
 from ._planning import plan_model
 from ._policy import IndivisiblePolicy, LayoutPolicy, resolve_policy
 from ._process_data import process_batch_block
-from ._resolve import Resolution, resolve
+from ._resolve import KeptWhole, Resolution, resolve
 from ._rules import LayoutRules, Origin
 
 __all__ = ["ModelParallel"]
@@ -168,6 +168,7 @@ class ModelParallel(keras.distribution.ModelParallel):
         self._on_indivisible = policy.on_indivisible
         self._replicate_below = policy.replicate_below
         self._axis_sizes = mesh_axis_sizes(mesh)
+        self._kept_whole = KeptWhole()
         #: Paths of the model variables laid out so far, for the unmatched-rule check.
         self._laid_out: list[str] = []
         self._unmatched_checked = False
@@ -224,7 +225,7 @@ class ModelParallel(keras.distribution.ModelParallel):
         under this distribution; nothing is allocated. With `rules=False`, as
         for optimizer and metric variables, no rule applies: replicated.
         """
-        return resolve(
+        resolution = resolve(
             path,
             shape,
             dtype,
@@ -234,6 +235,7 @@ class ModelParallel(keras.distribution.ModelParallel):
             replicate_below=self._replicate_below,
             warn=warn,
         )
+        return self._kept_whole.follow(resolution) if rules else resolution
 
     def plan(self, model: keras.Model) -> Plan:
         """What every variable of `model` (and of its optimizer, once built) got, and why.
