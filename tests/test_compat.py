@@ -199,6 +199,34 @@ def _global_seed_generator():
     assert _compat.global_seed_generator() is created
 
 
+def _distribute_tensor():
+    from keras.src.distribution import distribution_lib
+
+    assert list(inspect.signature(distribution_lib.distribute_tensor).parameters) == ["tensor", "layout"]
+    kml.ModelParallel(kml.Mesh(data=8))
+    assert getattr(distribution_lib.distribute_tensor, "_kml_guarded", False)
+    # Keras looks it up on the module at each layer call: our check runs (a rank-3 rule, a rank-2 output).
+    with kml.ModelParallel(kml.Mesh(data=2, model=4), [(".*dense/output", ("data", None, None))]).scope():
+        with pytest.raises(kml.RankMismatchError):
+            keras.layers.Dense(4, name="dense")(keras.Input((8,)))
+
+
+def _make_function():
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    original = inspect.unwrap(JAXTrainer._make_function)
+    assert list(inspect.signature(original).parameters)[:2] == ["self", "step_function"]
+    kml.ModelParallel(kml.Mesh(data=8))
+    assert getattr(JAXTrainer._make_function, "_kml_guarded", False)
+    # The state of a group's steps is recorded: an error after the first keeps what they trained.
+    with kml.ModelParallel(kml.Mesh(data=8)).scope():
+        model = _model()
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+        with pytest.raises(kml.IndivisibleBatchError):
+            model.fit(*_data(44), batch_size=8, epochs=1, verbose=0, shuffle=False)
+        assert int(model.optimizer.iterations) == 5
+
+
 def _distribute_data_input():
     from keras.src.backend.jax import distribution_lib
 
@@ -482,6 +510,12 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
         _distribute_data_input,
     ),
     ("keras.src.backend.jax.distribution_lib.initialize_rng", "the first collective", _initialize_rng),
+    (
+        "keras.src.distribution.distribution_lib.distribute_tensor",
+        "every layer output under an output rule is checked",
+        _distribute_tensor,
+    ),
+    ("JAXTrainer._make_function", "the state each compiled step returns", _make_function),
     ("Variable._layout", "an optimizer slot's layout", _variable_layout),
     ("Optimizer._overwrite_variable_with_gradient", "parameters without slots", _overwrite_with_gradient),
     ("Muon._should_use_adamw", "the matrices Muon orthogonalises", _muon_adamw),

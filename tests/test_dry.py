@@ -44,7 +44,7 @@ def real_plan(build, distribution: kml.ModelParallel, optimizer) -> kml.Plan:
 def test_dry_plan_equals_the_real_plan(build, rules, optimizer):
     mesh = kml.Mesh(data=2, model=4)
     if rules == "auto":
-        rules = kml.auto_rules(build(), mesh)
+        rules = kml.auto_rules(build(), mesh, replicate_below=0)
     distribution = kml.ModelParallel(mesh, rules, replicate_below=0)
     dry = kml.dry_plan(build, distribution, optimizer=optimizer)
     real = real_plan(build, distribution, optimizer)

@@ -344,3 +344,62 @@ def test_a_bias_follows_its_kernel_kept_whole_as_small(hidden, split):
         assert "its layer's kernel is small and kept whole" in plan["up/bias"].reasons[0]
         x = np.zeros((8, 16), "float32")
         assert kml.comm_report(model, x, x).wire_bytes_by_axis.get("model", 0) == 0
+
+
+def test_model_parallel_with_another_replicate_below_than_planned_warns():
+    keras.distribution.set_distribution(None)
+    mesh = kml.Mesh(data=2, model=4)
+    rules = kml.auto_rules(_mlp_for_planning(), mesh, replicate_below=0)
+    assert kml.ModelParallel(mesh, rules).replicate_below == 0  # the rules carry theirs
+    with pytest.warns(kml.MeshLayoutWarning, match="planned by kml.auto_rules with replicate_below=0"):
+        kml.ModelParallel(mesh, rules, replicate_below=100_000)
+
+
+def _tiny_classifier() -> keras.Model:
+    layers = [keras.Input((8,)), keras.layers.Dense(32, name="d1"), keras.layers.Dense(3, name="head")]
+    return keras.Sequential(layers, name="tiny")
+
+
+def _compiled_tiny(spe: int) -> keras.Model:
+    keras.utils.set_random_seed(7)
+    model = _tiny_classifier()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", steps_per_execution=spe)
+    return model
+
+
+@pytest.mark.parametrize("spe", [1, 3, 4])
+def test_an_error_part_way_through_a_group_of_steps_keeps_every_step_trained(spe):
+    """Regression: with `steps_per_execution` > 1 an error after the first step of a group (here the
+    short last batch, `IndivisibleBatchError`) left every variable deleted, and the next `fit`
+    crashed the process: Keras keeps the state between a group's steps in a local variable."""
+    x = np.random.default_rng(0).normal(size=(44, 8)).astype("float32")
+    y = np.arange(44) % 3  # 5 batches of 8, then one of 4 that 8 devices cannot split
+    keras.distribution.set_distribution(None)
+    reference = _compiled_tiny(1)
+    reference.fit(x[:40], y[:40], batch_size=8, epochs=1, verbose=0, shuffle=False)
+    keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(data=8)))
+    model = _compiled_tiny(spe)
+    with pytest.raises(kml.IndivisibleBatchError):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    assert int(model.optimizer.iterations) == 5
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    model.fit(x[:40], y[:40], batch_size=8, epochs=1, verbose=0)  # and it trains on
+    assert int(model.optimizer.iterations) == 10
+
+
+def test_evaluate_that_fails_part_way_through_a_group_leaves_the_weights_as_they_were():
+    keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(data=8)))
+    model = _compiled_tiny(4)
+    weights = model.get_weights()
+
+    def batches():
+        for step in range(8):
+            if step == 5:
+                raise ValueError("batch 5 is unreadable")
+            yield np.ones((8, 8), "float32"), np.zeros(8, "int32")
+
+    with pytest.raises(ValueError, match="batch 5 is unreadable"):
+        model.evaluate(batches(), verbose=0)
+    for got, want in zip(model.get_weights(), weights, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -1,5 +1,5 @@
 """The one seam to Keras's and JAX's internals: every private module, attribute or patch (this
-package: this module and `_quantize`).
+package: this module and `_quantize`, with _distribution_lib.py and _steps.py).
 
 No other module of the package imports `keras.src` or `jax._src`, reads a private
 attribute of a Keras object, or replaces a Keras function. `tests/test_compat.py` checks
@@ -20,6 +20,8 @@ Keras's JAX trainer (predict/evaluate support, multi-process pacing):
 - `JAXTrainer._jax_state` and `_jax_state_synced`: the state produced by the last
   completed step, not yet written back to the variables.
 - `Model._initial_epoch`: the epoch `fit` starts from, set by a resuming callback.
+- `JAXTrainer._make_function`: wraps a compiled step into the loop of `steps_per_execution`
+  steps; `kml` records the state each step returns (_steps.py).
 
 Keras's global state and distribution backend:
 
@@ -33,6 +35,8 @@ Keras's global state and distribution backend:
   layer class's `quantize` is traced there, not run (`_compat/_quantize.py` lists what it reaches).
 - `keras.src.backend.jax.distribution_lib`: `distribute_data_input`, wrapped to check
   every batch, and `initialize_rng`, the first collective of a multi-process run.
+- `keras.src.distribution.distribution_lib.distribute_tensor`: what a layer's output goes
+  through under an output rule, wrapped to check the output against the rule.
 - `Variable._layout`: the layout Keras gave an optimizer slot (its parameter's).
 - `Callback._model`: the model a callback is attached to, read without a state sync.
 - `Optimizer._overwrite_variable_with_gradient`: parameters an optimizer keeps no slots for.
@@ -87,6 +91,8 @@ from ._distribution_lib import WRAPPED
 from ._distribution_lib import wrap_distribute_data_input as wrap_distribute_data_input
 from ._distribution_lib import wrap_distribute_tensor as wrap_distribute_tensor
 from ._quantize import traced_quantize
+from ._steps import state_by_key as state_by_key
+from ._steps import wrap_steps as wrap_steps
 
 #: The trainer methods `kml` wraps, and whether each runs inference (`True`) or training.
 TRAINER_METHODS: dict[str, bool] = {

@@ -154,6 +154,8 @@ class ModelParallel(keras.distribution.ModelParallel):
             default=given.policy if isinstance(given, LayoutRules) else None,
         )
         planned = given.origin if isinstance(given, LayoutRules) and given.origin.planned else None
+        if planned is not None and planned.policy is not None:
+            _warn_other_policy(planned.policy.replicate_below, policy.replicate_below)
         batch_axis = _the_batch_axis(mesh, batch_axis, batch_dim_name, planned)
         if auto_shard_dataset is None:
             auto_shard_dataset = keras_form  # Keras's default where Keras's call form is used
@@ -415,6 +417,19 @@ def _snapshot(layout_map: keras.distribution.LayoutMap | None) -> tuple | None:
     if layout_map is None:
         return None
     return tuple((key, id(layout)) for key, layout in layout_map.items())
+
+
+def _warn_other_policy(planned: int, given: int) -> None:
+    """Warns that `replicate_below` differs from the one `kml.auto_rules` planned (and costed) with."""
+    if planned != given:
+        warnings.warn(
+            f"ModelParallel keeps weight matrices under replicate_below={given} whole, but its rules "
+            f"were planned by kml.auto_rules with replicate_below={planned}: the layouts differ from "
+            "the plan's, and its costs (rules.cost) do not hold. Fix: leave replicate_below out (the "
+            "rules carry theirs), or plan with the same one.",
+            MeshLayoutWarning,
+            stacklevel=3,
+        )
 
 
 def _warn_other_batch_axis(mesh: keras.distribution.DeviceMesh, batch_axis: str, planned: str | None) -> None:

@@ -75,6 +75,8 @@ __all__ = [
 _INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("kml_inference", default=False)
 #: Inside a guarded call: each variable's value (by `id`) just before Keras last emptied it.
 _PURGED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar("kml_purged", default=None)
+#: Inside a guarded call: the state the call's last compiled step returned (`_compat.wrap_steps`).
+_STEPPED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("kml_stepped", default=None)
 
 
 #: Whether `sys.exit(0)` (or `sys.exit()`) left a `fit`: under the launcher the other processes would
@@ -94,6 +96,7 @@ def install(is_ours: Callable[[Any], bool]) -> None:
     """
     internals.wrap_trainer_methods(lambda method, inference: _guard(method, inference, is_ours))
     internals.wrap_purge(_record_before_purge)
+    internals.wrap_steps(_record_step)
 
     def checked(original: Callable[..., Any]) -> Callable[..., Any]:
         def distribute_data_input(per_process_batch: Any, layout: Any, batch_dim_name: str) -> Any:
@@ -190,20 +193,21 @@ def _guard(method: Callable[..., Any], inference: bool, is_ours: Callable[[Any],
         if getattr(method, "__name__", "") == "fit":
             warn_grouped_convs(model, distribution)
         token = _INFERENCE.set(inference)
-        purged = {}
-        purged_token = _PURGED.set(purged)
+        purged, stepped = {}, [None]
+        purged_token, stepped_token = _PURGED.set(purged), _STEPPED.set(stepped)
         before = _snapshot(model)
         empty = _empty(model)  # emptied by an enclosing loop (a callback's call): not ours to fill
         stale = internals.state_object(model)
         try:
             return method(model, *args, **kwargs)
         except BaseException as error:
-            _restore(model, {**before, **purged}, empty, stale, error)
+            _restore(model, {**before, **purged}, empty, stale, error, stepped[0])
             if isinstance(error, SystemExit) and error.code in (None, 0) and method.__name__ == "fit":
                 global exited_during_fit  # read by the launcher's worker (`runtime/_worker.py`)
                 exited_during_fit = True
             raise
         finally:
+            _STEPPED.reset(stepped_token)
             _PURGED.reset(purged_token)
             _INFERENCE.reset(token)
 
@@ -222,6 +226,12 @@ def warn_grouped_convs(model: Any, distribution: Any) -> None:
     if layers and others:
         message = grouped_conv_message(layers, distribution.axis_sizes, batch_axis, others)
         warnings.warn(f"fit: {message}", GroupedConvWarning, stacklevel=4)
+
+
+def _record_step(state: Any) -> None:
+    stepped = _STEPPED.get()
+    if stepped is not None:
+        stepped[0] = state
 
 
 def _record_before_purge(model: Any) -> None:
@@ -255,12 +265,16 @@ def _alive(value: Any) -> bool:
     return not (callable(is_deleted) and is_deleted())
 
 
-def _restore(model: Any, before: dict[int, Any], empty: set[int], stale: Any, error: BaseException) -> None:
+def _restore(
+    model: Any, before: dict[int, Any], empty: set[int], stale: Any, error: BaseException, stepped: Any = None
+) -> None:
     """Puts a value back into every variable the failed call left empty.
 
-    First the state of the call's last completed step (what Keras would have
-    written back had the loop ended), then, for a variable still empty, the
-    value it held when the call's loop began (alive unless a step consumed it).
+    First the state the call's last compiled step returned (`stepped`: with
+    `steps_per_execution` > 1, newer than any Keras holds), then the state of the
+    call's last completed step group (what Keras would have written back had the
+    loop ended), then, for a variable still empty, the value it held when the
+    call's loop began (alive unless a step consumed it).
     Variables already empty when the call began, and a pending state the call
     did not make, belong to an enclosing loop (a `fit` whose callback called
     `predict`): that loop writes them back itself.
@@ -268,11 +282,17 @@ def _restore(model: Any, before: dict[int, Any], empty: set[int], stale: Any, er
     groups = internals.variable_groups(model)
     state = internals.pending_state(model)
     ours = internals.state_object(model) is not stale
+    newest = set()
+    for key, values in internals.state_by_key(stepped).items():
+        for variable, value in zip(groups[key], values or (), strict=False):
+            if _alive(value) and not _alive(internals.raw_value(variable)):
+                internals.set_raw_value(variable, value)
+                newest.add(id(variable))
     if state is not None and ours:
         for key in internals.STATE_KEYS:
             values = state.get(key) or ()
             for variable, value in zip(groups[key], values, strict=False):
-                if _alive(value):
+                if _alive(value) and id(variable) not in newest:
                     internals.set_raw_value(variable, value)
     lost = []
     for variables in groups.values():
