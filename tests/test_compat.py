@@ -211,6 +211,15 @@ def _distribute_tensor():
             keras.layers.Dense(4, name="dense")(keras.Input((8,)))
 
 
+def _compile_metrics():
+    from keras_meshlayout import _compat
+
+    metric = keras.metrics.MeanSquaredError(name="early")
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse", metrics=[metric], weighted_metrics=[["mae"]])
+    assert [v.path for v in _compat.compile_metric_variables(model)] == ["early/total", "early/count"]
+
+
 def _make_function():
     from keras.src.backend.jax.trainer import JAXTrainer
 
@@ -516,6 +525,11 @@ INTERNALS: list[tuple[str, str, Callable[[], None]]] = [
         _distribute_tensor,
     ),
     ("JAXTrainer._make_function", "the state each compiled step returns", _make_function),
+    (
+        "Model._compile_metrics._user_metrics/_user_weighted_metrics",
+        "the metric objects given to compile",
+        _compile_metrics,
+    ),
     ("Variable._layout", "an optimizer slot's layout", _variable_layout),
     ("Optimizer._overwrite_variable_with_gradient", "parameters without slots", _overwrite_with_gradient),
     ("Muon._should_use_adamw", "the matrices Muon orthogonalises", _muon_adamw),

@@ -64,6 +64,54 @@ def test_setting_the_distribution_after_the_build_is_our_error_before_any_comput
         np.testing.assert_array_equal(weight.numpy(), value)  # nothing ran, nothing was lost
 
 
+@pytest.mark.parametrize(
+    ("made_early", "named", "fix"),
+    [
+        ("optimizer", "('early/iteration', 'early/learning_rate')", "create the optimizer and metrics after"),
+        ("metric", "('early/total', 'early/count')", "pass them by name"),
+    ],
+)
+def test_an_optimizer_or_metric_made_before_the_distribution_is_named_as_such(made_early, named, fix):
+    """Regression: a metric object created before `set_distribution` failed mid-step in JAX
+    ("Received incompatible devices"); an early optimizer was blamed on the model's build."""
+    early = (
+        keras.optimizers.Adam(name="early")
+        if made_early == "optimizer"
+        else keras.metrics.MeanSquaredError("early")
+    )
+    keras.distribution.set_distribution(_distribution())
+    model = _model()
+    if made_early == "optimizer":
+        model.compile(optimizer=early, loss="mse")
+    else:
+        model.compile(optimizer="adam", loss="mse", metrics=[early])
+    x = np.zeros((16, 8), "float32")
+    with pytest.raises(kml.LayoutMismatchError) as raised:
+        model.fit(x, x, batch_size=8, verbose=0)
+    message = str(raised.value)
+    assert message.startswith(f"2 variable(s) {named} live on 1 device(s)"), message
+    assert f"the {made_early} object was created before the distribution was set" in message
+    assert fix in message
+
+
+def test_a_model_built_under_another_mesh_says_so_and_how_to_move_it():
+    """Regression: a model built on a 4-device kml mesh, then fit under a 2x4 one, was told it had been
+    made "on one device" and to set the distribution first, which it had."""
+    with kml.ModelParallel(kml.Mesh(data=1, model=4, devices=jax.devices()[:4]), RULES).scope():
+        model = _model()
+        model.compile(optimizer="sgd", loss="mse")
+    keras.distribution.set_distribution(_distribution())
+    x = np.zeros((16, 8), "float32")
+    with pytest.raises(kml.LayoutMismatchError) as raised:
+        model.fit(x, x, batch_size=8, verbose=0)
+    message = str(raised.value)
+    assert "live on 4 device(s), not on the mesh data=2 x model=4 (8 devices)" in message
+    assert "they were laid out for another mesh of 4 devices" in message and "one device" not in message
+    assert (
+        "kml.save_checkpoint(model, path) under the old one, kml.load_checkpoint(new, path) here" in message
+    )
+
+
 def test_a_variable_placed_otherwise_on_the_mesh_is_shown_with_its_real_layout():
     dist = _distribution()
     with dist.scope():

@@ -351,8 +351,17 @@ def test_model_parallel_with_another_replicate_below_than_planned_warns():
     mesh = kml.Mesh(data=2, model=4)
     rules = kml.auto_rules(_mlp_for_planning(), mesh, replicate_below=0)
     assert kml.ModelParallel(mesh, rules).replicate_below == 0  # the rules carry theirs
-    with pytest.warns(kml.MeshLayoutWarning, match="planned by kml.auto_rules with replicate_below=0"):
-        kml.ModelParallel(mesh, rules, replicate_below=100_000)
+    dist = kml.ModelParallel(mesh, rules, replicate_below=100_000)  # the warning comes with a layout
+    match = (
+        r"replicate_below=100000\) lays out '.*up/kernel' \(1024 elements\) otherwise than kml.auto_rules "
+    )
+    with pytest.warns(kml.MeshLayoutWarning, match=match + r"planned it, with replicate_below=0: whole here"):
+        dist.resolve("mlp/up/kernel", (16, 64))
+    dist.resolve("mlp/down/kernel", (64, 16))  # once
+    # Told a threshold under which the plan's layouts stay as planned, it says nothing.
+    kml.ModelParallel(mesh, kml.auto_rules(_mlp_for_planning(), mesh), replicate_below=0).resolve(
+        "mlp/up/kernel", (16, 64)
+    )
 
 
 def _tiny_classifier() -> keras.Model:

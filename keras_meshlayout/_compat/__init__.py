@@ -1,5 +1,5 @@
 """The one seam to Keras's and JAX's internals: every private module, attribute or patch (this
-package: this module and `_quantize`, with _distribution_lib.py and _steps.py).
+package: this module and `_quantize`, with _distribution_lib.py, _metrics.py and _steps.py).
 
 No other module of the package imports `keras.src` or `jax._src`, reads a private
 attribute of a Keras object, or replaces a Keras function. `tests/test_compat.py` checks
@@ -20,6 +20,8 @@ Keras's JAX trainer (predict/evaluate support, multi-process pacing):
 - `JAXTrainer._jax_state` and `_jax_state_synced`: the state produced by the last
   completed step, not yet written back to the variables.
 - `Model._initial_epoch`: the epoch `fit` starts from, set by a resuming callback.
+- `Model._compile_metrics` (`_user_metrics`, `_user_weighted_metrics`): the metric objects
+  given to `compile`, whose variables exist before `fit` builds the rest.
 - `JAXTrainer._make_function`: wraps a compiled step into the loop of `steps_per_execution`
   steps; `kml` records the state each step returns (_steps.py).
 
@@ -90,6 +92,7 @@ import numpy as np
 from ._distribution_lib import WRAPPED
 from ._distribution_lib import wrap_distribute_data_input as wrap_distribute_data_input
 from ._distribution_lib import wrap_distribute_tensor as wrap_distribute_tensor
+from ._metrics import compile_metric_variables as compile_metric_variables
 from ._quantize import traced_quantize
 from ._steps import state_by_key as state_by_key
 from ._steps import wrap_steps as wrap_steps

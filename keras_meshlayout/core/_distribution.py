@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -16,17 +17,18 @@ from ._errors import (
     IndivisibleBatchError,
     InvalidMeshError,
     InvalidRuleError,
-    MeshLayoutWarning,
     UnmatchedRuleWarning,
 )
-from ._format import did_you_mean, unmatched_hint
+from ._format import unmatched_hint
 from ._mesh import Mesh, mesh_axis_sizes
 from ._plan import Plan
+from ._planned import the_batch_axis, warn_other_policy
 from ._planning import plan_model
 from ._policy import IndivisiblePolicy, LayoutPolicy, resolve_policy
 from ._process_data import process_batch_block
 from ._resolve import KeptWhole, Resolution, resolve
-from ._rules import LayoutRules, Origin
+from ._rules import LayoutRules
+from ._shape_checks import is_weight_matrix
 
 __all__ = ["ModelParallel"]
 
@@ -154,9 +156,8 @@ class ModelParallel(keras.distribution.ModelParallel):
             default=given.policy if isinstance(given, LayoutRules) else None,
         )
         planned = given.origin if isinstance(given, LayoutRules) and given.origin.planned else None
-        if planned is not None and planned.policy is not None:
-            _warn_other_policy(planned.policy.replicate_below, policy.replicate_below)
-        batch_axis = _the_batch_axis(mesh, batch_axis, batch_dim_name, planned)
+        planned_below = None if planned is None or planned.policy is None else planned.policy.replicate_below
+        batch_axis = the_batch_axis(mesh, batch_axis, batch_dim_name, planned)
         if auto_shard_dataset is None:
             auto_shard_dataset = keras_form  # Keras's default where Keras's call form is used
         self._keras_map = given if _is_raw_layout_map(given) else None
@@ -171,6 +172,7 @@ class ModelParallel(keras.distribution.ModelParallel):
         self._replicate_below = policy.replicate_below
         self._axis_sizes = mesh_axis_sizes(mesh)
         self._kept_whole = KeptWhole()
+        self._planned_below = planned_below  # the replicate_below auto_rules planned with, if it did
         #: Paths of the model variables laid out so far, for the unmatched-rule check.
         self._laid_out: list[str] = []
         self._unmatched_checked = False
@@ -237,7 +239,20 @@ class ModelParallel(keras.distribution.ModelParallel):
             replicate_below=self._replicate_below,
             warn=warn,
         )
+        if rules and self._planned_below not in (None, self._replicate_below):
+            self._warn_if_not_as_planned(resolution)
         return self._kept_whole.follow(resolution) if rules else resolution
+
+    def _warn_if_not_as_planned(self, resolution: Resolution) -> None:
+        """Warns, once, when `replicate_below` lays a planned matrix out otherwise than the planner did."""
+        size, rule = math.prod(resolution.shape), resolution.rule
+        low, high = sorted((self._planned_below, self._replicate_below))
+        if rule is None or not rule.suggested or rule.keep_split or not low <= size < high:
+            return
+        if not is_weight_matrix(resolution.path, resolution.shape) or all(a is None for a in rule.axes):
+            return
+        planned, self._planned_below = self._planned_below, None  # once
+        warn_other_policy(resolution.path, size, planned, self._replicate_below)
 
     def plan(self, model: keras.Model) -> Plan:
         """What every variable of `model` (and of its optimizer, once built) got, and why.
@@ -417,61 +432,6 @@ def _snapshot(layout_map: keras.distribution.LayoutMap | None) -> tuple | None:
     if layout_map is None:
         return None
     return tuple((key, id(layout)) for key, layout in layout_map.items())
-
-
-def _warn_other_policy(planned: int, given: int) -> None:
-    """Warns that `replicate_below` differs from the one `kml.auto_rules` planned (and costed) with."""
-    if planned != given:
-        warnings.warn(
-            f"ModelParallel keeps weight matrices under replicate_below={given} whole, but its rules "
-            f"were planned by kml.auto_rules with replicate_below={planned}: the layouts differ from "
-            "the plan's, and its costs (rules.cost) do not hold. Fix: leave replicate_below out (the "
-            "rules carry theirs), or plan with the same one.",
-            MeshLayoutWarning,
-            stacklevel=3,
-        )
-
-
-def _warn_other_batch_axis(mesh: keras.distribution.DeviceMesh, batch_axis: str, planned: str | None) -> None:
-    """Warns that the batch goes over another axis than the one `kml.auto_rules` planned it over."""
-    if planned:
-        was, fix = f"the batch over {planned!r}", f"kml.ModelParallel(mesh, rules, batch_axis={planned!r})"
-    else:
-        sizes = ", ".join(f"{name}={size}" for name, size in mesh_axis_sizes(mesh).items())
-        was = "no batch axis (the mesh had none but the model's): the batch whole on every device"
-        fix = f"a batch axis of size 1, which keeps the batch whole, kml.Mesh(data=1, {sizes})"
-    warnings.warn(
-        f"ModelParallel splits the batch over {batch_axis!r}, but its rules were planned by kml.auto_rules "
-        f"with {was}. Their layouts were chosen, and their costs (rules.cost) predicted, for that: "
-        f"weights split over {batch_axis!r} are gathered every step. Fix: {fix}.",
-        MeshLayoutWarning,
-        stacklevel=4,
-    )
-
-
-def _the_batch_axis(
-    mesh: keras.distribution.DeviceMesh, batch_axis: Any, batch_dim_name: Any, planned: Origin | None = None
-) -> str:
-    """The batch axis from ours or Keras's name for it; by default the one `kml.auto_rules` planned
-    with (`planned`), else the mesh's first axis."""
-    if batch_axis is not None and batch_dim_name is not None and batch_axis != batch_dim_name:
-        raise InvalidMeshError(
-            f"batch_axis={batch_axis!r} and batch_dim_name={batch_dim_name!r} disagree; they are "
-            "two names (ours and Keras's) for the same argument. Fix: pass one of them."
-        )
-    batch_axis = batch_axis if batch_axis is not None else batch_dim_name
-    if batch_axis is None and planned is not None and planned.batch_axis in mesh.axis_names:
-        batch_axis = planned.batch_axis
-    batch_axis = mesh.axis_names[0] if batch_axis is None else batch_axis
-    if planned is not None and batch_axis != planned.batch_axis and batch_axis in mesh.axis_names:
-        _warn_other_batch_axis(mesh, batch_axis, planned.batch_axis)
-    if batch_axis not in mesh.axis_names:
-        raise InvalidMeshError(
-            f"batch_axis={batch_axis!r} is not an axis of the mesh, which has axes "
-            f"{tuple(mesh.axis_names)} (shape {tuple(mesh.shape)})."
-            f"{did_you_mean(batch_axis, tuple(mesh.axis_names))} Fix: pass one of them."
-        )
-    return batch_axis
 
 
 def _the_mesh(mesh: Any, device_mesh: Any, rules: Any) -> keras.distribution.DeviceMesh:

@@ -75,10 +75,20 @@ def _entry(entry: Any) -> str | tuple[str, ...] | None:
     return entry
 
 
-def mismatch_cause(distribution: Any) -> str:
-    """Why a model's variables are off the mesh: built outside the distribution, or set after it."""
+def mismatch_cause(distribution: Any, devices: int = 1, owners: tuple[str, ...] = ("model",)) -> str:
+    """Why variables are off the mesh: made outside the distribution (on `devices` devices), by whom."""
     import keras
 
+    if devices > 1:
+        return (
+            f"they were laid out for another mesh of {devices} devices (built under another "
+            "distribution), and Keras does not move variables between meshes"
+        )
+    if "model" not in owners:  # the model's own on the mesh: only what compile was given is off it
+        made = " and ".join(f"the {owner} object" for owner in owners)
+        return (
+            f"{made} was created before the distribution was set, so Keras made its variables on one device"
+        )
     if keras.distribution.distribution() is distribution:
         return (
             "the distribution was set after the model was built, so Keras created its variables on one device"
@@ -91,18 +101,29 @@ _FIX = (
     "keras.distribution.set_distribution(dist) before creating any Keras object, or "
     "`with dist.scope(): model = build()`."
 )
+_FIX_OBJECTS = (
+    "Fix: create the optimizer and metrics after set_distribution(dist) (or inside dist.scope()), or "
+    "pass them by name: compile(optimizer='adam', metrics=['mae'])."
+)
+_FIX_MESH = (
+    "Fix: build the model under this distribution and move its weights with a checkpoint, which loads "
+    "onto any mesh: kml.save_checkpoint(model, path) under the old one, kml.load_checkpoint(new, path) here."
+)
 
 
-def off_mesh_message(distribution: Any, paths: list[str], devices: int) -> str:
+def off_mesh_message(
+    distribution: Any, paths: list[str], devices: int, owners: tuple[str, ...] = ("model",)
+) -> str:
     """One message for the variables that live outside the mesh, naming the cause and the fix."""
     shown = ", ".join(repr(path) for path in paths[:3]) + (
         f" and {len(paths) - 3} more" if len(paths) > 3 else ""
     )
     mesh = " x ".join(f"{name}={size}" for name, size in distribution.axis_sizes.items())
+    fix = _FIX_MESH if devices > 1 else _FIX if "model" in owners else _FIX_OBJECTS
     return (
         f"{len(paths)} variable(s) ({shown}) live on {devices} device(s), not on the mesh {mesh} "
-        f"({_mesh_size(distribution)} devices): {mismatch_cause(distribution)}. Their layouts are not "
-        f"the rules'. {_FIX}"
+        f"({_mesh_size(distribution)} devices): {mismatch_cause(distribution, devices, owners)}. Their "
+        f"layouts are not the rules'. {fix}"
     )
 
 
@@ -114,17 +135,25 @@ def _mesh_size(distribution: Any) -> int:
 
 
 def check_on_mesh(model: Any, distribution: Any) -> None:
-    """Raises `LayoutMismatchError` before any compute when a variable of `model` is off the mesh."""
-    off, devices = [], 0
+    """Raises `LayoutMismatchError` before any compute when a variable of `model` is off the mesh: its
+    own, its optimizer's, or those of the metric objects given to `compile`."""
+    off, devices, owners = [], 0, []
     mesh = distribution.device_mesh
-    for group in _compat.variable_groups(model).values():
+    groups = _compat.variable_groups(model)
+    groups["metrics_variables"] = [*groups["metrics_variables"], *_compat.compile_metric_variables(model)]
+    for key, group in groups.items():
         for variable in group:
             found = held(variable, mesh)
             if found is not None and not found.on_mesh:
                 off.append(variable.path)
                 devices = found.devices
+                owner = _OWNERS.get(key, "model")
+                owners += [owner] if owner not in owners else []
     if off:
         raise LayoutMismatchError(
-            off_mesh_message(distribution, off, devices)
+            off_mesh_message(distribution, off, devices, tuple(sorted(owners)))
             + " (JAX would otherwise refuse the step with 'Received incompatible devices'.)"
         )
+
+
+_OWNERS = {"optimizer_variables": "optimizer", "metrics_variables": "metric"}
