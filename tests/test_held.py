@@ -112,6 +112,21 @@ def test_a_model_built_under_another_mesh_says_so_and_how_to_move_it():
     )
 
 
+def test_a_model_built_on_another_arrangement_of_the_same_devices_is_shown_as_it_is():
+    """Regression: built under 2x4, planned under 4x2 (the same 8 devices and axis names), the plan read
+    the kernel's spec on the new mesh: 2 shards and 2,048 bytes a device, where it held 4 and 1,024."""
+    keras.distribution.set_distribution(kml.ModelParallel(kml.Mesh(data=2, model=4), RULES))
+    model = _model()
+    other = kml.ModelParallel(kml.Mesh(data=4, model=2), [(r".*up/kernel", ("model", None))])
+    keras.distribution.set_distribution(other)
+    held_otherwise = r"2 variable\(s\) \('mlp/up/kernel', 'mlp/up/bias'\) hold"
+    with pytest.warns(kml.LayoutMismatchWarning, match=held_otherwise):
+        entry = other.plan(model)["mlp/up/kernel"]
+    kernel = model.get_layer("up").kernel.value
+    assert entry.bytes_per_device == kernel.addressable_shards[0].data.nbytes == 8 * 16 * 4 // 4
+    assert entry.reasons[0].startswith("its array is laid out on another mesh of these devices (data=2 x")
+
+
 def test_a_variable_placed_otherwise_on_the_mesh_is_shown_with_its_real_layout():
     dist = _distribution()
     with dist.scope():

@@ -27,11 +27,14 @@ class Held:
             (or its sharding has no such form).
         devices: How many devices hold a piece of it.
         on_mesh: Whether it lives on exactly the mesh's devices.
+        other_mesh: Where those devices are arranged in another mesh (`"data=2 x model=4"`), that
+            mesh: its spec means other shards than on this one.
     """
 
     axes: Axes | None
     devices: int
     on_mesh: bool
+    other_mesh: str | None = None
 
 
 def held(variable: Any, mesh: Any) -> Held | None:
@@ -44,7 +47,7 @@ def held(variable: Any, mesh: Any) -> Held | None:
         ...     layer = keras.layers.Dense(8)
         ...     layer.build((None, 4))
         >>> held(layer.kernel, mesh)
-        Held(axes=(None, 'model'), devices=8, on_mesh=True)
+        Held(axes=(None, 'model'), devices=8, on_mesh=True, other_mesh=None)
     """
     return held_array(_compat.raw_value(variable), mesh, len(variable.shape))
 
@@ -59,13 +62,27 @@ def held_array(array: Any, mesh: Any, rank: int) -> Held | None:
     if devices != set(backend.devices.flat):
         return Held(axes=None, devices=len(devices), on_mesh=False)
     spec = getattr(sharding, "spec", None)
-    same_mesh = getattr(getattr(sharding, "mesh", None), "axis_names", None) == backend.axis_names
+    same_mesh = _same_mesh(getattr(sharding, "mesh", None), backend)
     if spec is not None and same_mesh and len(spec) <= rank:
         padded = (*spec, *(None,) * (rank - len(spec)))
         return Held(axes=tuple(_entry(entry) for entry in padded), devices=len(devices), on_mesh=True)
     if sharding.is_fully_replicated:
         return Held(axes=(None,) * rank, devices=len(devices), on_mesh=True)
-    return Held(axes=None, devices=len(devices), on_mesh=True)
+    other = getattr(sharding, "mesh", None)
+    shape = getattr(other, "shape", None)
+    where = None if not shape else " x ".join(f"{name}={size}" for name, size in dict(shape).items())
+    return Held(axes=None, devices=len(devices), on_mesh=True, other_mesh=where)
+
+
+def _same_mesh(mesh: Any, backend: Any) -> bool:
+    """Whether an array's mesh is `backend`: the same axes, sizes and devices in the same places (a
+    2×4 and a 4×2 mesh of the same devices and axis names are not: a spec means other shards)."""
+    if getattr(mesh, "axis_names", None) != backend.axis_names:
+        return False
+    devices = getattr(mesh, "devices", None)
+    if devices is None or devices.shape != backend.devices.shape:
+        return False
+    return bool((devices == backend.devices).all())
 
 
 def _entry(entry: Any) -> str | tuple[str, ...] | None:

@@ -9,6 +9,7 @@ the small `Distributes` protocol, so that neither module imports the other's cal
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -338,6 +339,13 @@ def _model_entry(distribution: Distributes, variable: keras.Variable) -> tuple[R
             reasons=(f"lives on {found.devices} device(s) outside the mesh (see the warning below)",),
         )
         return off, found
+    if found is not None and found.other_mesh is not None:
+        array = _compat.raw_value(variable)
+        shard = math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+        reason = f"its array is laid out on another mesh of these devices ({found.other_mesh}) (see below)"
+        return dataclasses.replace(
+            resolution, shards=max(1, resolution.nbytes // max(1, shard)), source="preset", reasons=(reason,)
+        ), found
     actual = _actual_axes(variable)
     if actual is not None and actual != resolution.axes:
         fixed = _with_axes(
