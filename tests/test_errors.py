@@ -910,6 +910,12 @@ def _mlp() -> keras.Model:
     return mlp(16, ("up", 64, "relu"), ("down", 16))
 
 
+def _compiled_mlp() -> keras.Model:
+    model = _mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
 def _planned(**kwargs: Any) -> Callable[[], Any]:
     """`auto_rules` of a small MLP on data=2 × model=4 with `kwargs` (`model=`/`mesh=` replace them)."""
 
@@ -943,6 +949,9 @@ ARGUMENT_CASES = [
     Case("comm-report-of-an-uncompiled-model",
          lambda: kml.comm_report(_mlp(), np.zeros((8, 16), "float32")), kml.InvalidOptionError,
          ("is not compiled", "model.compile(", "kml.compile_step")),
+    Case("comm-report-without-targets",
+         lambda: kml.comm_report(_compiled_mlp(), np.zeros((8, 16), "float32")), kml.InvalidOptionError,
+         ("compiled with loss='mse', which needs targets", "comm_report(model, x, y)")),
 ]  # fmt: skip
 
 

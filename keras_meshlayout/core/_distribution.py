@@ -303,7 +303,7 @@ class ModelParallel(keras.distribution.ModelParallel):
     def get_tensor_layout(self, path: str) -> keras.distribution.TensorLayout | None:
         layout = self.rules[path]
         if layout is not None and path.endswith("/output"):
-            _output_rules.asked(path, self.rules.match(path))  # checked against the output (`check`)
+            _output_rules.asked(path, self.rules.match(path), layout)  # checked against the output
         return layout
 
     def get_data_layout(self, data_shape: Sequence[int]) -> keras.distribution.TensorLayout:

@@ -21,17 +21,21 @@ from ._rule import Rule
 
 __all__ = ["asked", "check"]
 
-#: The output path and rule `get_tensor_layout` last answered with, until `distribute_tensor` reads it.
-_ASKED: contextvars.ContextVar[tuple[str, Rule] | None] = contextvars.ContextVar("kml_output", default=None)
+#: The output path, rule and layout `get_tensor_layout` last answered with, until `distribute_tensor`
+#: is given that layout.
+_ASKED: contextvars.ContextVar[tuple[str, Rule, Any] | None] = contextvars.ContextVar(
+    "kml_output", default=None
+)
 
 
-def asked(path: str, rule: Rule | None) -> None:
-    """Notes that the layout of `path` (a `<layer>/output`) was asked for, and `rule` gave it."""
-    _ASKED.set(None if rule is None else (path, rule))
+def asked(path: str, rule: Rule | None, layout: Any) -> None:
+    """Notes that the layout of `path` (a `<layer>/output`) was asked for, and `rule` gave `layout`."""
+    _ASKED.set(None if rule is None else (path, rule, layout))
 
 
-def check(tensor: Any) -> None:
-    """Raises if the output rule noted by `asked` cannot lay out `tensor` (then forgets the rule).
+def check(tensor: Any, layout: Any) -> None:
+    """Raises if the output rule noted by `asked` cannot lay out `tensor`, when `layout` is the one it
+    gave (a layer's output, not a tensor laid out by other code); then forgets the rule.
 
     Raises:
         InvalidRuleError: the layer returns several tensors, where an output rule lays out one.
@@ -39,9 +43,9 @@ def check(tensor: Any) -> None:
     """
     noted = _ASKED.get()
     _ASKED.set(None)
-    if noted is None:
+    if noted is None or noted[2] is not layout:
         return
-    path, rule = noted
+    path, rule, _ = noted
     layer = path.removesuffix("/output")
     leaves = keras.tree.flatten(tensor)
     if len(leaves) != 1:

@@ -112,7 +112,7 @@ def install(is_ours: Callable[[Any], bool]) -> None:
     def output_checked(original: Callable[..., Any]) -> Callable[..., Any]:
         def distribute_tensor(tensor: Any, layout: Any) -> Any:
             if is_ours(keras.distribution.distribution()):
-                _output_rules.check(tensor)  # a layer's output, against the rule that gave `layout`
+                _output_rules.check(tensor, layout)  # a layer's output, against the rule that gave `layout`
             return original(tensor, layout)
 
         return distribute_tensor

@@ -218,7 +218,15 @@ def comm_report(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = 
         )
     distribution = keras.distribution.distribution()
     data = (x, y, sample_weight)
-    _compat.symbolic_build(model, data)
+    try:
+        _compat.symbolic_build(model, data)
+    except (TypeError, ValueError) as error:
+        if y is not None or getattr(model, "loss", None) is None:
+            raise
+        raise InvalidOptionError(
+            f"comm_report: model {model.name!r} is compiled with loss={model.loss!r}, which needs targets, "
+            f"and y was not given ({type(error).__name__}: {error}). Fix: comm_report(model, x, y)."
+        ) from error
 
     def abstract(variable: keras.Variable) -> jax.ShapeDtypeStruct:
         value = variable.value
