@@ -122,3 +122,12 @@ def test_a_rule_that_matches_nothing_names_the_nearest_paths():
     [message] = [str(w.message) for w in caught if w.category is kml.UnmatchedRuleWarning]
     assert message.endswith("Nearest variable paths: 'mlp/up/kernel', 'mlp/down/kernel'.")
     assert message in plan.warnings
+
+
+def test_auto_rules_plans_on_a_jax_mesh_as_model_parallel_takes_it():
+    """Regression: `kml.ModelParallel(jax_mesh, rules)` worked, but `kml.auto_rules(model, jax_mesh)`
+    refused the mesh as not a `kml.Mesh`."""
+    jax_mesh = jax.make_mesh((2, 4), ("data", "model"))
+    rules = kml.auto_rules(mlp(16, ("up", 64, "relu"), ("down", 16)), jax_mesh, replicate_below=0)
+    assert rules.match("mlp/up/kernel").axes == (None, "model") and rules.batch_axis == "data"
+    assert kml.ModelParallel(jax_mesh, rules).batch_dim_name == "data"

@@ -14,12 +14,18 @@ import keras
 from ..core._errors import IndivisibleBatchError, InvalidMeshError, InvalidOptionError, InvalidRuleError
 from ..core._format import did_you_mean
 from ..core._memory import parse_bytes
+from ..core._mesh import Mesh
 
 __all__ = ["check_budget_args", "check_mesh_and_model", "checked_axes"]
 
 
-def check_mesh_and_model(model: Any, mesh: Any) -> None:
-    """The two positional arguments, refused before any tracing when they are not a model and a mesh."""
+def check_mesh_and_model(model: Any, mesh: Any) -> keras.distribution.DeviceMesh:
+    """The mesh (a JAX one made a `kml.Mesh`, as `kml.ModelParallel` takes it), refused before any
+    tracing, with the model, when they are not a model and a mesh."""
+    import jax
+
+    if isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        mesh = Mesh(mesh)
     if not isinstance(mesh, keras.distribution.DeviceMesh):
         raise InvalidMeshError(
             f"auto_rules: the mesh must be a kml.Mesh (or keras.distribution.DeviceMesh); received "
@@ -32,6 +38,7 @@ def check_mesh_and_model(model: Any, mesh: Any) -> None:
             f"auto_rules: the model must be a built Keras model or layer; received {type(model).__name__}"
             f"{builder if callable(model) else ''}."
         )
+    return mesh
 
 
 def checked_axes(mesh: keras.distribution.DeviceMesh, model_axis: str, batch_axis: str | None) -> str | None:

@@ -235,7 +235,7 @@ def plan_rules(
     `batch_axis` (and the model axis where it divides), a table over both axes: the plan
     `auto_rules` falls back to when nothing else fits. `memory_budget` is then only checked.
     """
-    check_mesh_and_model(model, mesh)
+    mesh = check_mesh_and_model(model, mesh)
     batch_axis = checked_axes(mesh, model_axis, batch_axis)
     if fully_sharded:
         model_axis = _fully_sharded_model_axis(mesh, model_axis, batch_axis)
