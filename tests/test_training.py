@@ -412,3 +412,17 @@ def test_evaluate_that_fails_part_way_through_a_group_leaves_the_weights_as_they
         model.evaluate(batches(), verbose=0)
     for got, want in zip(model.get_weights(), weights, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_an_output_rule_that_matches_no_layer_is_flagged_by_the_plan():
+    """Regression: a misspelt output rule left the output unconstrained, silently (variable rules warned)."""
+    rules = [(".*upp/output", ("data", None)), (".*down/output", ("data", None))]
+    dist = kml.ModelParallel(kml.Mesh(data=2, model=4), rules)
+    keras.distribution.set_distribution(dist)
+    layers = [keras.Input((16,)), keras.layers.Dense(64, name="up"), keras.layers.Dense(8, name="down")]
+    model = keras.Sequential(layers, name="s")
+    with pytest.warns(kml.UnmatchedRuleWarning) as caught:
+        plan = dist.plan(model)
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith("rule #0 '.*upp/output' -> ('data', None) matched no layer output")
+    assert "Nearest layer outputs: 's/up/output'" in message and message in plan.warnings

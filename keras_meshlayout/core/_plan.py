@@ -34,6 +34,8 @@ class Plan(Displayed):
         unmatched_rules: Variable rules that matched no variable (likely typos).
         outputs: Each layer-output rule (pattern ending in `output`) with the
             layers whose outputs it lays out.
+        layer_outputs: The `<layer path>/output` paths of the model's layers, which
+            output rules are matched against (empty where the model has no layers yet).
         device_capacity: Memory of one device in bytes, where JAX reports it.
         on_indivisible: The divisibility policy in force.
         replicate_below: The small-variable threshold in force.
@@ -68,6 +70,7 @@ class Plan(Displayed):
     grouped_convs: tuple[tuple[str, str], ...] = ()
     mismatches: tuple[str, ...] = ()
     intended: frozenset[str] = frozenset()
+    layer_outputs: tuple[str, ...] = ()
 
     @property
     def device_count(self) -> int:
@@ -113,6 +116,14 @@ class Plan(Displayed):
                 f"{rule.describe()} matched no variable: check the pattern for a typo "
                 f"(it is matched with re.fullmatch against variable.path).{hint}"
             )
+        for rule, layers in self.outputs if self.layer_outputs else ():
+            if not layers:
+                near = unmatched_hint(rule.pattern, self.layer_outputs)
+                near = near.replace("Nearest variable paths", "Nearest layer outputs")
+                messages.append(
+                    f"{rule.describe()} matched no layer output: check the pattern for a typo (it is "
+                    f"matched with re.fullmatch against '<layer path>/output').{near}"
+                )
         return messages
 
     def memory(self, device_memory: int | str | None = None) -> MemoryEstimate:

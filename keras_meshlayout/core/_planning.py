@@ -99,6 +99,7 @@ def plan_model(
         grouped_convs=grouped_convs_at_risk(distribution, model),
         mismatches=_mismatch_messages(distribution, mismatched, off_devices),
         intended=_intended(entries),
+        layer_outputs=tuple(f"{path}/output" for path in layer_paths) if model.built else (),
     )
     for message in plan.mismatches:
         warnings.warn(message, LayoutMismatchWarning, stacklevel=3)
