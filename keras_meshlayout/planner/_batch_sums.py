@@ -45,8 +45,8 @@ partial sums before their all-reduce:
   need (measured on keras-hub Mixtral, QwenMoe, Qwen3Moe and GPT-OSS, 2×4).
 
 The batch's dimension starts at the first dimension of every input and follows
-the dataflow (element-wise operations, broadcasts, reshapes, transposes, dot
-products' batch and free dimensions), and back from a value that carries it to
+the dataflow (element-wise operations, broadcasts, reshapes, a merged batch split
+again, transposes, stacks and unstacks, dot products' batch and free dimensions), and back from a value that carries it to
 the operands whose dimension lines up with it (XLA's propagation runs both ways: a
 relative-position table repeated over the batch carries it from the repeat on);
 a reduction over it ends it.
@@ -204,7 +204,7 @@ def _reads(trace: Trace, live: list[bool], batch: Mapping[int, int]) -> tuple[di
                 if not live[index]:
                     continue
                 out = node.outputs[0]
-                if out in batch:
+                if any(o in batch for o in node.outputs):  # a loop's carried counter comes first
                     reads[path] += fraction
                 elif node.primitive in _MOVES and len(node.outputs) == 1:
                     shrink = min(_size(trace, out) / max(_size(trace, current), 1), 1.0)
@@ -279,9 +279,15 @@ def _batch_dims(trace: Trace, initial: Mapping[int, int] | None = None) -> dict[
                 position, value = carried[0]
                 dim = _carried(trace, node, position, value, batch)
                 extent = trace.shapes[value][batch[value]]
+                split = node.primitive == "reshape"  # the batch taken apart from what it was merged with
                 for out in node.outputs:
                     shape = trace.shapes[out]
-                    if dim is not None and dim < len(shape) and shape[dim] % extent == 0:
+                    if (
+                        dim is not None
+                        and dim < len(shape)
+                        and shape[dim]
+                        and (shape[dim] % extent == 0 or (split and extent % shape[dim] == 0))
+                    ):
                         batch[out] = dim
         for node in reversed(trace.nodes):
             if node.primitive == "scan":  # a carried value's initial state is laid out as the carry
@@ -345,6 +351,10 @@ def _operand_dim(trace: Trace, node: Node, position: int, dim: int) -> int | Non
         found = tuple(params["permutation"])[dim]
     elif name == "reshape":
         found = _lined_up(out, dim, shape)
+    elif name == "stack":
+        found = None if dim == params["axis"] else dim - (dim > params["axis"])
+    elif name == "unstack":
+        found = dim + (dim >= params["axis"])
     elif name == "dot_general":
         found = _dot_operand(trace, node, position, dim)
     elif len(shape) == len(out):
@@ -366,6 +376,9 @@ def _lined_up(shape: tuple[int, ...], dim: int, other: tuple[int, ...]) -> int |
             return index
     for index, extent in enumerate(other):  # merged with the dimensions after it: still the major one
         if math.prod(other[:index]) == before and extent % shape[dim] == 0 and extent > shape[dim]:
+            return index
+    for index, extent in enumerate(other):  # split (a merged batch taken apart again): the major part
+        if math.prod(other[:index]) == before and shape[dim] % extent == 0 and 1 < extent < shape[dim]:
             return index
     return None
 
@@ -395,6 +408,10 @@ def _carried(trace: Trace, node: Node, position: int, value: int, batch: Mapping
         return _dot_dim(trace, node, position, dim)
     if name == "reshape":
         return _lined_up(trace.shapes[value], dim, out)
+    if name == "stack":  # a new dimension at `axis` (`ops.stack`, Keras's `TimeDistributed`)
+        return dim + (dim >= params["axis"])
+    if name == "unstack":  # `axis` taken apart: each output without it
+        return None if dim == params["axis"] else dim - (dim > params["axis"])
     return dim  # element-wise, and anything else: the same dimension, where an output has it
 
 
