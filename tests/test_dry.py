@@ -192,6 +192,21 @@ def test_guard_checks_the_device_capacity():
         plan.memory("lots")
 
 
+def test_a_plan_with_nothing_left_to_split_that_does_not_fit_says_what_helps():
+    """Regression: the message listed "Largest replicated variables:" and then none."""
+    rules = [(".*kernel", ("data", "model")), (".*bias", (("data", "model"),))]
+
+    def build() -> keras.Model:
+        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, name="wide")], name="one")
+
+    plan = kml.dry_plan(build, kml.ModelParallel(kml.Mesh(data=2, model=4), rules, replicate_below=0))
+    with pytest.raises(kml.MemoryBudgetError) as info:
+        plan.check(device_memory="1KB")
+    message = str(info.value)
+    assert "No replicated variable is left that a mesh axis could split" in message
+    assert "Largest replicated variables" not in message and "a device with more memory" in message
+
+
 def test_the_guard_accepts_what_the_planner_keeps_replicated_and_says_why():
     """Issue 23: `plan --auto` failed its own guard ("... or use kml.auto_rules"), which --auto is."""
     from helpers import mlp

@@ -341,6 +341,13 @@ def check_plan(
         f"  {e.path} {e.shape} {e.dtype}: {_gb(_training_bytes(e))} per device; could split {axes}"
         for e, axes in largest
     ]
+    if not lines:  # every variable split already, or none a mesh axis divides: only a larger device helps
+        raise MemoryBudgetError(
+            "The plan does not fit: "
+            + "; and ".join(problems)
+            + ". No replicated variable is left that a mesh axis could split. Fix: a device with more "
+            "memory, more devices (a larger mesh axis), or an optimizer with fewer slots (e.g. Adafactor)."
+        )
     raise MemoryBudgetError(
         "The plan does not fit: "
         + "; and ".join(problems)

@@ -46,10 +46,10 @@ partial sums before their all-reduce:
 
 The batch's dimension starts at the first dimension of every input and follows
 the dataflow (element-wise operations, broadcasts, reshapes, a merged batch split
-again, transposes, stacks and unstacks, dot products' batch and free dimensions), and back from a value that carries it to
-the operands whose dimension lines up with it (XLA's propagation runs both ways: a
-relative-position table repeated over the batch carries it from the repeat on);
-a reduction over it ends it.
+again, transposes, stacks and unstacks, dot products' batch and free dimensions),
+and back from a value that carries it to the operands whose dimension lines up
+with it (XLA's propagation runs both ways: a relative-position table repeated over
+the batch carries it from the repeat on); a reduction over it ends it.
 """
 
 from __future__ import annotations
