@@ -110,8 +110,6 @@ TRAINER_METHODS: dict[str, bool] = {
 #: Keys of `JAXTrainer._jax_state`, in the order of the variable groups below.
 STATE_KEYS = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
 
-_WRAPPED = WRAPPED
-
 
 def trainer_class() -> type:
     """Keras's JAX trainer class, which `keras.Model` inherits `fit`/`evaluate`/`predict` from."""
@@ -125,10 +123,10 @@ def wrap_trainer_methods(wrap: Callable[[Callable[..., Any], bool], Callable[...
     trainer = trainer_class()
     for name, inference in TRAINER_METHODS.items():
         method = getattr(trainer, name)
-        if getattr(method, _WRAPPED, False):
+        if getattr(method, WRAPPED, False):
             continue
         wrapped = functools.wraps(method)(wrap(method, inference))
-        setattr(wrapped, _WRAPPED, True)
+        setattr(wrapped, WRAPPED, True)
         setattr(trainer, name, wrapped)
 
 
@@ -136,7 +134,7 @@ def wrap_purge(before_purge: Callable[[Any], None]) -> None:
     """Makes the JAX trainer call `before_purge(model)` just before it empties the variables, once."""
     trainer = trainer_class()
     method = trainer._purge_model_variables
-    if getattr(method, _WRAPPED, False):
+    if getattr(method, WRAPPED, False):
         return
 
     @functools.wraps(method)
@@ -144,7 +142,7 @@ def wrap_purge(before_purge: Callable[[Any], None]) -> None:
         before_purge(model)
         return method(model, *args, **kwargs)
 
-    setattr(purge, _WRAPPED, True)
+    setattr(purge, WRAPPED, True)
     trainer._purge_model_variables = purge
 
 

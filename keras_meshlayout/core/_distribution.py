@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -22,13 +21,12 @@ from ._errors import (
 from ._format import unmatched_hint
 from ._mesh import Mesh, mesh_axis_sizes
 from ._plan import Plan
-from ._planned import the_batch_axis, warn_other_policy
+from ._planned import laid_out_otherwise, the_batch_axis, warn_other_policy
 from ._planning import plan_model
 from ._policy import IndivisiblePolicy, LayoutPolicy, resolve_policy
 from ._process_data import process_batch_block
 from ._resolve import KeptWhole, Resolution, resolve
 from ._rules import LayoutRules
-from ._shape_checks import is_weight_matrix
 
 __all__ = ["ModelParallel"]
 
@@ -245,14 +243,9 @@ class ModelParallel(keras.distribution.ModelParallel):
 
     def _warn_if_not_as_planned(self, resolution: Resolution) -> None:
         """Warns, once, when `replicate_below` lays a planned matrix out otherwise than the planner did."""
-        size, rule = math.prod(resolution.shape), resolution.rule
-        low, high = sorted((self._planned_below, self._replicate_below))
-        if rule is None or not rule.suggested or rule.keep_split or not low <= size < high:
-            return
-        if not is_weight_matrix(resolution.path, resolution.shape) or all(a is None for a in rule.axes):
-            return
-        planned, self._planned_below = self._planned_below, None  # once
-        warn_other_policy(resolution.path, size, planned, self._replicate_below)
+        if laid_out_otherwise(resolution, self._planned_below, self._replicate_below):
+            planned, self._planned_below = self._planned_below, None  # once
+            warn_other_policy(resolution, planned, self._replicate_below)
 
     def plan(self, model: keras.Model) -> Plan:
         """What every variable of `model` (and of its optimizer, once built) got, and why.

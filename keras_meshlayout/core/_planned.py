@@ -8,6 +8,7 @@ otherwise, or where its own `replicate_below` lays out a planned matrix otherwis
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -16,13 +17,26 @@ import keras
 from ._errors import InvalidMeshError, MeshLayoutWarning
 from ._format import did_you_mean
 from ._mesh import mesh_axis_sizes
+from ._resolve import Resolution
 from ._rules import Origin
+from ._shape_checks import is_weight_matrix
 
-__all__ = ["the_batch_axis", "warn_other_policy"]
+__all__ = ["laid_out_otherwise", "the_batch_axis", "warn_other_policy"]
 
 
-def warn_other_policy(path: str, size: int, planned: int, given: int) -> None:
-    """Warns that `replicate_below` lays `path` out otherwise than `kml.auto_rules` planned it."""
+def laid_out_otherwise(resolution: Resolution, planned: int, given: int) -> bool:
+    """Whether `replicate_below=given` lays out a planned weight matrix otherwise than the planner did
+    with `planned`: split by one and whole by the other."""
+    size, rule = math.prod(resolution.shape), resolution.rule
+    low, high = sorted((planned, given))
+    if rule is None or not rule.suggested or rule.keep_split or not low <= size < high:
+        return False
+    return is_weight_matrix(resolution.path, resolution.shape) and any(a is not None for a in rule.axes)
+
+
+def warn_other_policy(resolution: Resolution, planned: int, given: int) -> None:
+    """Warns that `replicate_below` lays a planned matrix out otherwise than `kml.auto_rules` did."""
+    path, size = resolution.path, math.prod(resolution.shape)
     warnings.warn(
         f"ModelParallel(replicate_below={given}) lays out {path!r} ({size} elements) otherwise than "
         f"kml.auto_rules planned it, with replicate_below={planned}: "
